@@ -1,0 +1,67 @@
+"""The `litgpt` command line: `litgpt <command> [args]`.
+
+Each command's module is imported only when that command runs, so `litgpt --help` starts without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# name -> ("module:function", one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "download": ("litgpt.download:download", "Download a model from the Hugging Face hub and convert it."),
+    "convert_to_litgpt": ("litgpt.convert.hf_to_litgpt:convert_hf_checkpoint", "Convert a Hugging Face model folder to litgpt."),
+    "convert_from_litgpt": ("litgpt.convert.litgpt_to_hf:convert_lit_checkpoint", "Convert a litgpt checkpoint to a Hugging Face folder."),
+    "generate": ("litgpt.generate:main", "Generate text from a prompt."),
+    "chat": ("litgpt.chat:main", "Chat with a model interactively."),
+}
+
+
+def print_commands() -> None:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: litgpt <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
+    lines += ["", "`litgpt <command> --help` shows a command's options; `--config FILE.yaml` reads them from YAML."]
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print_commands()
+        return
+    name, args = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        print(f"litgpt: unknown command {name!r}.{hint} `litgpt --help` lists the commands.", file=sys.stderr)
+        sys.exit(1)
+    run_command(name, args)
+
+
+def run_command(name: str, args: list[str]) -> None:
+    import importlib
+
+    from jsonargparse import CLI
+
+    from litgpt.errors import UserError
+
+    module_name, function_name = COMMANDS[name][0].split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    try:
+        CLI(function, args=args, prog=f"litgpt {name}", as_positional=True)
+    except UserError as error:
+        print(f"litgpt {name}: error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except SystemExit as exit_:
+        # argparse exits with 2 on bad arguments; every bad input exits with 1 here.
+        sys.exit(1 if exit_.code == 2 else exit_.code)
+    except KeyboardInterrupt:
+        print(f"litgpt {name}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,492 @@
+"""What each Hugging Face architecture is, in litgpt's terms: its config fields and one weight-name map.
+
+The same map is read in both directions (Hugging Face -> litgpt and back), so the two converters cannot drift apart.
+A family is a set of `Config` values that its Hugging Face class hard-codes; everything else is read from, and written
+to, `config.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from litgpt.config import Config
+from litgpt.errors import UserError
+
+# Values every family shares unless it says otherwise.
+_PLAIN = dict(
+    norm_class_name="RMSNorm",
+    mlp_class_name="LLaMAMLP",
+    parallel_residual=False,
+    shared_attention_norm=False,
+    bias=False,
+    attn_bias=False,
+    lm_head_bias=False,
+    norm_unit_offset=False,
+    norm_qk=False,
+    post_attention_norm=False,
+    post_mlp_norm=False,
+    scale_embeddings=False,
+    attention_logit_softcapping=None,
+    final_logit_softcapping=None,
+    attention_scores_scalar=None,
+    rope_local_base=None,
+    n_expert=0,
+    n_expert_per_token=0,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    fixed: dict  # Config values the Hugging Face class hard-codes
+    sliding: bool = False  # whether config.json may carry a sliding window
+    fused_qkv: bool = False  # Phi-3 keeps q/k/v in one matrix, laid out as litgpt's
+    fused_gate_up: bool = False  # Phi-3 keeps gate and up projections in one matrix
+    head_dim_key: bool = True  # config.json has `head_dim`
+    default_tie: bool = False
+
+
+def _family(model_type: str, architecture: str, free: tuple[str, ...] = (), **kwargs: Any) -> Family:
+    """`fixed` overrides the shared values; `free` names shared fields that config.json sets for this family."""
+    fixed = {**_PLAIN, **kwargs.pop("fixed", {})}
+    return Family(model_type, architecture, {k: v for k, v in fixed.items() if k not in free}, **kwargs)
+
+
+_MOE_FREE = ("n_expert", "n_expert_per_token")
+_GEMMA_FREE = ("attention_logit_softcapping", "final_logit_softcapping", "attention_scores_scalar")
+
+
+_GEMMA = dict(norm_unit_offset=True, scale_embeddings=True, mlp_class_name="GemmaMLP", gelu_approximate="tanh")
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in [
+        _family("llama", "LlamaForCausalLM"),
+        _family("mistral", "MistralForCausalLM", sliding=True),
+        _family("qwen2", "Qwen2ForCausalLM", sliding=True, fixed=dict(attn_bias=True)),
+        _family("qwen3", "Qwen3ForCausalLM", sliding=True, fixed=dict(norm_qk=True)),
+        _family("mixtral", "MixtralForCausalLM", sliding=True, free=_MOE_FREE, fixed=dict(mlp_class_name="LLaMAMoE", moe_renormalize=True)),
+        _family("qwen3_moe", "Qwen3MoeForCausalLM", sliding=True, free=_MOE_FREE, fixed=dict(mlp_class_name="LLaMAMoE", norm_qk=True)),
+        _family("phi3", "Phi3ForCausalLM", sliding=True, fused_qkv=True, fused_gate_up=True, head_dim_key=False),
+        _family("gemma", "GemmaForCausalLM", default_tie=True, free=_GEMMA_FREE, fixed=_GEMMA),
+        _family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            sliding=True,
+            free=_GEMMA_FREE,
+            default_tie=True,
+            fixed=dict(_GEMMA, post_attention_norm=True, post_mlp_norm=True),
+        ),
+        _family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            sliding=True,
+            free=_GEMMA_FREE + ("rope_local_base",),
+            default_tie=True,
+            fixed=dict(_GEMMA, post_attention_norm=True, post_mlp_norm=True, norm_qk=True),
+        ),
+        _family(
+            "gpt_neox",
+            "GPTNeoXForCausalLM",
+            head_dim_key=False,
+            free=("parallel_residual",),
+            fixed=dict(norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", bias=True),
+        ),
+    ]
+}
+
+
+def family_of(model_type: str, where: str) -> Family:
+    if model_type not in FAMILIES:
+        raise UserError(
+            f"{where} has model_type {model_type!r}, which litgpt does not support. "
+            f"Supported: {', '.join(sorted(FAMILIES))}."
+        )
+    return FAMILIES[model_type]
+
+
+# ---- config.json -> Config -------------------------------------------------------------------------------------------
+def config_from_hf(hf: dict, where: str = "config.json") -> Config:
+    """Derive a litgpt Config from a Hugging Face config.json (the 4.x and the 5.x `rope_parameters` layouts)."""
+    model_type = hf.get("model_type")
+    if model_type is None and "text_config" in hf:
+        raise UserError(f"{where} describes a multimodal model; litgpt converts text-only causal LMs.")
+    family = family_of(model_type, where)
+    try:
+        return _config_from_hf(hf, family, where)
+    except KeyError as error:
+        raise UserError(f"{where} lacks the field {error.args[0]!r} that a {model_type} config needs.") from None
+
+
+def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
+    values: dict[str, Any] = dict(family.fixed)
+    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    values.update(
+        hf_model_type=family.model_type,
+        n_embd=n_embd,
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=(hf.get("head_dim") if family.head_dim_key else None) or n_embd // n_head,
+        intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        padded_vocab_size=hf["vocab_size"],
+        block_size=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=hf.get("tie_word_embeddings", family.default_tie),
+    )
+    if family.model_type == "gpt_neox":
+        values.update(
+            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            parallel_residual=hf.get("use_parallel_residual", True),
+            gelu_approximate=_gelu_approximate(hf.get("hidden_act", "gelu"), where),
+        )
+        if not hf.get("attention_bias", True):
+            raise UserError(f"{where}: GPT-NeoX without attention biases is not supported.")
+    else:
+        values["norm_eps"] = hf.get("rms_norm_eps", 1e-6)
+        activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if values["mlp_class_name"] == "GemmaMLP":
+            values["gelu_approximate"] = _gelu_approximate(activation, where)
+        elif activation != "silu":
+            raise UserError(f"{where}: activation {activation!r} is not supported for {family.model_type}.")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag) and family.model_type != "qwen2":
+                raise UserError(f"{where}: {flag}=true is not supported for {family.model_type}.")
+
+    if family.model_type.startswith("gemma"):
+        values["attention_scores_scalar"] = hf.get("query_pre_attn_scalar") or values["head_size"]
+        values["attention_logit_softcapping"] = hf.get("attn_logit_softcapping")
+        values["final_logit_softcapping"] = hf.get("final_logit_softcapping")
+    if values["mlp_class_name"] == "LLaMAMoE":
+        if family.model_type == "mixtral":
+            values.update(n_expert=hf["num_local_experts"], moe_intermediate_size=hf["intermediate_size"])
+        else:
+            if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+                raise UserError(f"{where}: Qwen3-MoE with dense layers (decoder_sparse_step/mlp_only_layers) is not supported.")
+            values.update(
+                n_expert=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                moe_renormalize=bool(hf.get("norm_topk_prob", False)),
+            )
+        values["n_expert_per_token"] = hf["num_experts_per_tok"]
+
+    values.update(_rope_from_hf(hf, family, where))
+    values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
+    return Config(**values)
+
+
+def _gelu_approximate(activation: str, where: str) -> str:
+    approximations = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
+    if activation not in approximations:
+        raise UserError(f"{where}: activation {activation!r} is not supported.")
+    return approximations[activation]
+
+
+def _rope_from_hf(hf: dict, family: Family, where: str) -> dict:
+    """rotary_percentage, rope_base, rope_scaling and rope_local_base from either config layout."""
+    params = hf.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and "full_attention" in params:  # 5.x, one dict per layer type
+        local = params.get("sliding_attention")
+        params = params["full_attention"]
+    if params is None:  # 4.x layout
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)))
+    out: dict[str, Any] = dict(
+        rope_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_percentage=float(partial),
+        rope_scaling=_scaling_from_hf(params, hf, where),
+    )
+    if family.model_type == "gemma3_text":
+        if local is not None:
+            if _scaling_from_hf(local, hf, where) is not None:
+                raise UserError(f"{where}: rope scaling on sliding-window layers is not supported.")
+            out["rope_local_base"] = float(local["rope_theta"])
+        else:
+            out["rope_local_base"] = float(hf.get("rope_local_base_freq", 10000.0))
+    return out
+
+
+def _scaling_from_hf(params: dict, hf: dict, where: str) -> Optional[dict]:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if kind == "linear":
+        return {"type": "linear", "factor": float(factor)}
+    if kind == "llama3":
+        return {
+            "type": "llama3",
+            "factor": float(factor),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_position_embeddings": int(original),
+        }
+    if kind == "yarn":
+        original = original or hf.get("max_position_embeddings")
+        if factor is None:
+            factor = hf["max_position_embeddings"] / original
+        scaling = {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"):
+            if params.get(key) is not None:
+                scaling[key] = params[key]
+        return scaling
+    raise UserError(f"{where}: rope scaling type {kind!r} is not supported (litgpt supports linear, llama3, yarn).")
+
+
+def _sliding_from_hf(hf: dict, family: Family, n_layer: int, where: str) -> dict:
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types is None:
+        if window is None or not family.sliding or hf.get("use_sliding_window") is False:
+            return dict(sliding_window_size=None, sliding_window_pattern=1)
+        if family.model_type == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+        elif family.model_type == "gemma3_text":
+            every = hf.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layer)]
+        elif family.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            raise UserError(f"{where}: use_sliding_window without layer_types is not supported.")
+        else:
+            return dict(sliding_window_size=window, sliding_window_pattern=1)
+    sliding = [t == "sliding_attention" for t in types]
+    if len(sliding) != n_layer or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise UserError(f"{where}: layer_types must list 'sliding_attention'/'full_attention' for each layer.")
+    if not any(sliding):
+        return dict(sliding_window_size=None, sliding_window_pattern=1)
+    if window is None or not family.sliding:
+        raise UserError(f"{where}: sliding-window layers without a supported sliding_window.")
+    for pattern in range(1, n_layer + 2):
+        if all(((i + 1) % pattern != 0 or pattern == 1) == sliding[i] for i in range(n_layer)):
+            return dict(sliding_window_size=window, sliding_window_pattern=pattern)
+    raise UserError(f"{where}: this arrangement of sliding-window layers ({types}) is not supported.")
+
+
+# ---- Config -> config.json -------------------------------------------------------------------------------------------
+def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
+    """The config.json a Hugging Face `from_pretrained` reads for this Config (4.x layout, read by 5.x too)."""
+    family = family_of(config.hf_model_type, "The model config")
+    mismatched = {k: (getattr(config, k), v) for k, v in family.fixed.items() if getattr(config, k) != v}
+    if mismatched:
+        details = ", ".join(f"{k}={ours!r} (needs {theirs!r})" for k, (ours, theirs) in mismatched.items())
+        raise UserError(
+            f"This model cannot be written as Hugging Face {family.model_type!r}: {details}. "
+            "Set hf_model_type in model_config.yaml to the family these weights match."
+        )
+    c = config
+    hf: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_query_groups,
+        "vocab_size": c.padded_vocab_size,
+        "max_position_embeddings": c.block_size,
+        "tie_word_embeddings": c.tie_embeddings,
+        "rope_theta": c.rope_base,
+    }
+    if family.head_dim_key:
+        hf["head_dim"] = c.head_size
+    elif c.head_size != c.n_embd // c.n_head:
+        raise UserError(f"Hugging Face {family.model_type!r} requires head_size == n_embd // n_head.")
+    if c.rope_scaling is not None:
+        scaling = dict(c.rope_scaling)
+        hf["rope_scaling"] = {"rope_type": scaling.pop("type"), **scaling}
+    if c.rotary_percentage != 1.0:
+        hf["partial_rotary_factor"] = c.rotary_percentage
+    if family.model_type == "gpt_neox":
+        del hf["num_key_value_heads"]
+        if c.n_query_groups != c.n_head:
+            raise UserError("Hugging Face 'gpt_neox' has no grouped-query attention (n_query_groups must equal n_head).")
+        hf.update(
+            layer_norm_eps=c.norm_eps,
+            use_parallel_residual=c.parallel_residual,
+            hidden_act="gelu" if c.gelu_approximate == "none" else "gelu_new",
+            rotary_pct=c.rotary_percentage,
+            rotary_emb_base=c.rope_base,
+            attention_bias=True,
+        )
+    else:
+        hf["rms_norm_eps"] = c.norm_eps
+        if c.mlp_class_name == "GemmaMLP":
+            hf["hidden_activation"] = hf["hidden_act"] = "gelu_pytorch_tanh"
+        else:
+            hf["hidden_act"] = "silu"
+    if family.model_type.startswith("gemma"):
+        hf.update(
+            query_pre_attn_scalar=c.attention_scores_scalar,
+            attn_logit_softcapping=c.attention_logit_softcapping,
+            final_logit_softcapping=c.final_logit_softcapping,
+        )
+    if family.model_type == "gemma3_text":
+        hf["rope_local_base_freq"] = c.rope_local_base
+    if family.model_type == "mixtral":
+        hf.update(num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_per_token)
+        hf["intermediate_size"] = c.moe_intermediate_size
+        if not c.moe_renormalize:
+            raise UserError("Hugging Face 'mixtral' always renormalizes the router weights (moe_renormalize).")
+    if family.model_type == "qwen3_moe":
+        hf.update(
+            num_experts=c.n_expert,
+            num_experts_per_tok=c.n_expert_per_token,
+            moe_intermediate_size=c.moe_intermediate_size,
+            norm_topk_prob=c.moe_renormalize,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    hf.update(_sliding_to_hf(c, family))
+    hf.update(extra or {})
+    return hf
+
+
+def _sliding_to_hf(c: Config, family: Family) -> dict:
+    if c.sliding_window_size is None:
+        return {"sliding_window": None, "use_sliding_window": False} if family.sliding else {}
+    if not family.sliding:
+        raise UserError(f"Hugging Face {family.model_type!r} has no sliding-window attention.")
+    if family.model_type in ("mistral", "mixtral", "phi3"):
+        # These slide in every layer; transformers reads `layer_types` on a Mistral config as another model.
+        if c.sliding_window_pattern != 1:
+            raise UserError(f"Hugging Face {family.model_type!r} slides the window in every layer (sliding_window_pattern 1).")
+        return {"sliding_window": c.sliding_window_size}
+    types = ["sliding_attention" if c.is_sliding_layer(i) else "full_attention" for i in range(c.n_layer)]
+    out = {"sliding_window": c.sliding_window_size, "layer_types": types}
+    if family.model_type.startswith("qwen"):
+        out.update(use_sliding_window=True, max_window_layers=0)
+    if family.model_type == "gemma3_text":
+        out["sliding_window_pattern"] = c.sliding_window_pattern
+    return out
+
+
+# ---- the weight-name map -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """litgpt tensors `lit` <-> Hugging Face tensors `hf`.
+
+    kind "copy": one to one. "cat": the single tensor on one side is the others concatenated along dim 0 (sizes give
+    the split). "neox_qkv": GPT-NeoX interleaves q, k, v per head; litgpt stacks all q heads, then k, then v.
+    """
+
+    lit: tuple[str, ...]
+    hf: tuple[str, ...]
+    kind: str = "copy"
+    sizes: tuple[int, ...] = field(default=())
+
+    def to_lit(self, tensors: list[torch.Tensor], config: Config) -> list[torch.Tensor]:
+        if self.kind == "copy":
+            return tensors
+        if self.kind == "neox_qkv":
+            return [_neox_to_stacked(tensors[0], config)]
+        if len(self.hf) > 1:
+            return [torch.cat(tensors, dim=0)]
+        return list(torch.split(tensors[0], self.sizes, dim=0))
+
+    def to_hf(self, tensors: list[torch.Tensor], config: Config) -> list[torch.Tensor]:
+        if self.kind == "copy":
+            return tensors
+        if self.kind == "neox_qkv":
+            return [_stacked_to_neox(tensors[0], config)]
+        if len(self.lit) > 1:
+            return [torch.cat(tensors, dim=0)]
+        return [t.contiguous() for t in torch.split(tensors[0], self.sizes, dim=0)]
+
+
+def _neox_to_stacked(t: torch.Tensor, c: Config) -> torch.Tensor:
+    rest = t.shape[1:]
+    t = t.reshape(c.n_head, 3, c.head_size, *rest)
+    return torch.cat([t[:, i].reshape(c.n_head * c.head_size, *rest) for i in range(3)], dim=0)
+
+
+def _stacked_to_neox(t: torch.Tensor, c: Config) -> torch.Tensor:
+    rest = t.shape[1:]
+    q, k, v = (part.reshape(c.n_head, c.head_size, *rest) for part in t.chunk(3, dim=0))
+    return torch.stack((q, k, v), dim=1).reshape(3 * c.n_head * c.head_size, *rest).contiguous()
+
+
+def weight_rules(config: Config, lit_keys: set[str]) -> list[Rule]:
+    """Every rule for this config; `lit_keys` (the model's state-dict keys) decides which weights and biases exist."""
+    family = family_of(config.hf_model_type, "The model config")
+    modules = _module_map(config, family)
+    rules = []
+    for lit, hf, kind, sizes in modules:
+        for suffix in ("weight", "bias"):
+            lit_names = tuple(f"{name}.{suffix}" for name in lit)
+            present = [name in lit_keys for name in lit_names]
+            if not any(present):
+                continue
+            if not all(present):
+                raise AssertionError(f"partial parameter set for {lit_names}")
+            hf_names = tuple(f"{name}.{suffix}" for name in hf)
+            rules.append(Rule(lit_names, hf_names, kind, sizes))
+    if config.tie_embeddings:
+        rules = [r for r in rules if r.lit != ("lm_head.weight",)]
+    return rules
+
+
+def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[str, ...], str, tuple[int, ...]]]:
+    """(litgpt modules, Hugging Face modules, kind, split sizes) for every module with parameters."""
+    qkv_sizes = (c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size)
+    out: list = []
+
+    def add(lit, hf, kind="copy", sizes=()):
+        out.append(((lit,) if isinstance(lit, str) else lit, (hf,) if isinstance(hf, str) else hf, kind, sizes))
+
+    if family.model_type == "gpt_neox":
+        add("transformer.wte", "gpt_neox.embed_in")
+        add("transformer.ln_f", "gpt_neox.final_layer_norm")
+        add("lm_head", "embed_out")
+        for i in range(c.n_layer):
+            lit, hf = f"transformer.h.{i}", f"gpt_neox.layers.{i}"
+            add(f"{lit}.norm_1", f"{hf}.input_layernorm")
+            add(f"{lit}.norm_2", f"{hf}.post_attention_layernorm")
+            add(f"{lit}.attn.qkv", f"{hf}.attention.query_key_value", "neox_qkv")
+            add(f"{lit}.attn.proj", f"{hf}.attention.dense")
+            add(f"{lit}.mlp.fc", f"{hf}.mlp.dense_h_to_4h")
+            add(f"{lit}.mlp.proj", f"{hf}.mlp.dense_4h_to_h")
+        return out
+
+    add("transformer.wte", "model.embed_tokens")
+    add("transformer.ln_f", "model.norm")
+    add("lm_head", "lm_head")
+    gemma_norms = c.post_attention_norm
+    for i in range(c.n_layer):
+        lit, hf = f"transformer.h.{i}", f"model.layers.{i}"
+        add(f"{lit}.norm_1", f"{hf}.input_layernorm")
+        if gemma_norms:
+            add(f"{lit}.post_attention_norm", f"{hf}.post_attention_layernorm")
+            add(f"{lit}.norm_2", f"{hf}.pre_feedforward_layernorm")
+            add(f"{lit}.post_mlp_norm", f"{hf}.post_feedforward_layernorm")
+        else:
+            add(f"{lit}.norm_2", f"{hf}.post_attention_layernorm")
+        if family.fused_qkv:
+            add(f"{lit}.attn.qkv", f"{hf}.self_attn.qkv_proj")
+        else:
+            attn = f"{hf}.self_attn"
+            add(f"{lit}.attn.qkv", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"), "cat", qkv_sizes)
+        add(f"{lit}.attn.proj", f"{hf}.self_attn.o_proj")
+        if c.norm_qk:
+            add(f"{lit}.attn.norm_q", f"{hf}.self_attn.q_norm")
+            add(f"{lit}.attn.norm_k", f"{hf}.self_attn.k_norm")
+        if c.mlp_class_name == "LLaMAMoE":
+            moe = f"{hf}.block_sparse_moe" if family.model_type == "mixtral" else f"{hf}.mlp"
+            names = ("w1", "w3", "w2") if family.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            add(f"{lit}.mlp.gate", f"{moe}.gate")
+            for e in range(c.n_expert):
+                for ours, theirs in zip(("fc_1", "fc_2", "proj"), names):
+                    add(f"{lit}.mlp.experts.{e}.{ours}", f"{moe}.experts.{e}.{theirs}")
+        elif family.fused_gate_up:
+            add((f"{lit}.mlp.fc_1", f"{lit}.mlp.fc_2"), f"{hf}.mlp.gate_up_proj", "cat", (c.intermediate_size,) * 2)
+            add(f"{lit}.mlp.proj", f"{hf}.mlp.down_proj")
+        else:
+            add(f"{lit}.mlp.fc_1", f"{hf}.mlp.gate_proj")
+            add(f"{lit}.mlp.fc_2", f"{hf}.mlp.up_proj")
+            add(f"{lit}.mlp.proj", f"{hf}.mlp.down_proj")
+    return out

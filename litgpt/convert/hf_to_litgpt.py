@@ -1,0 +1,181 @@
+"""`litgpt convert_to_litgpt`: a Hugging Face model folder -> lit_model.pth + model_config.yaml in the same folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from litgpt.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_state_dict, save_state_dict
+from litgpt.config import Config
+from litgpt.convert.families import config_from_hf, weight_rules
+from litgpt.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Buffers some checkpoints carry that are derived, not learned.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
+
+
+class HFWeights:
+    """Tensors of a Hugging Face folder, read one at a time (safetensors preferred, single or sharded, else .bin)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._files: dict[str, Path] = {}  # key -> file
+        self._open: dict[Path, object] = {}
+        safetensors = self._shards("model.safetensors", "*.safetensors")
+        if safetensors:
+            from safetensors import safe_open
+
+            for path in safetensors:
+                handle = safe_open(str(path), framework="pt")
+                self._open[path] = handle
+                self._files.update({key: path for key in handle.keys()})
+        else:
+            for path in self._shards("pytorch_model.bin", "pytorch_model*.bin"):
+                state = load_state_dict(path)  # memory-mapped, weights_only
+                self._open[path] = state
+                self._files.update({key: path for key in state})
+        if not self._files:
+            raise UserError(
+                f"{str(folder)!r} holds no weights (*.safetensors or pytorch_model*.bin). "
+                "Download the model again with `litgpt download REPO_ID`."
+            )
+
+    def _shards(self, single: str, pattern: str) -> list[Path]:
+        index = self.folder / f"{single}.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise UserError(f"{str(index)!r} is not a valid weight index ({error}).") from None
+            paths = sorted({self.folder / name for name in weight_map.values()})
+            missing = [p.name for p in paths if not p.is_file()]
+            if missing:
+                raise UserError(f"{str(index)!r} lists shard {missing[0]!r}, which is missing: download it again.")
+            return paths
+        return sorted(self.folder.glob(pattern))
+
+    def keys(self) -> set[str]:
+        return set(self._files)
+
+    def get(self, key: str) -> torch.Tensor:
+        handle = self._open[self._files[key]]
+        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"{str(folder)!r} has no config.json: it is not a Hugging Face model folder.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{str(path)!r} is not valid JSON: {error}") from None
+
+
+def convert_hf_checkpoint(
+    checkpoint_dir: Path, *, model_name: Optional[str] = None, dtype: Optional[str] = None
+) -> None:
+    """Convert a Hugging Face model folder into litgpt's format, written beside the tokenizer files.
+
+    The litgpt config is derived from the folder's config.json, so any model of a supported architecture converts,
+    also one without a registered name.
+
+    Args:
+        checkpoint_dir: A folder as written by `save_pretrained` or `litgpt download` (config.json and weights).
+        model_name: A registered litgpt name to take the config from (its architecture must match config.json).
+        dtype: Store the weights as float32, bfloat16 or float16 (default: as in the checkpoint).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"Folder {str(checkpoint_dir)!r} does not exist.")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+    config = resolve_config(checkpoint_dir, model_name)
+    weights = HFWeights(checkpoint_dir)
+    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
+    if config.tie_embeddings:
+        # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
+        state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
+    save_state_dict(state_dict, checkpoint_dir / WEIGHTS_FILE)
+    config.save(checkpoint_dir / CONFIG_FILE)
+    print(f"Wrote {checkpoint_dir / WEIGHTS_FILE} and {checkpoint_dir / CONFIG_FILE} ({config.name or 'unnamed'})")
+
+
+def resolve_config(checkpoint_dir: Path, model_name: Optional[str]) -> Config:
+    """The config from config.json, named after the registered model it equals when there is one."""
+    where = str(checkpoint_dir / "config.json")
+    derived = config_from_hf(read_hf_config(checkpoint_dir), where)
+    if model_name is not None:
+        registered = Config.from_name(model_name)
+        differences = architecture_differences(registered, derived)
+        if differences:
+            raise UserError(
+                f"--model_name {model_name!r} does not match {where}: {differences}. "
+                "Leave out --model_name to use the folder's own config."
+            )
+        return registered
+    from litgpt.configs import configs_by_name
+
+    folder_name = checkpoint_dir.name
+    for values in configs_by_name().values():
+        if values.get("hf_config", {}).get("name") == folder_name:
+            candidate = Config(**values)
+            if not architecture_differences(candidate, derived):
+                return candidate
+    return derived
+
+
+# Fields that name or describe a model without changing its computation.
+_DESCRIPTIVE = {"name", "hf_config", "prompt_style", "padding_multiple"}
+
+
+def architecture_differences(a: Config, b: Config) -> str:
+    diffs = [
+        f"{f.name}={getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in fields(Config)
+        if f.name not in _DESCRIPTIVE and getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return ", ".join(diffs)
+
+
+def convert_weights(
+    weights: HFWeights, config: Config, dtype: Optional[torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time."""
+    from litgpt.model import GPT
+
+    with torch.device("meta"):
+        reference = GPT(config).state_dict()
+    available = weights.keys()
+    used: set[str] = set()
+    for rule in weight_rules(config, set(reference)):
+        missing = [key for key in rule.hf if key not in available]
+        if missing:
+            raise UserError(
+                f"The checkpoint in {str(weights.folder)!r} lacks {missing[0]!r}, which its config.json implies. "
+                "The weights and config.json do not belong together."
+            )
+        tensors = rule.to_lit([weights.get(key) for key in rule.hf], config)
+        for name, tensor in zip(rule.lit, tensors):
+            if tensor.shape != reference[name].shape:
+                raise UserError(
+                    f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
+                    f"but config.json implies {tuple(reference[name].shape)} for {name}."
+                )
+            yield name, tensor.to(dtype) if dtype is not None else tensor
+        used.update(rule.hf)
+    unexpected = sorted(
+        key
+        for key in available - used
+        if not key.endswith(IGNORED_SUFFIXES) and not (config.tie_embeddings and key == "lm_head.weight")
+    )
+    if unexpected:
+        raise UserError(
+            f"The checkpoint in {str(weights.folder)!r} has weights its config.json does not explain "
+            f"({len(unexpected)}, first: {unexpected[0]!r}); the architecture is not one litgpt supports as is."
+        )

@@ -1,0 +1,444 @@
+"""The GPT model: one module, top to bottom, single-device PyTorch.
+
+Everything an architecture family needs is a field of `Config`; nothing here knows about model names or about
+parallelism. Parameters may be created on the `meta` device and materialized later with `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from litgpt.config import Config
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=build_norm(config, config.n_embd),
+            )
+        )
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        # Rotary tables are derived, not state: rebuilt on first use per device (meta init and FSDP stay simple).
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- rotary tables -----------------------------------------------------------------------------------------------
+    def rope_tables(self, device: torch.device, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0..block_size-1, float32, shape (block_size, rope_n_elem)."""
+        key = (device, local)
+        if key not in self._rope_cache:
+            c = self.config
+            base = c.rope_local_base if local else c.rope_base
+            scaling = None if local else c.rope_scaling
+            self._rope_cache[key] = build_rope_cache(c.block_size, c.rope_n_elem, base, scaling, device)
+        return self._rope_cache[key]
+
+    # ---- KV cache -----------------------------------------------------------------------------------------------------
+    def set_kv_cache(self, batch_size: int, max_seq_length: Optional[int] = None, device=None, dtype=None) -> None:
+        """Allocate a static key/value cache in every layer for incremental decoding."""
+        max_seq_length = max_seq_length or self.config.block_size
+        param = self.lm_head.weight
+        for block in self.transformer.h:
+            block.attn.kv_cache = KVCache(
+                batch_size,
+                self.config.n_query_groups,
+                max_seq_length,
+                self.config.head_size,
+                device=device or param.device,
+                dtype=dtype or param.dtype,
+            )
+
+    def clear_kv_cache(self) -> None:
+        for block in self.transformer.h:
+            block.attn.kv_cache = None
+
+    # ---- forward ------------------------------------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits for token ids `idx` (B, T).
+
+        Without `input_pos` the sequence starts at position 0 and no cache is used (training, scoring). With it,
+        `input_pos` (T,) gives the positions of `idx` and every layer reads and writes its KV cache.
+        """
+        c = self.config
+        T = idx.size(1)
+        if input_pos is None:
+            if T > c.block_size:
+                raise ValueError(f"Sequence length {T} exceeds the model's block size {c.block_size}.")
+            positions = None
+            kv_length = T
+        else:
+            positions = input_pos
+            kv_length = int(input_pos[-1]) + 1
+
+        x = self.transformer.wte(idx)
+        if c.scale_embeddings:
+            x = x * torch.tensor(c.n_embd**0.5, dtype=x.dtype)
+
+        ropes = {}
+        for local in {c.rope_local_base is not None and c.is_sliding_layer(i) for i in range(c.n_layer)}:
+            cos, sin = self.rope_tables(x.device, local)
+            if positions is None:
+                cos, sin = cos[:T], sin[:T]
+            else:
+                cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+            ropes[local] = (cos.to(x.dtype), sin.to(x.dtype))
+
+        masks = {}
+        for window in {c.sliding_window_size if c.is_sliding_layer(i) else None for i in range(c.n_layer)}:
+            masks[window] = attention_mask(T, kv_length, positions, window, x.device)
+
+        for i, block in enumerate(self.transformer.h):
+            sliding = c.is_sliding_layer(i)
+            rope = ropes[c.rope_local_base is not None and sliding]
+            mask = masks[c.sliding_window_size if sliding else None]
+            x = block(x, rope, mask, positions, kv_length)
+
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    # ---- initialization -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter in place (also after `to_empty` from the meta device).
+
+        Normal(0, 0.02) for embeddings and linear weights, scaled down by sqrt(2 * n_layer) for the projections
+        that write into the residual stream (GPT-2's scheme); zero biases; norms start as identity.
+        """
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(".proj")
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+        self._rope_cache.clear()
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.norm_1 = build_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.post_attention_norm = build_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
+        shares_norm = config.parallel_residual and config.shared_attention_norm
+        self.norm_2 = None if shares_norm else build_norm(config, config.n_embd)
+        self.mlp = build_mlp(config)
+        self.post_mlp_norm = build_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: Optional[torch.Tensor],
+        input_pos: Optional[torch.Tensor] = None,
+        kv_length: Optional[int] = None,
+    ) -> torch.Tensor:
+        x_normed = self.norm_1(x)
+        attention_out = self.post_attention_norm(self.attn(x_normed, rope, mask, input_pos, kv_length))
+        if self.config.parallel_residual:
+            mlp_in = x_normed if self.norm_2 is None else self.norm_2(x)
+            return x + attention_out + self.post_mlp_norm(self.mlp(mlp_in))
+        x = x + attention_out
+        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        # q, k and v of all heads in one matmul; rows are laid out [q heads | k groups | v groups].
+        self.qkv = nn.Linear(config.n_embd, config.qkv_size, bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        if config.norm_qk:
+            self.norm_q = build_norm(config, config.head_size)
+            self.norm_k = build_norm(config, config.head_size)
+        self.kv_cache: Optional[KVCache] = None
+        self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: Optional[torch.Tensor],
+        input_pos: Optional[torch.Tensor] = None,
+        kv_length: Optional[int] = None,
+    ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            (c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), dim=-1
+        )
+        q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)
+        if c.norm_qk:
+            q, k = self.norm_q(q), self.norm_k(k)
+        cos, sin = rope
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        if input_pos is not None:
+            if self.kv_cache is None:
+                raise RuntimeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first.")
+            k, v = self.kv_cache.update(input_pos, k, v, kv_length)
+
+        y = self.attend(q, k, v, mask)
+        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
+        return self.proj(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        c = self.config
+        if c.attention_logit_softcapping is None:
+            # mask None means plain causal attention over the whole sequence.
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=c.n_query_groups != c.n_head,
+            )
+        # Soft-capping squashes the scores before the softmax, which SDPA cannot express.
+        if c.n_query_groups != c.n_head:
+            repeats = c.n_head // c.n_query_groups
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        cap = c.attention_logit_softcapping
+        scores = torch.tanh(scores / cap) * cap
+        if mask is None:
+            T, S = q.size(-2), k.size(-2)
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return weights @ v
+
+
+class KVCache(nn.Module):
+    """A static cache of keys and values, (B, n_query_groups, max_seq_length, head_size)."""
+
+    def __init__(self, batch_size, n_query_groups, max_seq_length, head_size, device=None, dtype=None) -> None:
+        super().__init__()
+        shape = (batch_size, n_query_groups, max_seq_length, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_length: int):
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k[:, :, :kv_length], self.v[:, :, :kv_length]
+
+
+def attention_mask(
+    q_len: int, kv_length: int, input_pos: Optional[torch.Tensor], window: Optional[int], device: torch.device
+) -> Optional[torch.Tensor]:
+    """Boolean (q_len, kv_length) mask, True where a query may attend; None for plain causal attention."""
+    if input_pos is None and window is None:
+        return None
+    q_pos = input_pos if input_pos is not None else torch.arange(q_len, device=device)
+    k_pos = torch.arange(kv_length, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+# ---- rotary position embeddings --------------------------------------------------------------------------------------
+def build_rope_cache(
+    seq_len: int, n_elem: int, base: float, scaling: Optional[dict], device: Optional[torch.device] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq, attention_factor = rope_frequencies(n_elem, base, scaling, device)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # the rotate-half layout of Hugging Face checkpoints
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def rope_frequencies(n_elem: int, base: float, scaling: Optional[dict], device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rotary embedding (n_elem // 2,) and the factor applied to cos/sin."""
+    exponents = torch.arange(0, n_elem, 2, device=device, dtype=torch.float32) / n_elem
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["type"]
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+        original = scaling["original_max_position_embeddings"]
+        low_wavelen = original / scaling["low_freq_factor"]
+        high_wavelen = original / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"]
+        )
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(in_band, blended, scaled), 1.0
+    if kind == "yarn":
+        return yarn_frequencies(n_elem, base, scaling, device)
+    raise ValueError(f"Unknown rope scaling type {kind!r}")
+
+
+def yarn_frequencies(n_elem: int, base: float, scaling: dict, device=None) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv:2309.00071): interpolate low frequencies, extrapolate high ones, temper the attention."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return n_elem * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n_elem - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(n_elem // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.float32) / n_elem)
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.size(-1) elements of every head of x (B, nh, T, hs)."""
+    n_elem = cos.size(-1)
+    if n_elem == 0:
+        return x
+    rotated, passed = x[..., :n_elem], x[..., n_elem:]
+    half = n_elem // 2
+    x1, x2 = rotated[..., :half], rotated[..., half:]
+    rotated = rotated * cos + torch.cat((-x2, x1), dim=-1) * sin
+    if passed.size(-1) == 0:
+        return rotated
+    return torch.cat((rotated, passed), dim=-1)
+
+
+# ---- norms ---------------------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            # Gemma scales in float32 before casting back.
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        # Identity at init: weight 1, or 0 when the scale is (1 + weight).
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+
+def build_norm(config: Config, size: int) -> nn.Module:
+    if config.norm_class_name == "RMSNorm":
+        return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+    return nn.LayerNorm(size, eps=config.norm_eps, bias=True)
+
+
+# ---- MLPs ------------------------------------------------------------------------------------------------------------------
+class GptNeoxMLP(nn.Module):
+    def __init__(self, config: Config, intermediate_size: Optional[int] = None) -> None:
+        super().__init__()
+        size = intermediate_size or config.intermediate_size
+        self.fc = nn.Linear(config.n_embd, size, bias=config.bias)
+        self.proj = nn.Linear(size, config.n_embd, bias=config.bias)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+class LLaMAMLP(nn.Module):
+    """SwiGLU: proj(silu(fc_1(x)) * fc_2(x))."""
+
+    def __init__(self, config: Config, intermediate_size: Optional[int] = None) -> None:
+        super().__init__()
+        size = intermediate_size or config.intermediate_size
+        self.fc_1 = nn.Linear(config.n_embd, size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, size, bias=config.bias)
+        self.proj = nn.Linear(size, config.n_embd, bias=config.bias)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc_1(x)) * self.fc_2(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+
+class GemmaMLP(LLaMAMLP):
+    """GeGLU: the SwiGLU layout with GELU as the gate."""
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.config.gelu_approximate)
+
+
+class LLaMAMoE(nn.Module):
+    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList(
+            LLaMAMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_expert)
+        )
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(-1, C)
+        router = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = router.topk(self.config.n_expert_per_token, dim=-1)
+        if self.config.moe_renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert_idx, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(chosen == expert_idx)
+            if token_idx.numel() == 0:
+                continue
+            contribution = expert(x[token_idx]) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, contribution)
+        return out.view(B, T, C)
+
+
+def build_mlp(config: Config) -> nn.Module:
+    return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}[
+        config.mlp_class_name
+    ](config)

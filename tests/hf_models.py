@@ -1,0 +1,70 @@
+"""Tiny random `transformers` models of every supported family, saved as real Hugging Face folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Shapes small enough to be quick, large enough to exercise GQA (4 query heads over 2 groups) and head_dim != n/h.
+_ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=211)
+
+
+def _family_configs():
+    import transformers as tf
+
+    rope_llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 500000.0,
+    }
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=24, max_position_embeddings=128, tie_word_embeddings=False)),
+        "llama3_rope": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=256, rope_parameters=rope_llama3)),
+        "llama_tied_mqa": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, num_key_value_heads=1, intermediate_size=96, tie_word_embeddings=True)),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(_ATTN, intermediate_size=96, sliding_window=5, max_position_embeddings=128)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(_ATTN, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(_ATTN, intermediate_size=96, tie_word_embeddings=True)),
+        "qwen2_yarn": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=128, rope_parameters=yarn)),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=32, tie_word_embeddings=True)),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(_ATTN, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_ATTN, intermediate_size=96, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=32)),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=32, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, intermediate_size=128, rotary_pct=0.25)),
+        "gpt_neox_serial": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=211, intermediate_size=128, rotary_pct=0.5, use_parallel_residual=False)),
+    }
+
+
+FAMILY_CASES = list(_family_configs())
+
+
+def build_hf_model(case: str, seed: int = 0):
+    """A random model of the named case with perturbed norms (so that a wrong norm mapping shows)."""
+    config_cls, model_cls, kwargs = _family_configs()[case]
+    kwargs = dict(kwargs)
+    if "rope_parameters" in kwargs and case == "gemma3":
+        kwargs.pop("sliding_window_pattern", None)
+        kwargs["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(kwargs["num_hidden_layers"])]
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    model = model_cls(config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+            elif name.endswith(".bias"):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def save_hf_model(case: str, folder: Path, seed: int = 0):
+    model = build_hf_model(case, seed)
+    model.save_pretrained(folder)
+    return model

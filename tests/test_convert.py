@@ -1,0 +1,199 @@
+"""Conversion both ways, checked to the logit against `transformers` for every supported family."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from hf_models import FAMILY_CASES, build_hf_model, save_hf_model
+
+from litgpt.checkpoint import load_model_weights, load_state_dict
+from litgpt.config import Config
+from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
+from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
+from litgpt.errors import UserError
+from litgpt.model import GPT
+
+TOKENS = torch.randint(0, 211, (2, 19), generator=torch.Generator().manual_seed(0))
+
+
+def load_lit(folder) -> GPT:
+    model = GPT(Config.from_checkpoint(folder))
+    load_model_weights(model, load_state_dict(folder / "lit_model.pth"), str(folder))
+    return model.eval()
+
+
+@torch.no_grad()
+def max_logit_diff(lit: GPT, hf) -> float:
+    ours = lit(TOKENS)[..., : hf.config.vocab_size]
+    theirs = hf(TOKENS).logits
+    return (ours - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_hf_to_litgpt_to_hf_logits(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "back"
+    hf = save_hf_model(case, hf_dir)
+    convert_hf_checkpoint(hf_dir)
+    lit = load_lit(hf_dir)
+    assert max_logit_diff(lit, hf) <= 1e-4
+
+    convert_lit_checkpoint(hf_dir, out_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    assert type(reloaded) is type(hf)
+    assert max_logit_diff(lit, reloaded) <= 1e-4
+    # Weights survive the round trip bit for bit.
+    original, back = hf.state_dict(), reloaded.state_dict()
+    for name, tensor in original.items():
+        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_config_from_older_layout_equals_new_layout(tmp_path):
+    """config.json with rope_theta/rope_scaling (transformers 4) and rope_parameters (5) give one Config."""
+    hf_dir = tmp_path / "hf"
+    save_hf_model("llama3_rope", hf_dir)
+    convert_hf_checkpoint(hf_dir)
+    new_layout = Config.from_checkpoint(hf_dir)
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    convert_hf_checkpoint(hf_dir)
+    assert Config.from_checkpoint(hf_dir) == new_layout
+    assert new_layout.rope_scaling["type"] == "llama3" and new_layout.rope_base == 500000.0
+
+
+def test_sharded_safetensors_both_ways(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, out_dir = tmp_path / "hf", tmp_path / "back"
+    hf = build_hf_model("qwen3")
+    hf.save_pretrained(hf_dir, max_shard_size="100KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    convert_hf_checkpoint(hf_dir)
+    lit = load_lit(hf_dir)
+    assert max_logit_diff(lit, hf) <= 1e-4
+
+    convert_lit_checkpoint(hf_dir, out_dir, max_shard_size="100KB")
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    shard_files = set(index["weight_map"].values())
+    assert len(shard_files) > 1 and all((out_dir / name).is_file() for name in shard_files)
+    assert max_logit_diff(lit, AutoModelForCausalLM.from_pretrained(out_dir).eval()) <= 1e-4
+
+
+def test_pytorch_bin_checkpoint(tmp_path):
+    hf = build_hf_model("llama")
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    convert_hf_checkpoint(tmp_path)
+    assert max_logit_diff(load_lit(tmp_path), hf) <= 1e-4
+
+
+def test_dtype_option_and_registered_name(tmp_path):
+    save_hf_model("llama", tmp_path)
+    convert_hf_checkpoint(tmp_path, dtype="bfloat16")
+    state = load_state_dict(tmp_path / "lit_model.pth")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    with pytest.raises(UserError, match="does not match"):
+        convert_hf_checkpoint(tmp_path, model_name="pythia-14m")
+    with pytest.raises(UserError, match="dtype"):
+        convert_hf_checkpoint(tmp_path, dtype="float8")
+
+
+def test_convert_from_litgpt_casts_dtype(tmp_path):
+    from safetensors import safe_open
+
+    save_hf_model("gemma2", tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    convert_lit_checkpoint(tmp_path / "hf", tmp_path / "out", dtype="bfloat16")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------------
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(UserError, match="model_type 'bert'.*Supported"):
+        convert_hf_checkpoint(tmp_path)
+
+
+def test_not_a_hf_folder(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        convert_hf_checkpoint(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        convert_hf_checkpoint(tmp_path / "nope")
+
+
+def test_weights_that_do_not_fit_config_json(tmp_path):
+    save_hf_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 80
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"mlp\.gate_proj\.weight has shape \(96, 64\).*\(80, 64\)"):
+        convert_hf_checkpoint(tmp_path)
+    assert not (tmp_path / "lit_model.pth").exists()
+
+    config["intermediate_size"] = 96
+    config["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"lacks 'model\.layers\.3\."):
+        convert_hf_checkpoint(tmp_path)
+
+
+def test_litgpt_checkpoint_that_does_not_match_its_config(tmp_path):
+    save_hf_model("llama", tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "model_config.yaml"
+    values = yaml.safe_load(config_path.read_text())
+    values["n_layer"] = 2
+    config_path.write_text(yaml.safe_dump(values))
+    with pytest.raises(UserError, match="does not match its model_config.yaml"):
+        convert_lit_checkpoint(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_folder_is_untouched(tmp_path):
+    save_hf_model("llama", tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists"):
+        convert_lit_checkpoint(tmp_path / "hf", tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_config_that_hf_cannot_express(tmp_path):
+    from litgpt.convert.families import config_to_hf
+
+    config = Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, norm_qk=True, hf_model_type="llama")
+    with pytest.raises(UserError, match="norm_qk=True"):
+        config_to_hf(config)
+
+
+def test_cli_errors_are_one_line_with_exit_code_1(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    for args in (["convert_to_litgpt", str(tmp_path)], ["convert_from_litgpt", str(tmp_path), str(tmp_path / "o")]):
+        result = subprocess.run([sys.executable, "-m", "litgpt", *args], capture_output=True, text=True)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "error:" in result.stderr
+
+
+def test_cli_converts(tmp_path):
+    hf = save_hf_model("qwen2", tmp_path / "hf")
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "convert_to_litgpt", str(tmp_path / "hf"), "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert max_logit_diff(load_lit(tmp_path / "hf"), hf) <= 1e-4
