@@ -111,6 +111,13 @@ class GPT(nn.Module):
         return logits
 
     # ---- initialization -------------------------------------------------------------------------------------------------
+    def to_empty(self, *, device, recurse: bool = True) -> "GPT":
+        """Materialize meta parameters (uninitialized) on `device`, keeping the embedding tie."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        return self
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialize every parameter in place (also after `to_empty` from the meta device).

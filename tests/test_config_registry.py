@@ -1,0 +1,348 @@
+"""The named-config registry (litgpt/configs): published values, buildable models, lookup by name and hub id."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+import pytest
+import torch
+
+from litgpt.config import Config
+from litgpt.configs import configs_by_name
+from litgpt.errors import UserError
+from litgpt.model import GPT
+
+REGISTRY = configs_by_name()
+
+# The published Hugging Face config.json values, written out by hand (not derived from the registry):
+# name: (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
+#        rope_theta, norm eps, tie_word_embeddings, head_dim)
+PUBLISHED = {
+    "pythia-14m": (128, 6, 4, 4, 512, 50304, 10000, 1e-5, False, 32),
+    "pythia-70m": (512, 6, 8, 8, 2048, 50304, 10000, 1e-5, False, 64),
+    "pythia-160m": (768, 12, 12, 12, 3072, 50304, 10000, 1e-5, False, 64),
+    "pythia-1b": (2048, 16, 8, 8, 8192, 50304, 10000, 1e-5, False, 256),
+    "pythia-2.8b": (2560, 32, 32, 32, 10240, 50304, 10000, 1e-5, False, 80),
+    "pythia-6.9b": (4096, 32, 32, 32, 16384, 50432, 10000, 1e-5, False, 128),
+    "pythia-12b": (5120, 36, 40, 40, 20480, 50688, 10000, 1e-5, False, 128),
+    "tiny-llama-1.1b": (2048, 22, 32, 4, 5632, 32000, 10000, 1e-5, False, 64),
+    "tiny-llama-1.1b-chat": (2048, 22, 32, 4, 5632, 32000, 10000, 1e-5, False, 64),
+    "Llama-2-7b-hf": (4096, 32, 32, 32, 11008, 32000, 10000, 1e-5, False, 128),
+    "Llama-2-13b-chat-hf": (5120, 40, 40, 40, 13824, 32000, 10000, 1e-5, False, 128),
+    "Llama-2-70b-hf": (8192, 80, 64, 8, 28672, 32000, 10000, 1e-5, False, 128),
+    "Meta-Llama-3-8B-Instruct": (4096, 32, 32, 8, 14336, 128256, 500000, 1e-5, False, 128),
+    "Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, 500000, 1e-5, False, 128),
+    "Llama-3.1-70B-Instruct": (8192, 80, 64, 8, 28672, 128256, 500000, 1e-5, False, 128),
+    "Llama-3.1-405B": (16384, 126, 128, 8, 53248, 128256, 500000, 1e-5, False, 128),
+    "Llama-3.2-1B": (2048, 16, 32, 8, 8192, 128256, 500000, 1e-5, True, 64),
+    "Llama-3.2-3B-Instruct": (3072, 28, 24, 8, 8192, 128256, 500000, 1e-5, True, 128),
+    "Llama-3.3-70B-Instruct": (8192, 80, 64, 8, 28672, 128256, 500000, 1e-5, False, 128),
+    "CodeLlama-7b-hf": (4096, 32, 32, 32, 11008, 32016, 1000000, 1e-5, False, 128),
+    "CodeLlama-13b-Instruct-hf": (5120, 40, 40, 40, 13824, 32016, 1000000, 1e-5, False, 128),
+    "CodeLlama-34b-hf": (8192, 48, 64, 8, 22016, 32000, 1000000, 1e-5, False, 128),
+    "CodeLlama-7b-Python-hf": (4096, 32, 32, 32, 11008, 32000, 1000000, 1e-5, False, 128),
+    "Mistral-7B-v0.1": (4096, 32, 32, 8, 14336, 32000, 10000, 1e-5, False, 128),
+    "Mistral-7B-Instruct-v0.2": (4096, 32, 32, 8, 14336, 32000, 1000000, 1e-5, False, 128),
+    "Mistral-7B-v0.3": (4096, 32, 32, 8, 14336, 32768, 1000000, 1e-5, False, 128),
+    "Mixtral-8x7B-v0.1": (4096, 32, 32, 8, 14336, 32000, 1000000, 1e-5, False, 128),
+    "Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, 1000000, 1e-6, True, 64),
+    "Qwen2.5-1.5B-Instruct": (1536, 28, 12, 2, 8960, 151936, 1000000, 1e-6, True, 128),
+    "Qwen2.5-3B": (2048, 36, 16, 2, 11008, 151936, 1000000, 1e-6, True, 128),
+    "Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, 1000000, 1e-6, False, 128),
+    "Qwen2.5-14B-Instruct": (5120, 48, 40, 8, 13824, 152064, 1000000, 1e-6, False, 128),
+    "Qwen2.5-32B": (5120, 64, 40, 8, 27648, 152064, 1000000, 1e-6, False, 128),
+    "Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, 1000000, 1e-6, False, 128),
+    "Qwen3-0.6B": (1024, 28, 16, 8, 3072, 151936, 1000000, 1e-6, True, 128),
+    "Qwen3-1.7B": (2048, 28, 16, 8, 6144, 151936, 1000000, 1e-6, True, 128),
+    "Qwen3-4B": (2560, 36, 32, 8, 9728, 151936, 1000000, 1e-6, True, 128),
+    "Qwen3-8B": (4096, 36, 32, 8, 12288, 151936, 1000000, 1e-6, False, 128),
+    "Qwen3-14B": (5120, 40, 40, 8, 17408, 151936, 1000000, 1e-6, False, 128),
+    "Qwen3-32B": (5120, 64, 64, 8, 25600, 151936, 1000000, 1e-6, False, 128),
+    "Qwen3-30B-A3B": (2048, 48, 32, 4, 6144, 151936, 1000000, 1e-6, False, 128),
+    "Phi-3-mini-4k-instruct": (3072, 32, 32, 32, 8192, 32064, 10000, 1e-5, False, 96),
+    "Phi-3-medium-4k-instruct": (5120, 40, 40, 10, 17920, 32064, 10000, 1e-5, False, 128),
+    "phi-4": (5120, 40, 40, 10, 17920, 100352, 250000, 1e-5, False, 128),
+    "gemma-2-2b": (2304, 26, 8, 4, 9216, 256000, 10000, 1e-6, True, 256),
+    "gemma-2-9b-it": (3584, 42, 16, 8, 14336, 256000, 10000, 1e-6, True, 256),
+    "gemma-2-27b": (4608, 46, 32, 16, 36864, 256000, 10000, 1e-6, True, 128),
+    "gemma-3-1b-it": (1152, 26, 4, 1, 6912, 262144, 1000000, 1e-6, True, 256),
+    "gemma-3-4b-it": (2560, 34, 8, 4, 10240, 262208, 1000000, 1e-6, True, 256),
+    "gemma-3-12b-pt": (3840, 48, 16, 8, 15360, 262208, 1000000, 1e-6, True, 256),
+    "gemma-3-27b-it": (5376, 62, 32, 16, 21504, 262208, 1000000, 1e-6, True, 128),
+    "SmolLM2-135M": (576, 30, 9, 3, 1536, 49152, 100000, 1e-5, True, 64),
+    "SmolLM2-360M-Instruct": (960, 32, 15, 5, 2560, 49152, 100000, 1e-5, True, 64),
+    "SmolLM2-1.7B": (2048, 24, 32, 32, 8192, 49152, 130000, 1e-5, True, 64),
+}
+
+# Published context lengths (max_position_embeddings).
+PUBLISHED_BLOCK_SIZE = {
+    "pythia-14m": 512,
+    "pythia-410m": 2048,
+    "tiny-llama-1.1b": 2048,
+    "Llama-2-7b-hf": 4096,
+    "Meta-Llama-3-8B": 8192,
+    "Llama-3.1-8B": 131072,
+    "Llama-3.2-1B": 131072,
+    "CodeLlama-34b-hf": 16384,
+    "Mistral-7B-v0.1": 32768,
+    "Mixtral-8x7B-v0.1": 32768,
+    "Qwen2.5-0.5B": 32768,
+    "Qwen2.5-7B": 131072,
+    "Qwen2.5-7B-Instruct": 32768,
+    "Qwen3-0.6B": 40960,
+    "Qwen3-30B-A3B": 40960,
+    "Phi-3-mini-4k-instruct": 4096,
+    "phi-4": 16384,
+    "gemma-2-9b": 8192,
+    "gemma-3-1b-it": 32768,
+    "gemma-3-27b-it": 131072,
+    "SmolLM2-135M": 8192,
+}
+
+# Published total parameter counts (tied embeddings counted once).
+PUBLISHED_PARAMS = {
+    "pythia-14m": 14.07e6,
+    "pythia-70m": 70.4e6,
+    "pythia-12b": 11.85e9,
+    "tiny-llama-1.1b": 1.1e9,
+    "Llama-2-7b-hf": 6.74e9,
+    "Llama-2-70b-hf": 69.0e9,
+    "Llama-3.1-8B": 8.03e9,
+    "Llama-3.1-70B": 70.6e9,
+    "Llama-3.1-405B": 405.9e9,
+    "Llama-3.2-1B": 1.24e9,
+    "Llama-3.2-3B": 3.21e9,
+    "Mistral-7B-v0.1": 7.24e9,
+    "Mixtral-8x7B-v0.1": 46.7e9,
+    "Qwen2.5-0.5B": 0.49e9,
+    "Qwen2.5-7B": 7.61e9,
+    "Qwen2.5-72B": 72.7e9,
+    "Qwen3-0.6B": 0.6e9,
+    "Qwen3-8B": 8.2e9,
+    "Qwen3-30B-A3B": 30.5e9,
+    "Qwen3-235B-A22B": 235e9,
+    "Phi-3-mini-4k-instruct": 3.82e9,
+    "Phi-3-medium-4k-instruct": 14.0e9,
+    "phi-4": 14.7e9,
+    "gemma-2-2b": 2.61e9,
+    "gemma-2-9b": 9.24e9,
+    "gemma-2-27b": 27.2e9,
+    "gemma-3-1b-it": 1.0e9,
+    "SmolLM2-135M": 135e6,
+    "SmolLM2-360M": 362e6,
+    "SmolLM2-1.7B": 1.71e9,
+}
+
+PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
+HF_MODEL_TYPES = {
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox"
+}
+
+
+def test_registry_size_and_shape():
+    assert len(REGISTRY) >= 60
+    known = {f.name for f in fields(Config)}
+    repos = set()
+    for name, values in REGISTRY.items():
+        assert values["name"] == name
+        assert set(values) <= known, (name, set(values) - known)
+        assert set(values["hf_config"]) == {"org", "name"}, name
+        repo = f"{values['hf_config']['org']}/{values['hf_config']['name']}"
+        assert repo not in repos, f"{repo} is registered twice"
+        repos.add(repo)
+        assert values["hf_model_type"] in HF_MODEL_TYPES, name
+        assert values.get("prompt_style", "default") in PROMPT_STYLES, name
+        # The embedding rows are exactly the published vocabulary.
+        assert values["vocab_size"] == values["padded_vocab_size"], name
+
+
+def test_registry_returns_copies():
+    first = configs_by_name()
+    first["Llama-3.1-8B"]["rope_scaling"]["factor"] = 1.0
+    first["Llama-3.1-8B"]["hf_config"]["org"] = "someone"
+    second = configs_by_name()
+    assert second["Llama-3.1-8B"]["rope_scaling"]["factor"] == 8.0
+    assert second["Llama-3.1-8B"]["hf_config"]["org"] == "meta-llama"
+
+
+def test_published_table_is_large_enough():
+    assert len(PUBLISHED) >= 40
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_values(name):
+    n_embd, n_layer, n_head, n_groups, intermediate, vocab, rope_base, eps, tie, head_size = PUBLISHED[name]
+    config = Config(**REGISTRY[name])
+    assert config.n_embd == n_embd
+    assert config.n_layer == n_layer
+    assert config.n_head == n_head
+    assert config.n_query_groups == n_groups
+    assert config.intermediate_size == intermediate
+    assert config.vocab_size == vocab
+    assert config.padded_vocab_size == vocab
+    assert config.rope_base == rope_base
+    assert config.norm_eps == eps
+    assert config.tie_embeddings is tie
+    assert config.head_size == head_size
+    if name in PUBLISHED_BLOCK_SIZE:
+        assert config.block_size == PUBLISHED_BLOCK_SIZE[name]
+
+
+def test_family_specifics():
+    c = {name: Config(**values) for name, values in REGISTRY.items()}
+
+    pythia = c["pythia-410m"]
+    assert pythia.hf_model_type == "gpt_neox"
+    assert (pythia.mlp_class_name, pythia.norm_class_name) == ("GptNeoxMLP", "LayerNorm")
+    assert pythia.parallel_residual and pythia.bias and pythia.rotary_percentage == 0.25
+    assert c["pythia-410m-deduped"].hf_config == {"org": "EleutherAI", "name": "pythia-410m-deduped"}
+
+    assert c["tiny-llama-1.1b-chat"].prompt_style == "tinyllama"
+    assert c["Llama-2-7b-chat-hf"].prompt_style == "llama2"
+    assert c["Llama-2-7b-chat-hf"].hf_config == {"org": "meta-llama", "name": "Llama-2-7b-chat-hf"}
+    llama3 = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192, type="llama3")
+    assert c["Meta-Llama-3-8B"].rope_scaling is None
+    assert c["Llama-3.1-8B"].rope_scaling == dict(llama3, factor=8.0)
+    assert c["Llama-3.3-70B-Instruct"].rope_scaling == dict(llama3, factor=8.0)
+    assert c["Llama-3.2-1B"].rope_scaling == dict(llama3, factor=32.0)
+    assert c["Llama-3.1-8B-Instruct"].prompt_style == "llama3"
+    assert c["Llama-3.1-8B"].prompt_style == "default"
+
+    assert c["Mistral-7B-v0.1"].sliding_window_size == 4096
+    assert c["Mistral-7B-v0.1"].sliding_window_pattern == 1
+    assert c["Mistral-7B-v0.3"].sliding_window_size is None
+    assert c["Mistral-7B-Instruct-v0.3"].prompt_style == "mistral"
+    mixtral = c["Mixtral-8x7B-v0.1"]
+    assert (mixtral.hf_model_type, mixtral.mlp_class_name) == ("mixtral", "LLaMAMoE")
+    assert (mixtral.n_expert, mixtral.n_expert_per_token, mixtral.moe_intermediate_size) == (8, 2, 14336)
+    assert mixtral.sliding_window_size is None
+
+    qwen25 = c["Qwen2.5-7B-Instruct"]
+    assert qwen25.attn_bias and not qwen25.bias and not qwen25.norm_qk and qwen25.hf_model_type == "qwen2"
+    assert qwen25.prompt_style == "chatml" and qwen25.sliding_window_size is None
+    qwen3 = c["Qwen3-8B"]
+    assert qwen3.norm_qk and not qwen3.attn_bias and qwen3.hf_model_type == "qwen3"
+    moe = c["Qwen3-30B-A3B"]
+    assert (moe.hf_model_type, moe.mlp_class_name) == ("qwen3_moe", "LLaMAMoE")
+    assert (moe.n_expert, moe.n_expert_per_token) == (128, 8)
+    assert moe.moe_intermediate_size == 768 and moe.moe_renormalize and moe.norm_qk
+
+    assert c["Phi-3-mini-4k-instruct"].sliding_window_size == 2047
+    assert c["Phi-3-mini-4k-instruct"].hf_model_type == "phi3"
+    assert c["Phi-3-mini-4k-instruct"].prompt_style == "phi3"
+    assert c["phi-4"].sliding_window_size is None
+
+    for name in ("gemma-2-2b", "gemma-2-27b-it", "gemma-3-1b-it", "gemma-3-27b-pt"):
+        g = c[name]
+        assert g.norm_unit_offset and g.scale_embeddings and g.post_attention_norm and g.post_mlp_norm, name
+        assert (g.mlp_class_name, g.gelu_approximate) == ("GemmaMLP", "tanh"), name
+    g2 = c["gemma-2-9b"]
+    assert g2.hf_model_type == "gemma2" and not g2.norm_qk
+    assert (g2.sliding_window_size, g2.sliding_window_pattern) == (4096, 2)
+    assert (g2.attention_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+    assert g2.attention_scores_scalar == 256 and c["gemma-2-27b"].attention_scores_scalar == 144
+    assert g2.is_sliding_layer(0) and not g2.is_sliding_layer(1)
+    g3 = c["gemma-3-1b-it"]
+    assert g3.hf_model_type == "gemma3_text" and g3.norm_qk and g3.prompt_style == "gemma"
+    assert (g3.sliding_window_size, g3.sliding_window_pattern) == (512, 6)
+    assert (g3.rope_base, g3.rope_local_base, g3.rope_scaling) == (1e6, 1e4, None)
+    assert g3.attention_logit_softcapping is None and g3.final_logit_softcapping is None
+    assert [g3.is_sliding_layer(i) for i in range(6)] == [True] * 5 + [False]
+    for name in ("gemma-3-4b-it", "gemma-3-12b-pt", "gemma-3-27b-it"):
+        g = c[name]
+        assert g.sliding_window_size == 1024 and g.rope_scaling == {"type": "linear", "factor": 8.0}, name
+    assert c["gemma-3-27b-it"].attention_scores_scalar == 168
+    assert c["gemma-3-1b-pt"].prompt_style == "default"
+
+    assert c["SmolLM2-1.7B-Instruct"].prompt_style == "chatml"
+    assert c["SmolLM2-135M"].hf_config == {"org": "HuggingFaceTB", "name": "SmolLM2-135M"}
+
+
+def _nominal_size(name: str):
+    """The parameter count a model's name announces ("8B", "1.1b", "135M", "8x7B"), or None."""
+    match = re.search(r"(?:(\d+)x)?(\d+(?:\.\d+)?)([bBmM])(?![a-zA-Z])", name)
+    if match is None:
+        return None
+    experts, size, unit = match.groups()
+    return float(size) * (int(experts) if experts else 1) * (1e9 if unit in "bB" else 1e6)
+
+
+def _skip_meta_init():
+    """Parameters on the meta device need no initialization; skipping it makes the build several times faster."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch.nn.Linear, "reset_parameters", lambda self: None)
+    patch.setattr(torch.nn.Embedding, "reset_parameters", lambda self: None)
+    return patch
+
+
+def _meta_param_count(config: Config) -> int:
+    with torch.device("meta"):
+        model = GPT(config)
+    assert model.lm_head.weight.device.type == "meta"
+    return sum(p.numel() for p in model.parameters())  # tied weights once
+
+
+# Mixtures with thousands of expert modules take seconds to build even on the meta device: the fast tests build two
+# of their layers and extrapolate (identical layers), the slow test below builds them whole.
+MANY_EXPERTS = sorted(name for name, v in REGISTRY.items() if v.get("n_expert", 0) * v["n_layer"] > 2000)
+
+
+@pytest.fixture(scope="module")
+def meta_param_counts():
+    """Every distinct architecture built once on the meta device: name -> parameter count."""
+    patch = _skip_meta_init()
+    counts, by_architecture = {}, {}
+    try:
+        for name, values in REGISTRY.items():
+            config = Config(**values)
+            key = repr({k: v for k, v in values.items() if k not in ("name", "hf_config", "prompt_style")})
+            if key not in by_architecture:
+                if name in MANY_EXPERTS:
+                    one, two = (_meta_param_count(Config(**{**values, "n_layer": n})) for n in (1, 2))
+                    by_architecture[key] = one + (config.n_layer - 1) * (two - one)
+                else:
+                    by_architecture[key] = _meta_param_count(config)
+            counts[name] = by_architecture[key]
+    finally:
+        patch.undo()
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MANY_EXPERTS)
+def test_large_mixtures_build_whole_on_meta(meta_param_counts, name):
+    patch = _skip_meta_init()
+    try:
+        assert _meta_param_count(Config(**REGISTRY[name])) == meta_param_counts[name]
+    finally:
+        patch.undo()
+
+
+def test_every_config_builds_on_meta_with_a_plausible_size(meta_param_counts):
+    assert set(meta_param_counts) == set(REGISTRY)
+    for name, count in meta_param_counts.items():
+        nominal = _nominal_size(name)
+        if nominal is not None:
+            # Names round loosely (gemma-2-2b has 2.6B parameters, Mixtral 8x7B shares its attention).
+            assert 0.75 <= count / nominal <= 1.35, (name, count, nominal)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_published_parameter_counts(meta_param_counts, name):
+    assert meta_param_counts[name] == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+def test_from_name_by_hub_id():
+    config = Config.from_name("meta-llama/Llama-3.2-1B")
+    assert config.name == "Llama-3.2-1B"
+    assert config.n_layer == 16
+    assert Config.from_name("TinyLlama/TinyLlama-1.1B-Chat-v1.0").name == "tiny-llama-1.1b-chat"
+    assert Config.from_name("Qwen/Qwen3-0.6B", n_layer=2).n_layer == 2
+
+
+def test_unknown_name_suggests_close_names():
+    with pytest.raises(UserError, match=re.escape("'Llama-3.2-1B'")):
+        Config.from_name("Llama-3.2-1b")
+    with pytest.raises(UserError, match=re.escape("'Qwen3-0.6B'")):
+        Config.from_name("qwen3-0.6b")
