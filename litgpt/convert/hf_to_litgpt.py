@@ -28,10 +28,8 @@ class HFWeights:
         self._open: dict[Path, object] = {}
         safetensors = self._shards("model.safetensors", "*.safetensors")
         if safetensors:
-            from safetensors import safe_open
-
             for path in safetensors:
-                handle = safe_open(str(path), framework="pt")
+                handle = SafetensorsFile(path)
                 self._open[path] = handle
                 self._files.update({key: path for key in handle.keys()})
         else:
@@ -63,8 +61,51 @@ class HFWeights:
         return set(self._files)
 
     def get(self, key: str) -> torch.Tensor:
-        handle = self._open[self._files[key]]
-        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+        return self._open[self._files[key]][key]
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """Zero-copy tensors over a memory-mapped .safetensors file.
+
+    The tensors stay backed by the file (a private copy-on-write mapping), so converting a checkpoint larger than
+    RAM needs memory only for the tensors that conversion actually changes (fused q/k/v, dtype casts).
+    """
+
+    def __init__(self, path: Path) -> None:
+        import mmap
+        import struct
+
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                (header_size,) = struct.unpack("<Q", f.read(8))
+                self.header = json.loads(f.read(header_size))
+            except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+                raise UserError(f"{str(path)!r} is not a valid safetensors file; download it again.") from None
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.header.pop("__metadata__", None)
+        self._data_start = 8 + header_size
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        entry = self.header[key]
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{key} in {str(self.path)!r} has dtype {entry['dtype']}, which litgpt does not read.")
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        start, end = entry["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        if count == 0:
+            return torch.empty(entry["shape"], dtype=dtype)
+        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + start)
+        return flat.view(entry["shape"])
 
 
 def read_hf_config(folder: Path) -> dict:
