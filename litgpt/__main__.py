@@ -61,6 +61,12 @@ def run_command(name: str, args: list[str]) -> None:
     except KeyboardInterrupt:
         print(f"litgpt {name}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader of our output went away (`litgpt download list | head`): stop quietly.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,31 @@ def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
     return checkpoint_dir
 
 
+class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Skip random initializers on meta tensors, where they compute nothing.
+
+    The meta kernel of `normal_` (nn.Embedding's initializer) lives in Python and costs seconds of imports on first
+    use; building a model on the meta device does not need it.
+    """
+
+    SKIPPED = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.SKIPPED:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def meta_device() -> Iterator[None]:
+    """Create modules on the meta device (no memory, no initialization); materialize or `assign` weights later."""
+    with torch.device("meta"), _SkipInitOnMeta():
+        yield
+
+
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
     expected = model.state_dict()
@@ -110,3 +135,7 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
                 "Check that model_config.yaml belongs to these weights."
             )
     model.load_state_dict(state_dict, strict=True, assign=any(p.is_meta for p in model.parameters()))
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_embeddings", False):
+        # `assign` replaces the two tied parameters separately: share them again.
+        model.lm_head.weight = model.transformer.wte.weight

@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from litgpt.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_state_dict, save_state_dict
+from litgpt.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_state_dict, meta_device, save_state_dict
 from litgpt.config import Config
 from litgpt.convert.families import config_from_hf, weight_rules
 from litgpt.errors import UserError
@@ -190,7 +190,7 @@ def convert_weights(
     """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time."""
     from litgpt.model import GPT
 
-    with torch.device("meta"):
+    with meta_device():
         reference = GPT(config).state_dict()
     available = weights.keys()
     used: set[str] = set()

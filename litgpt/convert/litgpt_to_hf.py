@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from litgpt.checkpoint import TOKENIZER_FILES, WEIGHTS_FILE, find_checkpoint_dir, load_state_dict
+from litgpt.checkpoint import TOKENIZER_FILES, WEIGHTS_FILE, find_checkpoint_dir, load_state_dict, meta_device
 from litgpt.config import Config
 from litgpt.convert.families import config_to_hf, weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES
@@ -112,7 +112,7 @@ def write_safetensors(
 
     from litgpt.model import GPT
 
-    with torch.device("meta"):
+    with meta_device():
         expected = GPT(config).state_dict()
     if set(state_dict) != set(expected):
         missing = sorted(set(expected) - set(state_dict))

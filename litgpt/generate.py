@@ -1,0 +1,358 @@
+"""Text generation: sampling, a streaming token generator over the KV cache, model loading, and `litgpt generate`."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from litgpt.errors import UserError
+
+if TYPE_CHECKING:
+    from litgpt.model import GPT
+    from litgpt.tokenizer import Tokenizer
+
+# Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
+# weights, so the "-mixed" variants run in the same dtype as their "-true" counterparts.
+PRECISIONS: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "float32": torch.float32,
+    "16-true": torch.float16,
+    "16-mixed": torch.float16,
+    "16": torch.float16,
+    "float16": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------------
+def check_sampling_args(temperature: float, top_k: Optional[int], top_p: float) -> None:
+    """Raise UserError for sampling settings outside their ranges."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"temperature must be a finite number >= 0 (0 picks the most likely token), got {temperature}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise UserError(f"top_k must be a whole number >= 1, or None to keep every token, got {top_k}.")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise UserError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}.")
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Pick one token id from each row of `logits` (..., vocab); returns a LongTensor of shape logits.shape[:-1].
+
+    temperature 0 takes the most likely token. Otherwise the logits are divided by the temperature, only the
+    `top_k` most likely tokens are kept, then only the smallest set of the remaining tokens whose probability
+    reaches `top_p` (nucleus sampling), and a token is drawn from what is left with `generator`.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    vocab = logits.size(-1)
+    if top_k is not None and top_k < vocab:
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+    if top_p < 1.0:
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Drop a token when the more likely ones already reach top_p; the most likely token always stays.
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    flat = probs.reshape(-1, vocab)
+    tokens = torch.multinomial(flat, num_samples=1, generator=generator)
+    return tokens.reshape(logits.shape[:-1])
+
+
+# ---- generation -------------------------------------------------------------------------------------------------------
+def check_prompt_length(prompt_length: int, block_size: int) -> None:
+    """A prompt must leave room in the model's context for at least one new token."""
+    if prompt_length == 0:
+        raise UserError("The prompt is empty: give at least one token of text.")
+    if prompt_length >= block_size:
+        raise UserError(
+            f"The prompt is {prompt_length} tokens long, but the model's context (block_size) is {block_size} "
+            f"tokens: shorten the prompt to at most {block_size - 1} tokens to leave room for a reply."
+        )
+
+
+def prepare_kv_cache(model: "GPT", length: int) -> None:
+    """Make sure the model has a batch-1 KV cache of at least `length` positions (reusing the one it has)."""
+    param = model.lm_head.weight
+    cache = model.transformer.h[0].attn.kv_cache
+    if (
+        cache is None
+        or cache.k.size(0) != 1
+        or cache.k.size(2) < length
+        or cache.k.device != param.device
+        or cache.k.dtype != param.dtype
+    ):
+        model.set_kv_cache(batch_size=1, max_seq_length=length)
+
+
+def generate(
+    model: "GPT",
+    prompt_ids: Union[torch.Tensor, Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_ids: Iterable[int] = (),
+    *,
+    stop_sequences: Iterable[Sequence[int]] = (),
+    generator: Optional[torch.Generator] = None,
+) -> Iterator[int]:
+    """Yield new token ids one at a time, continuing `prompt_ids` (1-D) with the model's KV cache.
+
+    The prompt is run once (positions 0..T-1), then each new token is fed at its position. Generation ends after
+    `max_new_tokens`, when the context is full (prompt + new tokens never exceed `block_size`), or at a stop:
+    any id in `stop_ids`, or any multi-token sequence in `stop_sequences`. Stop tokens are not yielded; tokens that
+    might begin a stop sequence are held back until it is clear they do not.
+
+    The arguments are checked when this is called (UserError), not on the first `next()`.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    device = model.lm_head.weight.device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if prompt.dim() != 1:
+        raise ValueError(f"prompt_ids must be 1-D (one sequence), got shape {tuple(prompt.shape)}.")
+    block_size = model.config.block_size
+    check_prompt_length(prompt.numel(), block_size)
+    stops = [[int(i)] for i in stop_ids] + [[int(i) for i in s] for s in stop_sequences if len(s) > 0]
+    new_tokens = min(max_new_tokens, block_size - prompt.numel())
+    return _generate(model, prompt, new_tokens, temperature, top_k, top_p, stops, generator)
+
+
+@torch.inference_mode()
+def _generate(
+    model: "GPT",
+    prompt: torch.Tensor,
+    new_tokens: int,
+    temperature: float,
+    top_k: Optional[int],
+    top_p: float,
+    stops: list[list[int]],
+    generator: Optional[torch.Generator],
+) -> Iterator[int]:
+    if new_tokens == 0:
+        return
+    prompt = prompt.clone()  # an inference tensor like every later input (one compiled graph fits both)
+    T = prompt.numel()
+    device = prompt.device
+    # The last new token is never fed back, so T + new_tokens - 1 positions suffice.
+    prepare_kv_cache(model, T + new_tokens - 1)
+    logits = model(prompt[None], input_pos=torch.arange(T, device=device))[0, -1]
+    pending: list[int] = []  # tokens held back: they could be the start of a stop sequence
+    for step in range(new_tokens):
+        token = sample(logits, temperature, top_k, top_p, generator)
+        pending.append(int(token))
+        stopped = next((s for s in stops if pending[-len(s):] == s), None)
+        if stopped is not None:
+            yield from pending[: len(pending) - len(stopped)]
+            return
+        keep = held_back(pending, stops)
+        yield from pending[: len(pending) - keep]
+        pending = pending[len(pending) - keep :]
+        if step + 1 < new_tokens:
+            position = torch.tensor([T + step], device=device)
+            logits = model(token.view(1, 1), input_pos=position)[0, -1]
+    yield from pending
+
+
+def held_back(tokens: list[int], stops: list[list[int]]) -> int:
+    """Length of the longest tail of `tokens` that is a proper prefix of a stop sequence."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(tokens)), longest, -1):
+            if tokens[-n:] == stop[:n]:
+                longest = n
+                break
+    return longest
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------------
+def resolve_device(device: str) -> torch.device:
+    """"auto" picks CUDA, then MPS, then the CPU; anything else must name an available device."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"Unknown device {device!r}; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"Device {device!r} was asked for, but CUDA is not available here; use --device cpu.")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise UserError(f"Device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s).")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"Device {device!r} was asked for, but MPS is not available here; use --device cpu.")
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"Unsupported device {device!r}; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    return resolved
+
+
+def resolve_precision(precision: Optional[str], device: torch.device) -> torch.dtype:
+    """The weights' dtype: the named precision, or bf16 (fp16 without bf16 support) on GPUs and fp32 on the CPU."""
+    if precision is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.float32
+    if precision not in PRECISIONS:
+        raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+    return PRECISIONS[precision]
+
+
+def check_quantize(quantize: Optional[str]) -> None:
+    if quantize is not None:
+        raise UserError(
+            f"--quantize {quantize} is not supported yet: bitsandbytes quantization comes with the finetuning work. "
+            "Run without --quantize (a lower --precision such as bf16-true also saves memory)."
+        )
+
+
+def load_model_and_tokenizer(
+    checkpoint_dir: Path, precision: Optional[str] = None, device: str = "auto", compile: bool = False
+) -> tuple["GPT", "Tokenizer"]:
+    """Build the model of a litgpt checkpoint folder with its weights, on `device` in `precision`, and its tokenizer.
+
+    The model is created on the meta device and takes the memory-mapped tensors of lit_model.pth directly, so
+    loading needs no second copy of the weights. Every bad input (missing folder or files, a model_config.yaml that
+    does not fit the weights, unknown device or precision) raises UserError.
+    """
+    from litgpt.checkpoint import WEIGHTS_FILE, find_checkpoint_dir, load_model_weights, load_state_dict, meta_device
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    from litgpt.tokenizer import Tokenizer
+
+    checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
+    target = resolve_device(device)
+    dtype = resolve_precision(precision, target)
+    config = Config.from_checkpoint(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+
+    with meta_device():
+        model = GPT(config)
+    weights_path = checkpoint_dir / WEIGHTS_FILE
+    state_dict = load_state_dict(weights_path)
+    load_model_weights(model, state_dict, source=str(weights_path))
+    model = model.to(device=target, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    if compile:
+        model.forward = torch.compile(model.forward)
+    return model, tokenizer
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# ---- the command ------------------------------------------------------------------------------------------------------
+def main(
+    checkpoint_dir: Path,
+    prompt: str = "What food do llamas eat?",
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 50,
+    top_k: Optional[int] = 50,
+    top_p: float = 1.0,
+    temperature: float = 0.8,
+    seed: int = 1234,
+    precision: Optional[str] = None,
+    device: str = "auto",
+    compile: bool = False,
+    quantize: Optional[str] = None,
+) -> None:
+    """Continue a prompt with a litgpt model and print the text as it is generated.
+
+    The prompt is used as it is (no chat template; `litgpt chat` applies one). Timing goes to stderr.
+
+    Args:
+        checkpoint_dir: Folder with lit_model.pth, model_config.yaml and the tokenizer files.
+        prompt: The text to continue.
+        num_samples: How many continuations to generate, one after another.
+        max_new_tokens: The most tokens to generate per sample (fewer if the model's context fills up).
+        top_k: Sample only among the k most likely tokens; None keeps all of them.
+        top_p: Sample only among the most likely tokens whose probabilities add up to top_p (1.0 keeps all).
+        temperature: Divides the logits before sampling: higher is more random, 0 always takes the most likely token.
+        seed: Seed of the random sampling.
+        precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
+            (16-true without bf16 support), 32-true on the CPU.
+        device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
+        compile: Compile the model with torch.compile (slow to start, faster per token on GPUs).
+        quantize: Weight quantization; not supported yet.
+    """
+    check_quantize(quantize)
+    check_sampling_args(temperature, top_k, top_p)
+    if num_samples < 1:
+        raise UserError(f"num_samples must be >= 1, got {num_samples}.")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+
+    start = time.perf_counter()
+    from litgpt.tokenizer import IncrementalDecoder
+
+    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile)
+    print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
+
+    prompt_ids = tokenizer.encode(prompt)
+    block_size = model.config.block_size
+    check_prompt_length(len(prompt_ids), block_size)
+    if len(prompt_ids) + max_new_tokens > block_size:
+        print(
+            f"Note: the prompt is {len(prompt_ids)} tokens and the context {block_size}, so at most "
+            f"{block_size - len(prompt_ids)} new tokens fit.",
+            file=sys.stderr,
+        )
+    device_ = model.lm_head.weight.device
+    generator = make_generator(device_, seed)
+    for index in range(num_samples):
+        start = time.perf_counter()
+        decoder = IncrementalDecoder(tokenizer, prompt_ids=prompt_ids)
+        print(prompt, end="", flush=True)
+        count = 0
+        tokens = generate(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            stop_ids=tokenizer.stop_ids,
+            generator=generator,
+        )
+        for token in tokens:
+            count += 1
+            print(decoder.step(token), end="", flush=True)
+        print(decoder.finish(), flush=True)
+        elapsed = time.perf_counter() - start
+        print(
+            f"Sample {index + 1}: {count} tokens in {elapsed:.02f} s, {count / elapsed:.02f} tokens/s.",
+            file=sys.stderr,
+        )
+    if device_.type == "cuda":
+        print(f"Memory used: {torch.cuda.max_memory_allocated(device_) / 1e9:.02f} GB", file=sys.stderr)
