@@ -9,11 +9,16 @@ import sys
 
 # name -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "pretrain": ("litgpt.pretrain:setup", "Pretrain a model from scratch or continue pretraining."),
+    "finetune_full": ("litgpt.finetune.full:setup", "Finetune all weights of a model."),
+    "finetune_lora": ("litgpt.finetune.lora:setup", "Finetune a model with LoRA adapters (QLoRA with --quantize)."),
+    "finetune": ("litgpt.finetune.lora:setup", "Same as finetune_lora."),
     "download": ("litgpt.download:download", "Download a model from the Hugging Face hub and convert it."),
     "convert_to_litgpt": ("litgpt.convert.hf_to_litgpt:convert_hf_checkpoint", "Convert a Hugging Face model folder to litgpt."),
     "convert_from_litgpt": ("litgpt.convert.litgpt_to_hf:convert_lit_checkpoint", "Convert a litgpt checkpoint to a Hugging Face folder."),
     "generate": ("litgpt.generate:main", "Generate text from a prompt."),
     "chat": ("litgpt.chat:main", "Chat with a model interactively."),
+    "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
 }
 
 

@@ -89,13 +89,14 @@ def main(
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         compile: Compile the model with torch.compile (slow to start, faster per token on GPUs).
         multiline: Read messages of several lines, each ended by a line holding only !submit.
-        quantize: Weight quantization; not supported yet.
+        quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
+            (needs `pip install 'litgpt[quantize]'`).
     """
     check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile)
+    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile, quantize)
     style = PromptStyle.from_config(model.config)
     stops = style.stop_tokens(tokenizer)
     generator = make_generator(model.lm_head.weight.device, seed)

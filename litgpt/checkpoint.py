@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,3 +141,74 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     if getattr(config, "tie_embeddings", False):
         # `assign` replaces the two tied parameters separately: share them again.
         model.lm_head.weight = model.transformer.wte.weight
+
+
+@contextmanager
+def publish_dir(path: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path` in one rename.
+
+    A reader never sees a half-written checkpoint folder; a failure leaves the previous one as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield staging
+        for file in staging.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        if path.exists():
+            retired = path.with_name(f".{path.name}.old")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(path, retired)
+            os.replace(staging, path)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(destination) / name)
+
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TRAINING_STATE_FILE = "training_state.pth"
+
+
+def step_checkpoints(out_dir: Path) -> list[Path]:
+    """The run's resumable checkpoints, oldest first."""
+    if not Path(out_dir).is_dir():
+        return []
+    found = [p for p in Path(out_dir).iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted((p for p in found if (p / TRAINING_STATE_FILE).is_file()), key=lambda p: int(p.name[5:]))
+
+
+def resolve_resume(out_dir: Path, resume) -> "Path | None":
+    """The checkpoint folder to resume from, or None to start fresh; refuses to train over an existing run."""
+    out_dir = Path(out_dir)
+    existing = step_checkpoints(out_dir)
+    if resume is False or resume is None:
+        if existing or (out_dir / "final").exists():
+            newest = existing[-1].name if existing else "final"
+            raise UserError(
+                f"--out_dir {str(out_dir)!r} already holds a run ({newest}). Pass --resume auto to continue it, "
+                "or choose another --out_dir; nothing was overwritten."
+            )
+        return None
+    if resume is True or resume == "auto":
+        if not existing:
+            print(f"No checkpoint to resume in {str(out_dir)!r}: starting from the beginning.")
+            return None
+        print(f"Resuming from {existing[-1]}")
+        return existing[-1]
+    path = Path(resume)
+    if not path.is_dir() or not (path / TRAINING_STATE_FILE).is_file():
+        raise UserError(
+            f"--resume {str(path)!r} is not a checkpoint folder with {TRAINING_STATE_FILE} "
+            f"(use a step-XXXXXX folder of a run, or --resume auto)."
+        )
+    return path

@@ -228,14 +228,17 @@ def resolve_precision(precision: Optional[str], device: torch.device) -> torch.d
 
 def check_quantize(quantize: Optional[str]) -> None:
     if quantize is not None:
-        raise UserError(
-            f"--quantize {quantize} is not supported yet: bitsandbytes quantization comes with the finetuning work. "
-            "Run without --quantize (a lower --precision such as bf16-true also saves memory)."
-        )
+        from litgpt.quantize import check_quantize_mode
+
+        check_quantize_mode(quantize)
 
 
 def load_model_and_tokenizer(
-    checkpoint_dir: Path, precision: Optional[str] = None, device: str = "auto", compile: bool = False
+    checkpoint_dir: Path,
+    precision: Optional[str] = None,
+    device: str = "auto",
+    compile: bool = False,
+    quantize: Optional[str] = None,
 ) -> tuple["GPT", "Tokenizer"]:
     """Build the model of a litgpt checkpoint folder with its weights, on `device` in `precision`, and its tokenizer.
 
@@ -246,13 +249,14 @@ def load_model_and_tokenizer(
     from litgpt.checkpoint import WEIGHTS_FILE, find_checkpoint_dir, load_model_weights, load_state_dict, meta_device
     from litgpt.config import Config
     from litgpt.model import GPT
-    from litgpt.tokenizer import Tokenizer
+    from litgpt.tokenizer import Tokenizer, check_vocab_fits
 
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
     target = resolve_device(device)
     dtype = resolve_precision(precision, target)
     config = Config.from_checkpoint(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
+    check_vocab_fits(tokenizer, config, checkpoint_dir)
 
     with meta_device():
         model = GPT(config)
@@ -260,6 +264,10 @@ def load_model_and_tokenizer(
     state_dict = load_state_dict(weights_path)
     load_model_weights(model, state_dict, source=str(weights_path))
     model = model.to(device=target, dtype=dtype)
+    if quantize is not None:
+        from litgpt.quantize import quantize_frozen_base
+
+        quantize_frozen_base(model, quantize, target)
     model.eval()
     model.requires_grad_(False)
     if compile:
@@ -304,7 +312,8 @@ def main(
             (16-true without bf16 support), 32-true on the CPU.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         compile: Compile the model with torch.compile (slow to start, faster per token on GPUs).
-        quantize: Weight quantization; not supported yet.
+        quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
+            (needs `pip install 'litgpt[quantize]'`).
     """
     check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)
@@ -316,7 +325,7 @@ def main(
     start = time.perf_counter()
     from litgpt.tokenizer import IncrementalDecoder
 
-    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile)
+    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile, quantize)
     print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
 
     prompt_ids = tokenizer.encode(prompt)

@@ -363,3 +363,13 @@ def _as_id_list(ids: IdsLike) -> list[int]:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_vocab_fits(tokenizer: Tokenizer, config, tokenizer_dir) -> None:
+    """Every id the tokenizer can produce must have an embedding row in the model."""
+    if tokenizer.vocab_size > config.padded_vocab_size:
+        raise UserError(
+            f"The tokenizer in {str(tokenizer_dir)!r} has {tokenizer.vocab_size} tokens but the model has only "
+            f"{config.padded_vocab_size} embedding rows: use the model's own tokenizer or a config with a larger "
+            "vocab_size."
+        )

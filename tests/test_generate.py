@@ -334,7 +334,7 @@ def test_main_streams_the_decoded_continuation(lit_checkpoint, capsys):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(quantize="bnb.nf4"), "quantization comes with the finetuning"),
+        (dict(quantize="bnb.nf5"), "bnb.nf5"),
         (dict(num_samples=0), "num_samples"),
         (dict(top_p=2.0), "top_p"),
         (dict(prompt="hello " * 80), "tokens long"),
@@ -467,3 +467,15 @@ def test_cli_prompt_too_long(cli_runs):
     assert code == 1
     assert "Traceback" not in err
     assert "tokens long" in err and "64" in err
+
+
+def test_generate_with_quantized_weights(lit_checkpoint, capsys):
+    """--quantize bnb.nf4 loads the weights 4-bit and still generates (bitsandbytes runs nf4 on the CPU)."""
+    pytest.importorskip("bitsandbytes", reason="needs the quantize extra: pip install 'litgpt[quantize]'")
+    from litgpt.generate import load_model_and_tokenizer, main
+
+    model, _ = load_model_and_tokenizer(lit_checkpoint, device="cpu", quantize="bnb.nf4")
+    qkv_weight = model.transformer.h[0].attn.qkv.weight
+    assert qkv_weight.dtype == torch.uint8  # stored packed, two 4-bit values a byte
+    main(lit_checkpoint, prompt="hello", max_new_tokens=5, device="cpu", quantize="bnb.nf4", temperature=0.0)
+    assert capsys.readouterr().out.startswith("hello")

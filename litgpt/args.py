@@ -1,0 +1,92 @@
+"""Arguments shared by the training entry points (LitGPT's names, so commands and YAML files carry over)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from litgpt.errors import UserError
+
+
+@dataclass
+class TrainArgs:
+    """Training schedule and batch arithmetic.
+
+    Args:
+        save_interval: Optimizer steps between checkpoints (None: only the final one).
+        log_interval: Optimizer steps between log lines (loss, learning rate, tokens/s, memory).
+        global_batch_size: Samples per optimizer step, over all devices and nodes.
+        micro_batch_size: Samples per forward/backward pass on one device; the rest is gradient accumulation.
+        lr_warmup_steps: Optimizer steps of linear learning-rate warm-up.
+        epochs: Passes over the training data (one of epochs / max_tokens / max_steps ends the run).
+        max_tokens: Tokens to train on.
+        max_steps: Optimizer steps to take.
+        max_seq_length: Longest sample in tokens (default: the model's block size).
+        max_norm: Clip the gradient norm to this value (None: no clipping).
+        min_lr: The learning rate the cosine schedule ends at.
+        activation_checkpointing: Recompute each block's activations in the backward pass (less memory, ~30% slower).
+    """
+
+    save_interval: Optional[int] = 1000
+    log_interval: int = 1
+    global_batch_size: int = 64
+    micro_batch_size: int = 4
+    lr_warmup_steps: int = 100
+    epochs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_steps: Optional[int] = None
+    max_seq_length: Optional[int] = None
+    max_norm: Optional[float] = None
+    min_lr: float = 6e-5
+    activation_checkpointing: bool = False
+
+    def gradient_accumulation_iters(self, world_size: int) -> int:
+        """global = world_size x micro x accumulation; raise UserError when that does not divide."""
+        per_step = self.micro_batch_size * world_size
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise UserError("train.global_batch_size and train.micro_batch_size must be at least 1.")
+        if self.global_batch_size % per_step:
+            raise UserError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size "
+                f"({self.micro_batch_size}) x devices x num_nodes ({world_size}) = {per_step}."
+            )
+        return self.global_batch_size // per_step
+
+    def total_steps(self, steps_per_epoch: float, seq_length: int) -> int:
+        """Optimizer steps the run will take, from whichever limit is set (the smallest if several)."""
+        limits = []
+        if self.max_steps is not None:
+            limits.append(self.max_steps)
+        if self.max_tokens is not None:
+            limits.append(math.ceil(self.max_tokens / (self.global_batch_size * seq_length)))
+        if self.epochs is not None:
+            limits.append(math.floor(self.epochs * steps_per_epoch))
+        if not limits:
+            raise UserError("Set how long to train: one of --train.max_steps, --train.max_tokens or --train.epochs.")
+        steps = min(limits)
+        if steps < 1:
+            raise UserError(
+                "The run would take no optimizer step: the data holds fewer samples than one global batch, or the "
+                "limits (max_steps / max_tokens / epochs) are too small."
+            )
+        return steps
+
+
+@dataclass
+class EvalArgs:
+    """Validation during training.
+
+    Args:
+        interval: Optimizer steps between validations.
+        max_iters: Validation micro-batches per validation (at most the whole validation set).
+        initial_validation: Validate before the first step.
+        final_validation: Validate after the last step.
+        max_new_tokens: After each validation, generate this many tokens from a validation prompt (None: don't).
+    """
+
+    interval: int = 600
+    max_iters: int = 100
+    initial_validation: bool = False
+    final_validation: bool = True
+    max_new_tokens: Optional[int] = None

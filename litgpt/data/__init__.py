@@ -1,0 +1,43 @@
+"""Data: the data modules that `--data NAME` picks, the bundled tiny corpus and the script that makes it.
+
+Pretraining (text tokenized once into a memory-mapped token cache, cut into windows of max_seq_length + 1 tokens):
+`Tiny` (bundled, in `litgpt/data/tiny/`), `TextFiles` (your folder of .txt files), `TinyStories`, `OpenWebText`,
+`RedPajama`.
+
+Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
+`JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `Dolly`, `LIMA`.
+
+`base.MicroBatches` turns any of their datasets into resumable micro-batches. `make_tiny_corpus` regenerates the
+bundled corpus and its tokenizer.
+"""
+
+from litgpt.data.alpaca import Alpaca, Alpaca2k
+from litgpt.data.base import DataModule, MicroBatches
+from litgpt.data.dolly import Dolly
+from litgpt.data.json_data import JSON, SFTDataModule, SFTDataset
+from litgpt.data.lima import LIMA
+from litgpt.data.openwebtext import OpenWebText
+from litgpt.data.redpajama import RedPajama
+from litgpt.data.text_files import TextFiles
+from litgpt.data.tiny import Tiny
+from litgpt.data.tinystories import TinyStories
+from litgpt.data.token_cache import TokenCorpus, TokenWindows
+
+__all__ = [
+    "Alpaca",
+    "Alpaca2k",
+    "DataModule",
+    "Dolly",
+    "JSON",
+    "LIMA",
+    "MicroBatches",
+    "OpenWebText",
+    "RedPajama",
+    "SFTDataModule",
+    "SFTDataset",
+    "TextFiles",
+    "Tiny",
+    "TinyStories",
+    "TokenCorpus",
+    "TokenWindows",
+]

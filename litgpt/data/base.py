@@ -1,0 +1,108 @@
+"""What every data source provides, and the one loader that turns samples into resumable micro-batches.
+
+A data module tokenizes its source once (`prepare`) and then offers two datasets whose samples are already shifted
+for next-token prediction: `input_ids` and `labels` of equal length, with -100 in `labels` where no loss is taken
+(prompt tokens, padding). The loader decides the order: a permutation per epoch drawn from the seed, split across
+ranks, cut into micro-batches. Because the order is a pure function of (seed, epoch), a run resumes exactly where it
+stopped by skipping the micro-batches it already consumed: no iterator state needs saving.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from litgpt.prompts import PromptStyle
+    from litgpt.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+class SampleDataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """{"input_ids": LongTensor (T,), "labels": LongTensor (T,)}, T <= max_seq_length."""
+        ...
+
+
+class DataModule(ABC):
+    """A data source. Entry points call `connect`, then `prepare` (rank 0 first, then every rank), then the datasets."""
+
+    tokenizer: Optional["Tokenizer"] = None
+    max_seq_length: int = -1
+    prompt_style: Optional["PromptStyle"] = None
+
+    def connect(self, tokenizer: "Tokenizer", max_seq_length: int, prompt_style: Optional["PromptStyle"] = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.prompt_style = prompt_style
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Download and tokenize into the cache if that was not done yet. Must be safe to call repeatedly."""
+
+    @abstractmethod
+    def train_dataset(self) -> SampleDataset: ...
+
+    @abstractmethod
+    def val_dataset(self) -> SampleDataset: ...
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the samples in `epoch`: a permutation that depends only on (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack samples, right-padding shorter ones (input 0, label IGNORE_INDEX)."""
+    length = max(s["input_ids"].numel() for s in samples)
+    input_ids = torch.zeros(len(samples), length, dtype=torch.long)
+    labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = sample["input_ids"].numel()
+        input_ids[row, :n] = sample["input_ids"]
+        labels[row, :n] = sample["labels"]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+@dataclass
+class MicroBatches:
+    """Micro-batches of one rank, epoch after epoch, from a position given as (epoch, micro-batch index).
+
+    Every rank gets the same number of equally sized micro-batches per epoch; the few samples that do not divide
+    evenly are left out of that epoch (a different few each epoch, since the order changes).
+    """
+
+    dataset: SampleDataset
+    micro_batch_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    shuffle: bool = True
+
+    @property
+    def per_epoch(self) -> int:
+        return len(self.dataset) // self.world_size // self.micro_batch_size
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        n = len(self.dataset)
+        order = epoch_order(n, self.seed, epoch) if self.shuffle else torch.arange(n)
+        usable = self.per_epoch * self.micro_batch_size * self.world_size
+        mine = order[:usable][self.rank :: self.world_size]
+        return mine.view(self.per_epoch, self.micro_batch_size)
+
+    def iterate(self, epoch: int = 0, position: int = 0) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+        """Yield (epoch, index within the epoch, batch) forever, starting at (epoch, position)."""
+        if self.per_epoch == 0:
+            raise ValueError("fewer samples than one micro-batch per rank")
+        while True:
+            batches = self.indices(epoch)
+            for index in range(position, self.per_epoch):
+                yield epoch, index, collate([self.dataset[int(i)] for i in batches[index]])
+            epoch, position = epoch + 1, 0

@@ -1,0 +1,223 @@
+"""What every training entry point does around its model: arguments on record, devices, data, optimizer, resume.
+
+The entry points (pretrain, finetune_full, finetune_lora) differ only in how they build and load the model and in
+what a checkpoint stores; everything else comes from here, so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.errors import UserError
+
+
+# ---- arguments on record ---------------------------------------------------------------------------------------------
+def plain(value: Any) -> Any:
+    """Arguments as YAML/JSON-friendly values; data modules as {class_path, init_args} like jsonargparse reads."""
+    if isinstance(value, Config):
+        return dataclasses.asdict(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        if isinstance(value, (TrainArgs, EvalArgs)):
+            return fields
+        return {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": fields}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def record_arguments(function: Callable, arguments: dict) -> dict:
+    """The entry point's arguments in signature order, as plain values (written to hyperparameters.yaml)."""
+    names = inspect.signature(function).parameters
+    return {name: plain(arguments[name]) for name in names if name in arguments}
+
+
+def write_run_args(out_dir: Path, hyperparameters: dict) -> None:
+    from litgpt.checkpoint import atomic_write_text
+
+    record = {"command": [Path(sys.argv[0]).name, *sys.argv[1:]], "arguments": hyperparameters}
+    atomic_write_text(Path(out_dir) / "run_args.json", json.dumps(record, indent=2, default=str) + "\n")
+
+
+# ---- checks before anything heavy --------------------------------------------------------------------------------------
+def check_seq_length(train: TrainArgs, config: Config) -> int:
+    length = train.max_seq_length or config.block_size
+    if length > config.block_size:
+        raise UserError(
+            f"--train.max_seq_length {length} is longer than the model's block size {config.block_size}: "
+            f"use at most {config.block_size}."
+        )
+    if length < 1:
+        raise UserError(f"--train.max_seq_length must be at least 1, got {length}.")
+    return length
+
+
+def check_limits(train: TrainArgs) -> None:
+    for name in ("max_steps", "max_tokens", "epochs", "save_interval"):
+        value = getattr(train, name)
+        if value is not None and value < 1:
+            raise UserError(f"--train.{name} must be at least 1, got {value}.")
+    if train.log_interval < 1:
+        raise UserError(f"--train.log_interval must be at least 1, got {train.log_interval}.")
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------------
+def prepare_data(fabric, data, tokenizer, max_seq_length: int, prompt_style=None):
+    """Tokenize once (rank 0 first, the others then find the cache) and return (train, val) datasets."""
+    data.connect(tokenizer, max_seq_length, prompt_style)
+    with fabric.rank_zero_first():
+        data.prepare()
+    return data.train_dataset(), data.val_dataset()
+
+
+# ---- optimizer -----------------------------------------------------------------------------------------------------------
+def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parameter], device: torch.device):
+    """An optimizer from a name ("AdamW") or {"class_path": ..., "init_args": {...}}; fused AdamW where supported."""
+    if isinstance(spec, str):
+        class_path, init_args = spec, {}
+    elif isinstance(spec, dict) and "class_path" in spec:
+        class_path, init_args = spec["class_path"], dict(spec.get("init_args") or {})
+    else:
+        raise UserError(f"--optimizer must be a name such as AdamW or a class_path/init_args mapping, got {spec!r}.")
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name or "torch.optim"), class_name)
+    except (ImportError, AttributeError):
+        raise UserError(f"--optimizer {class_path!r} is not an optimizer class (e.g. AdamW, torch.optim.SGD).") from None
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in init_args and device.type in ("cuda", "cpu"):
+        init_args["fused"] = True
+    try:
+        return cls([p for p in parameters if p.requires_grad], **init_args)
+    except TypeError as error:
+        raise UserError(f"--optimizer {class_path}: {error}") from None
+
+
+def base_learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+# ---- resume ---------------------------------------------------------------------------------------------------------------
+def restore_training_state(folder: Path, optimizer, state) -> None:
+    """Load the optimizer, the loop's position and the RNG from a checkpoint folder into the run."""
+    from litgpt.checkpoint import TRAINING_STATE_FILE
+
+    path = Path(folder) / TRAINING_STATE_FILE
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+    except Exception as error:  # a truncated or foreign file
+        raise UserError(f"Cannot resume from {str(path)!r}: {str(error).strip().splitlines()[0]}") from None
+    for key, value in saved["train_state"].items():
+        setattr(state, key, value)
+    torch.set_rng_state(saved["rng"])
+
+
+def load_logger(logger_name: str, out_dir: Path, run_name: str):
+    from litgpt.loggers import build_logger
+
+    return build_logger(logger_name, out_dir, run_name)
+
+
+def default_tokenizer_dir(tokenizer_dir: Optional[Path], data, checkpoint_dir: Optional[Path]) -> Path:
+    if tokenizer_dir is not None:
+        return Path(tokenizer_dir)
+    if checkpoint_dir is not None:
+        return Path(checkpoint_dir)
+    bundled = getattr(data, "tokenizer_dir", None)
+    if bundled is not None:
+        return Path(bundled)
+    raise UserError("Pretraining needs a tokenizer: pass --tokenizer_dir (a folder with tokenizer.json).")
+
+
+# ---- the common path of every entry point --------------------------------------------------------------------------------
+def train_model(
+    fabric,
+    *,
+    config: Config,
+    out_dir: Path,
+    resume,
+    data,
+    train: TrainArgs,
+    eval: EvalArgs,
+    optimizer_spec,
+    tokenizer_dir: Path,
+    seed: int,
+    profile: bool,
+    hyperparameters: dict,
+    precision: str,
+    build_model: Callable[[Optional[Path]], torch.nn.Module],
+    checkpoint_weights: Callable[[torch.nn.Module], dict],
+    weights_file: str,
+    prompt_style=None,
+) -> dict:
+    """Check the inputs, prepare the data, build the model with `build_model(resume_dir)`, and train it.
+
+    `build_model` returns the model on the CPU or meta device with its weights loaded (from the resume folder when
+    one is given) and with requires_grad set on the parameters to train.
+    """
+    from litgpt.checkpoint import resolve_resume
+    from litgpt.data.base import MicroBatches
+    from litgpt.parallel import apply_activation_checkpointing
+    from litgpt.tokenizer import Tokenizer, check_vocab_fits
+    from litgpt.training import Run, TrainState, fit
+
+    resume_dir = resolve_resume(out_dir, resume)
+    max_seq_length = check_seq_length(train, config)
+    tokenizer = Tokenizer(tokenizer_dir)
+    check_vocab_fits(tokenizer, config, tokenizer_dir)
+    train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
+    fabric.seed_everything(seed)
+    train_data, val_data = prepare_data(fabric, data, tokenizer, max_seq_length, prompt_style)
+
+    model = build_model(resume_dir)
+    if precision in ("32-true", "bf16-mixed", "16-mixed"):
+        # Master weights in float32 even when the checkpoint stores half precision (quantized ones stay as they are).
+        for param in model.parameters():
+            if param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(build_optimizer(optimizer_spec, model.parameters(), fabric.device))
+    base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
+    state = TrainState()
+    if resume_dir is not None:
+        restore_training_state(resume_dir, optimizer, state)
+    if fabric.global_rank == 0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_run_args(out_dir, hyperparameters)
+    run = Run(
+        fabric=fabric,
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        tokenizer=tokenizer,
+        train_data=MicroBatches(train_data, train.micro_batch_size, seed, fabric.global_rank, fabric.world_size),
+        val_data=val_data,
+        train=train,
+        eval=eval,
+        out_dir=Path(out_dir),
+        hyperparameters=hyperparameters,
+        base_lr=base_lr,
+        checkpoint_weights=checkpoint_weights,
+        weights_file=weights_file,
+        tokenizer_dir=tokenizer_dir,
+        state=state,
+        profile=profile,
+        precision=precision,
+    )
+    return fit(run)

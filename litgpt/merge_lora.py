@@ -1,0 +1,154 @@
+"""`litgpt merge_lora`: fold the adapters of a LoRA finetuning run into its base weights, giving a plain checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from litgpt.errors import UserError
+
+LORA_WEIGHTS_FILE = "lit_model.pth.lora"
+HPARAMS_FILE = "hyperparameters.yaml"
+
+PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "float32": torch.float32,
+    "16-true": torch.float16,
+    "16": torch.float16,
+    "float16": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def merge_lora(
+    checkpoint_dir: Path, pretrained_checkpoint_dir: Optional[Path] = None, precision: Optional[str] = None
+) -> None:
+    """Merge the LoRA adapters of a finetuning run into the base weights and write a plain lit_model.pth beside them.
+
+    The result is an ordinary litgpt checkpoint folder: `litgpt generate`, `litgpt chat` and
+    `litgpt convert_from_litgpt` work on it. The base weights are read memory-mapped; the output is written under a
+    temporary name and renamed, so an interrupted merge leaves no partial lit_model.pth.
+
+    Args:
+        checkpoint_dir: The output folder of a LoRA finetuning run: it holds lit_model.pth.lora (the adapters),
+            hyperparameters.yaml (with the base checkpoint_dir and the lora_* settings), model_config.yaml and the
+            tokenizer files.
+        pretrained_checkpoint_dir: The base model's checkpoint folder (default: the checkpoint_dir recorded in
+            hyperparameters.yaml).
+        precision: The dtype of the merged weights: 32-true, 16-true or bf16-true (also float32, float16,
+            bfloat16). Default: the base checkpoint's dtype.
+    """
+    from litgpt.checkpoint import (
+        CONFIG_FILE,
+        TOKENIZER_FILES,
+        WEIGHTS_FILE,
+        find_checkpoint_dir,
+        load_state_dict,
+        meta_device,
+        save_state_dict,
+    )
+    from litgpt.config import Config
+    from litgpt.lora import LoRASettings, add_lora, load_base_weights, load_lora_weights, plain_state_dict
+    from litgpt.model import GPT
+
+    # ---- every check before anything is read in bulk or written ----
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise UserError(
+            f"Folder {str(checkpoint_dir)!r} does not exist; pass the output folder of a LoRA finetuning run."
+        )
+    output = checkpoint_dir / WEIGHTS_FILE
+    if output.exists():
+        raise UserError(
+            f"{str(checkpoint_dir)!r} already holds a merged {WEIGHTS_FILE}: nothing to do "
+            f"(delete it to merge {LORA_WEIGHTS_FILE} again)."
+        )
+    lora_path = checkpoint_dir / LORA_WEIGHTS_FILE
+    if not lora_path.is_file():
+        raise UserError(
+            f"{str(checkpoint_dir)!r} has no {LORA_WEIGHTS_FILE}: it is not the output folder of a LoRA finetuning run."
+        )
+    if precision is not None and precision not in PRECISION_DTYPES:
+        raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISION_DTYPES)}.")
+    hparams = read_hparams(checkpoint_dir)
+    hparams_source = str(checkpoint_dir / HPARAMS_FILE)
+    settings = LoRASettings.from_hparams(hparams, source=hparams_source)
+    if pretrained_checkpoint_dir is None:
+        recorded = hparams.get("checkpoint_dir")
+        if not recorded:
+            raise UserError(
+                f"{hparams_source} does not record the base checkpoint_dir; pass --pretrained_checkpoint_dir BASE_DIR."
+            )
+        pretrained_checkpoint_dir = Path(str(recorded))
+    base_dir = Path(pretrained_checkpoint_dir)
+    if not base_dir.is_dir():
+        raise UserError(
+            f"The base checkpoint folder {str(base_dir)!r} does not exist; pass the folder the run was finetuned from "
+            "with --pretrained_checkpoint_dir."
+        )
+    base_dir = find_checkpoint_dir(base_dir)
+    config_dir = checkpoint_dir if (checkpoint_dir / CONFIG_FILE).is_file() else base_dir
+    config = Config.from_checkpoint(config_dir)
+
+    # ---- build the adapted model on meta, take the memory-mapped base tensors, load the adapters ----
+    with meta_device():
+        model = GPT(config)
+    add_lora(model, settings)
+    base_path = base_dir / WEIGHTS_FILE
+    load_base_weights(model, load_state_dict(base_path), source=str(base_path))
+    adapters = load_state_dict(lora_path)
+    if set(adapters) == {"model"} and isinstance(adapters["model"], dict):
+        adapters = adapters["model"]
+    load_lora_weights(model, adapters, source=str(lora_path))
+
+    merged = plain_state_dict(model)
+    if precision is not None:
+        merged = cast_floating(merged, PRECISION_DTYPES[precision])
+    save_state_dict(merged, output)
+
+    # A plain checkpoint folder also needs its config and tokenizer: take those the run folder lacks from the base.
+    copied = []
+    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+        if not (checkpoint_dir / name).exists() and (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, checkpoint_dir / name)
+            copied.append(name)
+    note = f"; copied {', '.join(copied)} from the base" if copied else ""
+    print(f"Merged {len(adapters)} LoRA tensors of {lora_path} into the weights of {base_path}: wrote {output}{note}")
+
+
+def read_hparams(checkpoint_dir: Path) -> dict:
+    path = Path(checkpoint_dir) / HPARAMS_FILE
+    if not path.is_file():
+        raise UserError(
+            f"{str(checkpoint_dir)!r} has no {HPARAMS_FILE}: the LoRA settings and the base checkpoint_dir are read "
+            "from it."
+        )
+    try:
+        hparams = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UserError(f"{str(path)!r} is not valid YAML: {error}".splitlines()[0]) from None
+    if not isinstance(hparams, dict):
+        raise UserError(f"{str(path)!r} must hold a mapping of hyperparameters.")
+    return hparams
+
+
+def cast_floating(state_dict: dict, dtype: torch.dtype) -> dict:
+    """Cast floating-point tensors to `dtype`; tensors that shared memory (tied weights) still share it after."""
+    cast: dict[tuple, torch.Tensor] = {}
+    result = {}
+    for key, tensor in state_dict.items():
+        if not tensor.is_floating_point():
+            result[key] = tensor
+            continue
+        identity = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+        if identity not in cast:
+            cast[identity] = tensor.to(dtype)
+        result[key] = cast[identity]
+    return result

@@ -1,0 +1,116 @@
+"""`litgpt pretrain`: train a model from scratch, or continue pretraining from a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.data.base import DataModule
+from litgpt.errors import UserError
+from litgpt.loggers import LoggerName
+
+
+def setup(
+    model_name: Optional[str] = None,
+    model_config: Optional[Config] = None,
+    out_dir: Path = Path("out/pretrain"),
+    precision: Optional[str] = None,
+    initial_checkpoint_dir: Optional[Path] = None,
+    resume: Union[bool, Literal["auto"], Path] = False,
+    data: Optional[DataModule] = None,
+    train: TrainArgs = TrainArgs(
+        save_interval=1000,
+        log_interval=1,
+        global_batch_size=512,
+        micro_batch_size=4,
+        max_tokens=int(3e12),
+        max_norm=1.0,
+        min_lr=4e-5,
+        lr_warmup_steps=2000,
+    ),
+    eval: EvalArgs = EvalArgs(interval=1000, max_iters=100),
+    optimizer: Union[str, dict] = "AdamW",
+    devices: Union[int, str] = "auto",
+    num_nodes: int = 1,
+    tokenizer_dir: Optional[Path] = None,
+    logger_name: LoggerName = "csv",
+    seed: int = 42,
+    profile: bool = False,
+) -> None:
+    """Pretrain a model.
+
+    Args:
+        model_name: A registered model name (`litgpt download list`), or leave out and give --model_config.
+        model_config: The model's config fields (in YAML under `model_config:`), instead of a name.
+        out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
+        initial_checkpoint_dir: Start from these weights (continued pretraining) instead of a random init.
+        resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
+        data: The data module (default: the bundled tiny corpus, `Tiny`).
+        train: Training schedule and batch sizes.
+        eval: Validation settings.
+        optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).
+        devices: Devices per node (an int, or "auto").
+        num_nodes: Nodes of the run.
+        tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
+        logger_name: csv, tensorboard or wandb (offline).
+        seed: Seed of the initialization and of the data order.
+        profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
+    """
+    from litgpt.launch import check_limits, default_tokenizer_dir, load_logger, record_arguments
+    from litgpt.parallel import build_fabric, default_precision
+
+    hyperparameters = record_arguments(setup, locals())
+    check_limits(train)
+    if model_config is not None and model_name is not None:
+        raise UserError("Give either a model name or --model_config, not both.")
+    if initial_checkpoint_dir is not None:
+        from litgpt.checkpoint import find_checkpoint_dir
+
+        find_checkpoint_dir(initial_checkpoint_dir)
+    if model_config is not None:
+        config = model_config
+    elif model_name is not None:
+        config = Config.from_name(model_name)
+    elif initial_checkpoint_dir is not None:
+        config = Config.from_checkpoint(initial_checkpoint_dir)
+    else:
+        raise UserError("Name a model to pretrain (e.g. `litgpt pretrain pythia-14m`) or give --model_config / --config.")
+    if data is None:
+        from litgpt.data import Tiny
+
+        data = Tiny()
+    tokenizer_dir = default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
+
+    logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
+    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger])
+    fabric.launch(
+        main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
+        seed, profile, hyperparameters, precision or default_precision(),
+    )
+
+
+def main(fabric, config, out_dir, initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
+         seed, profile, hyperparameters, precision) -> None:
+    from litgpt.checkpoint import WEIGHTS_FILE, load_model_weights, load_state_dict
+    from litgpt.launch import train_model
+    from litgpt.model import GPT
+
+    def build_model(resume_dir: Optional[Path]):
+        with fabric.init_module(empty_init=False):
+            model = GPT(config)
+        model.init_weights()  # seeded by train_model
+        source = resume_dir or initial_checkpoint_dir
+        if source is not None:
+            path = Path(source) / WEIGHTS_FILE
+            load_model_weights(model, load_state_dict(path), str(path))
+        return model
+
+    train_model(
+        fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
+        optimizer_spec=optimizer, tokenizer_dir=tokenizer_dir, seed=seed, profile=profile,
+        hyperparameters=hyperparameters, precision=precision, build_model=build_model,
+        checkpoint_weights=lambda model: model.state_dict(), weights_file=WEIGHTS_FILE,
+    )

@@ -1,0 +1,352 @@
+"""The training loop every entry point shares: accumulation, clipping, schedule, validation, logging, checkpoints.
+
+An entry point builds a `Run` (model, optimizer, data, arguments, what a checkpoint stores) and calls `fit`. The loop
+owns nothing else, so pretraining, full finetuning and LoRA differ only in how they build the Run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset, collate
+from litgpt.errors import UserError
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved with every checkpoint so a resumed run continues exactly."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    epoch_position: int = 0  # micro-batches of this rank consumed in the current epoch
+    tokens: int = 0  # tokens trained on, all ranks together
+    train_seconds: float = 0.0  # time spent in steps, over every session of the run
+
+
+@dataclass
+class Run:
+    fabric: Any
+    model: torch.nn.Module  # set up by Fabric
+    optimizer: torch.optim.Optimizer  # set up by Fabric
+    config: Config
+    tokenizer: Any
+    train_data: MicroBatches
+    val_data: SampleDataset
+    train: TrainArgs
+    eval: EvalArgs
+    out_dir: Path
+    hyperparameters: dict
+    base_lr: float
+    # What a checkpoint stores as weights: the model's state dict, or only the LoRA adapters.
+    checkpoint_weights: Callable[[torch.nn.Module], dict]
+    weights_file: str = "lit_model.pth"
+    tokenizer_dir: Optional[Path] = None  # its files are copied into every checkpoint
+    state: TrainState = field(default_factory=TrainState)
+    profile: bool = False
+    precision: str = "32-true"
+    sharding: str = "none"
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPT inside Fabric's wrapper."""
+    return getattr(model, "module", model)
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr` at `total_steps`."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the positions that have a label (0, not NaN, when none has: a fully masked batch)."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def validation_batches(run: Run) -> MicroBatches:
+    """The validation set in a fixed order, in micro-batches no larger than it allows."""
+    world = run.fabric.world_size
+    if len(run.val_data) < world:
+        raise UserError(
+            f"The validation set has {len(run.val_data)} samples, fewer than the {world} devices: add validation data."
+        )
+    size = min(run.train.micro_batch_size, len(run.val_data) // world)
+    return MicroBatches(run.val_data, size, seed=0, rank=run.fabric.global_rank, world_size=world, shuffle=False)
+
+
+@torch.no_grad()
+def validate(run: Run) -> float:
+    model = run.model
+    model.eval()
+    batches = validation_batches(run)
+    losses = []
+    iters = min(run.eval.max_iters, batches.per_epoch)
+    for _, _, batch in itertools.islice(batches.iterate(), iters):
+        logits = model(run.fabric.to_device(batch["input_ids"]))
+        losses.append(loss_fn(logits, run.fabric.to_device(batch["labels"])))
+    loss = torch.stack(losses).mean()
+    loss = run.fabric.all_reduce(loss, reduce_op="mean")
+    model.train()
+    return loss.item()
+
+
+def sample_text(run: Run) -> str:
+    """A short greedy continuation of the start of a validation sample, to watch the model learn."""
+    from litgpt.generate import generate
+
+    model = unwrap(run.model)
+    prompt = run.val_data[0]["input_ids"][:16]
+    model.eval()
+    tokens = list(generate(model, prompt, run.eval.max_new_tokens, temperature=0.0, stop_ids=run.tokenizer.stop_ids))
+    model.clear_kv_cache()
+    model.train()
+    return run.tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def flops_per_token(config: Config, seq_length: int, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs per token as PaLM counts them: 6N (forward + backward) plus the attention scores term.
+
+    With frozen weights (LoRA) the weight-gradient third of the backward is skipped for them.
+    """
+    n = sum(p.numel() for name, p in _parameter_shapes(config) if "wte" not in name)
+    matmul = 2 * n * (2 + trainable_fraction)
+    attention = 12 * config.n_layer * config.n_head * config.head_size * seq_length
+    return matmul + attention
+
+
+def _parameter_shapes(config: Config):
+    from litgpt.checkpoint import meta_device
+    from litgpt.model import GPT
+
+    with meta_device():
+        return list(GPT(config).named_parameters())
+
+
+def fit(run: Run) -> dict:
+    """Train until the step limit, validating, logging and checkpointing on the way; returns the run's metrics."""
+    fabric, model, optimizer, state = run.fabric, run.model, run.optimizer, run.state
+    train, world = run.train, fabric.world_size
+    accumulation = train.gradient_accumulation_iters(world)
+    if run.train_data.per_epoch < accumulation:
+        raise UserError(
+            f"The training set has {len(run.train_data.dataset)} samples, fewer than one global batch "
+            f"({train.global_batch_size}): add data or lower --train.global_batch_size."
+        )
+    validation_batches(run)  # fail before training, not after it, when the validation set is unusable
+    seq_length = run.train_data.dataset[0]["input_ids"].numel()
+    total_steps = train.total_steps(run.train_data.per_epoch / accumulation, seq_length)
+    batches = run.train_data.iterate(state.epoch, state.epoch_position)
+    per_epoch = run.train_data.per_epoch
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_fraction = sum(p.numel() for p in trainable) / sum(p.numel() for p in model.parameters())
+
+    fabric.print(
+        f"Training {total_steps} steps from step {state.step}: global batch {train.global_batch_size} = "
+        f"{world} device(s) x micro batch {train.micro_batch_size} x {accumulation} accumulation, "
+        f"{sum(p.numel() for p in trainable):,} trainable parameters."
+    )
+    if run.eval.initial_validation and state.step == 0:
+        fabric.print(f"step 0 | val loss {validate(run):.4f}")
+
+    profiler = start_profiler(run) if run.profile else None
+    progress = progress_bar(fabric, total_steps, state.step)
+    val_loss = None
+    window_loss = torch.zeros((), device=fabric.device)
+    window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
+    while state.step < total_steps:
+        step_start = time.perf_counter()
+        lr = lr_at(state.step, run.base_lr, train.lr_warmup_steps, total_steps, train.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(accumulation):
+            epoch, index, batch = next(batches)
+            input_ids = fabric.to_device(batch["input_ids"])
+            labels = fabric.to_device(batch["labels"])
+            with fabric.no_backward_sync(model, enabled=micro < accumulation - 1):
+                loss = loss_fn(model(input_ids), labels)
+                fabric.backward(loss / accumulation)
+            window_loss += loss.detach() / accumulation
+            state.epoch, state.epoch_position = (epoch + 1, 0) if index + 1 == per_epoch else (epoch, index + 1)
+            state.tokens += input_ids.numel() * world
+        if train.max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        window_steps += 1
+        state.train_seconds += time.perf_counter() - step_start
+        if profiler is not None:
+            profiler.step()
+        progress.update(1)
+
+        if state.step % train.log_interval == 0 or state.step == total_steps:
+            loss_value = (fabric.all_reduce(window_loss, reduce_op="mean") / window_steps).item()  # the one sync
+            elapsed = time.perf_counter() - window_start
+            tokens_per_second = (state.tokens - window_tokens) / elapsed
+            metrics = {
+                "loss": loss_value, "lr": lr, "tokens": state.tokens, "epoch": state.epoch,
+                "tokens_per_sec": tokens_per_second, "peak_memory_mb": peak_memory_bytes(fabric.device) / 2**20,
+            }
+            fabric.log_dict(metrics, step=state.step)
+            progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+            progress.write(
+                f"step {state.step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                f"{tokens_per_second:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB"
+            ) if fabric.global_rank == 0 else None
+            window_loss.zero_()
+            window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
+
+        last = state.step == total_steps
+        if (state.step % run.eval.interval == 0 and not last) or (last and run.eval.final_validation):
+            val_loss = validate(run)
+            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=state.step)
+            progress.write(f"step {state.step} | val loss {val_loss:.4f}") if fabric.global_rank == 0 else None
+            if run.eval.max_new_tokens and fabric.global_rank == 0:
+                progress.write(f"sample: {sample_text(run)!r}")
+        if train.save_interval is not None and state.step % train.save_interval == 0 and not last:
+            save_checkpoint(run, f"step-{state.step:06d}")
+    progress.close()
+    if profiler is not None:
+        stop_profiler(run, profiler)
+    save_checkpoint(run, f"step-{state.step:06d}")
+    save_checkpoint(run, "final", with_training_state=False)
+    metrics = run_metrics(run, val_loss, seq_length, trainable_fraction)
+    if fabric.global_rank == 0:
+        write_json(run.out_dir / "metrics.json", metrics)
+        fabric.print(f"Saved the final checkpoint to {run.out_dir / 'final'}")
+        fabric.print(f"Try it: litgpt generate {run.out_dir / 'final'} --prompt \"Once upon a time\"")
+    return metrics
+
+
+def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_fraction: float) -> dict:
+    fabric, state = run.fabric, run.state
+    tokens_per_sec = state.tokens / state.train_seconds if state.train_seconds else 0.0
+    flops = flops_per_token(run.config, seq_length, trainable_fraction) * tokens_per_sec
+    device = fabric.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {
+        "steps": state.step,
+        "tokens": state.tokens,
+        "train_seconds": round(state.train_seconds, 3),
+        "tokens_per_sec": round(tokens_per_sec, 1),
+        "samples_per_sec": round(tokens_per_sec / seq_length, 3),
+        "model_flops_per_sec": flops,
+        "mfu": flops / (GPU_PEAK_FLOPS[device_name] * fabric.world_size) if device_name in GPU_PEAK_FLOPS else None,
+        "val_loss": val_loss,
+        "world_size": fabric.world_size,
+        "num_nodes": getattr(fabric, "num_nodes", 1),
+        "sharding_strategy": run.sharding,
+        "precision": run.precision,
+        "device": device_name,
+        "peak_memory_mb": round(peak_memory_bytes(device) / 2**20, 1),
+    }
+
+
+# Dense bf16 peak FLOP/s of the GPUs we quote MFU for.
+GPU_PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def progress_bar(fabric, total: int, initial: int):
+    from tqdm import tqdm
+
+    # Only on an interactive terminal: in log files (CI, Slurm) the log lines say it all.
+    show = fabric.global_rank == 0 and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, disable=not show, unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=1.0)
+
+
+# ---- profiling ----------------------------------------------------------------------------------------------------------
+def start_profiler(run: Run):
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                       record_shapes=True, with_stack=False)
+    profiler.start()
+    return profiler
+
+
+def stop_profiler(run: Run, profiler) -> None:
+    profiler.stop()
+    if run.fabric.global_rank == 0:
+        path = run.out_dir / "profile" / f"trace-rank{run.fabric.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            profiler.export_chrome_trace(str(path))
+        except RuntimeError:
+            print("The run ended before the profiler recorded its steps (it skips 2, records 3).", file=sys.stderr)
+            return
+        print(f"Wrote a profiler trace (chrome://tracing, Perfetto or TensorBoard) to {path}", file=sys.stderr)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------------
+def save_checkpoint(run: Run, name: str, with_training_state: bool = True) -> None:
+    """Write out_dir/<name>/ under a temporary name and rename it into place when complete."""
+    from litgpt.checkpoint import copy_tokenizer_files, publish_dir, save_state_dict
+
+    fabric = run.fabric
+    weights = run.checkpoint_weights(unwrap(run.model))
+    if fabric.global_rank == 0:
+        with publish_dir(run.out_dir / name) as folder:
+            save_state_dict(weights, folder / run.weights_file)
+            run.config.save(folder / "model_config.yaml")
+            write_yaml(folder / "hyperparameters.yaml", run.hyperparameters)
+            if run.tokenizer_dir is not None:
+                copy_tokenizer_files(run.tokenizer_dir, folder)
+            if with_training_state:
+                torch.save(
+                    {
+                        "optimizer": run.optimizer.state_dict(),
+                        "train_state": asdict(run.state),
+                        "rng": torch.get_rng_state(),
+                    },
+                    folder / "training_state.pth",
+                )
+    fabric.barrier()
+
+
+def write_json(path: Path, values: dict) -> None:
+    from litgpt.checkpoint import atomic_write_text
+
+    atomic_write_text(path, json.dumps(values, indent=2, default=str) + "\n")
+
+
+def write_yaml(path: Path, values: dict) -> None:
+    import yaml
+
+    from litgpt.checkpoint import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(values, sort_keys=False))

@@ -1,0 +1,198 @@
+"""QLoRA: a bitsandbytes-quantized frozen base with float adapters that train.
+
+Tests that need bitsandbytes are skipped, with the reason, only when it cannot be imported
+(`pip install 'litgpt[quantize]'` installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from litgpt.config import Config
+from litgpt.errors import UserError
+from litgpt.lora import LoRALinear, LoRASettings, add_lora, lora_state_dict, mark_only_lora_as_trainable, merge_lora_weights
+from litgpt.model import GPT
+from litgpt import quantize
+from litgpt.quantize import QUANTIZE_MODES, check_quantize_mode, quantize_frozen_base, weight_bytes
+
+HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
+if HAVE_BNB:
+    try:
+        import bitsandbytes as bnb
+    except Exception as error:  # installed but broken
+        HAVE_BNB, BNB_PROBLEM = False, f"bitsandbytes does not import: {error}"
+else:
+    BNB_PROBLEM = "bitsandbytes is not installed (pip install 'litgpt[quantize]')"
+needs_bnb = pytest.mark.skipif(not HAVE_BNB, reason=BNB_PROBLEM if not HAVE_BNB else "")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: intra-op threads only cost time, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> GPT:
+    values = dict(n_layer=2, n_embd=128, n_head=4, n_query_groups=2, vocab_size=100, block_size=32, padding_multiple=64)
+    torch.manual_seed(seed)
+    model = GPT(Config(**{**values, **overrides}))
+    model.init_weights()
+    return model.to(dtype)
+
+
+def loss_of(model: GPT, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+
+
+BATCH = torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+# ---- without bitsandbytes ---------------------------------------------------------------------------------------------
+def test_missing_bitsandbytes_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` raise ImportError
+    model = make_model()
+    with pytest.raises(UserError, match=r"pip install 'litgpt\[quantize\]'"):
+        quantize_frozen_base(model, "bnb.nf4")
+    assert type(model.transformer.h[0].attn.qkv) is nn.Linear  # nothing was changed
+
+
+def test_unknown_mode():
+    with pytest.raises(UserError, match="bnb.nf4-dq"):
+        check_quantize_mode("bnb.nf3")
+
+
+# ---- with bitsandbytes ------------------------------------------------------------------------------------------------
+@needs_bnb
+@pytest.mark.parametrize("dtype, mode, at_least", [
+    (torch.float32, "bnb.nf4", 6.8),  # 32 bits -> 4 bits + one float32 scale per 64 weights
+    (torch.bfloat16, "bnb.nf4", 3.4),  # 16 bits -> 4.5 bits
+    (torch.bfloat16, "bnb.nf4-dq", 3.7),  # the scales themselves in 8 bits: about 4.13 bits
+    (torch.bfloat16, "bnb.int8", 1.9),
+])
+def test_quantized_base_takes_a_fraction_of_the_memory(dtype, mode, at_least):
+    model = make_model(dtype=dtype, n_layer=4, n_embd=256)
+    add_lora(model, LoRASettings(query=True, key=True, value=True, projection=True, mlp=True))
+    before = weight_bytes(model.transformer.h)
+    quantize_frozen_base(model, mode)
+    after = weight_bytes(model.transformer.h)
+    assert before / after >= at_least, (before, after)
+    assert before / after < at_least * 1.25, (before, after)
+    # The adapters stay in the model's float dtype.
+    assert all(value.dtype == dtype for value in lora_state_dict(model).values())
+
+
+@needs_bnb
+def test_nf4_qlora_trains_the_adapters_only():
+    model = make_model()
+    reference = make_model()
+    add_lora(model, LoRASettings(r=8, alpha=16, dropout=0.0, mlp=True, projection=True))
+    quantize_frozen_base(model, "bnb.nf4")
+    mark_only_lora_as_trainable(model)
+
+    qkv = model.transformer.h[0].attn.qkv
+    assert isinstance(qkv, LoRALinear) and qkv.weight is None
+    assert isinstance(qkv.base_layer, bnb.nn.Linear4bit) and qkv.base_layer.weight.dtype == torch.uint8
+    # The head and everything outside the blocks stay as they were.
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+
+    # Before training the quantized model is close to the float one (4-bit noise only).
+    with torch.no_grad():
+        quantized_logits, float_logits = model(BATCH), reference(BATCH)
+    assert ((quantized_logits - float_logits).norm() / float_logits.norm()) < 0.2
+
+    frozen = {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
+    assert frozen and all(".lora_" not in name for name in frozen)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    assert len(trainable) == len(lora_state_dict(model))
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(10):
+        loss = loss_of(model, BATCH)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert param.grad is None and torch.equal(param, frozen[name]), name
+        else:
+            assert param.grad is not None, name
+    assert any(torch.count_nonzero(value) for key, value in lora_state_dict(model).items() if ".lora_B" in key)
+
+    with pytest.raises(UserError, match="quantized"):
+        merge_lora_weights(model)
+
+
+@needs_bnb
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_every_mode_works_or_says_it_cannot(mode):
+    model = make_model(n_layer=1)
+    reference = make_model(n_layer=1)
+    add_lora(model, LoRASettings(r=4, dropout=0.0))
+    try:
+        quantize_frozen_base(model, mode)
+    except UserError as error:  # a mode this bitsandbytes build cannot run on this device
+        assert "cannot run" in str(error) and mode in str(error)
+        return
+    mark_only_lora_as_trainable(model)
+    loss = loss_of(model, BATCH)
+    loss.backward()
+    assert model.transformer.h[0].attn.qkv.lora_B_q.grad is not None
+    with torch.no_grad():
+        error = (model(BATCH) - reference(BATCH)).norm() / reference(BATCH).norm()
+    assert error < 0.25, error
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    model.eval()
+    with torch.no_grad():  # inference after training (the path generation takes)
+        assert torch.isfinite(model(BATCH)).all()
+
+
+@needs_bnb
+def test_plain_model_router_and_head_stay_float():
+    model = make_model(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=64)
+    quantize_frozen_base(model, "bnb.nf4-dq")
+    mlp = model.transformer.h[0].mlp
+    assert type(mlp.gate) is nn.Linear and mlp.gate.weight.dtype == torch.float32
+    assert isinstance(mlp.experts[3].fc_2, bnb.nn.Linear4bit)
+    assert isinstance(model.transformer.h[1].attn.proj, bnb.nn.Linear4bit)
+    assert type(model.lm_head) is nn.Linear
+    assert torch.isfinite(model(BATCH)).all()
+    # The names of the base weights do not change.
+    assert "transformer.h.0.mlp.experts.3.fc_2.weight" in dict(model.named_parameters())
+    with pytest.raises(RuntimeError, match="already quantized"):
+        quantize_frozen_base(model, "bnb.nf4-dq")
+
+
+@needs_bnb
+def test_a_mode_the_device_cannot_run_is_a_user_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device\nsecond line")
+
+    quantize._probe.cache_clear()
+    monkeypatch.setattr(quantize, "quantized_linear", broken)
+    model = make_model(n_layer=1)
+    try:
+        with pytest.raises(UserError, match=r"cannot run --quantize bnb\.fp4 with float32 weights on cpu: no kernel") as info:
+            quantize_frozen_base(model, "bnb.fp4")
+    finally:
+        quantize._probe.cache_clear()
+    assert "\n" not in str(info.value)
+    assert type(model.transformer.h[0].attn.qkv) is nn.Linear
+
+
+@needs_bnb
+def test_meta_model_is_refused():
+    with torch.device("meta"):
+        model = GPT(Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, padding_multiple=64))
+    with pytest.raises(RuntimeError, match="meta"):
+        quantize_frozen_base(model, "bnb.nf4")
