@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
 }
 
+# Commands whose first argument may be given without its flag (`litgpt pretrain pythia-14m`).
+OPTIONAL_POSITIONAL = {"pretrain": "model_name"}
+
 
 def print_commands() -> None:
     width = max(len(name) for name in COMMANDS)
@@ -53,16 +56,22 @@ def run_command(name: str, args: list[str]) -> None:
 
     from litgpt.errors import UserError
 
+    from jsonargparse import ArgumentError
+
     module_name, function_name = COMMANDS[name][0].split(":")
     function = getattr(importlib.import_module(module_name), function_name)
+    if name in OPTIONAL_POSITIONAL and args and not args[0].startswith("-"):
+        args = [f"--{OPTIONAL_POSITIONAL[name]}", *args]
     try:
-        CLI(function, args=args, prog=f"litgpt {name}", as_positional=True)
+        CLI(function, args=args, prog=f"litgpt {name}", as_positional=True, exit_on_error=False)
+    except ArgumentError as error:
+        # jsonargparse spreads one problem over indented lines; join them into one.
+        message = " ".join(line.strip() for line in str(error).strip().splitlines())
+        print(f"litgpt {name}: error: {message} (`litgpt {name} --help` lists the options)", file=sys.stderr)
+        sys.exit(1)
     except UserError as error:
         print(f"litgpt {name}: error: {error}", file=sys.stderr)
         sys.exit(1)
-    except SystemExit as exit_:
-        # argparse exits with 2 on bad arguments; every bad input exits with 1 here.
-        sys.exit(1 if exit_.code == 2 else exit_.code)
     except KeyboardInterrupt:
         print(f"litgpt {name}: interrupted", file=sys.stderr)
         sys.exit(130)

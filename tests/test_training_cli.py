@@ -1,0 +1,140 @@
+"""The training commands as users type them: the bundled recipe, finetuning from YAML/flags, bad input, --profile."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from litgpt.checkpoint import save_state_dict
+from litgpt.config import Config
+from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+from litgpt.model import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--train.max_steps", "2", "--train.log_interval", "1", "--eval.max_iters", "1", "--eval.max_new_tokens", "4"]
+
+
+def litgpt(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env_args = [sys.executable, "-m", "litgpt", *map(str, args)]
+    return subprocess.run(env_args, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    model = GPT(Config(name="cli-test", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=1, n_embd=32,
+                       n_head=2, intermediate_size=64, prompt_style="alpaca"))
+    model.init_weights()
+    save_state_dict(model.state_dict(), folder / "lit_model.pth")
+    model.config.save(folder / "model_config.yaml")
+    for file in TOKENIZER_DIR.iterdir():
+        shutil.copy2(file, folder / file.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sft") / "data.json"
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:20]
+    path.write_text(json.dumps([{"instruction": "Tell a story.", "output": s[:150]} for s in stories]))
+    return path
+
+
+def test_bundled_recipe_runs_and_ends_with_a_sample(tmp_path):
+    result = litgpt("pretrain", "--config", "config_hub/pretrain/tiny.yaml", "--out_dir", tmp_path / "out",
+                    "--data.cache_dir", tmp_path / "cache", *FAST)
+    assert result.returncode == 0, result.stderr
+    assert "sample:" in result.stdout and "litgpt generate" in result.stdout
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["tokens"] == 2 * 8 * 256
+    generated = litgpt("generate", tmp_path / "out" / "final", "--prompt", "Once upon a time", "--max_new_tokens", "5")
+    assert generated.returncode == 0, generated.stderr
+
+
+@pytest.mark.parametrize("command", ["finetune_full", "finetune_lora", "finetune"])
+def test_finetune_commands_from_flags(command, tmp_path, base, instructions):
+    result = litgpt(command, base, "--out_dir", tmp_path / "out", "--data", "JSON", "--data.json_path", instructions,
+                    "--data.val_split_fraction", "0.2", "--train.global_batch_size", "2", "--train.micro_batch_size",
+                    "1", "--train.max_seq_length", "128", *FAST)
+    assert result.returncode == 0, result.stderr
+    final = tmp_path / "out" / "final"
+    assert (final / "lit_model.pth").is_file()  # LoRA runs merge into the final checkpoint
+    if command != "finetune_full":
+        assert (final / "lit_model.pth.lora").is_file()
+        assert (final / "hyperparameters.yaml").read_text().count("lora_r: 8") == 1
+
+
+def test_profile_writes_a_trace(tmp_path, base, instructions):
+    result = litgpt("finetune_full", base, "--out_dir", tmp_path / "out", "--data", "JSON", "--data.json_path",
+                    instructions, "--data.val_split_fraction", "0.2", "--train.global_batch_size", "1",
+                    "--train.micro_batch_size", "1", "--train.max_steps", "6", "--eval.max_iters", "1",
+                    "--eval.max_new_tokens", "0", "--profile", "true")
+    assert result.returncode == 0, result.stderr
+    trace = tmp_path / "out" / "profile" / "trace-rank0.json"
+    assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
+
+
+# ---- bad input: one clear line, exit code 1, nothing on disk lost ------------------------------------------------------------
+def test_malformed_jsonl_names_file_and_line(tmp_path, base):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
+    assert_clean_failure(litgpt("finetune_lora", base, "--out_dir", tmp_path / "o", "--data", "JSON",
+                                "--data.json_path", data, "--data.val_split_fraction", "0.5", *FAST),
+                         "bad.jsonl", "line 2")
+
+
+def test_empty_data_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_clean_failure(litgpt("pretrain", "--config", "config_hub/pretrain/tiny.yaml", "--out_dir", tmp_path / "o",
+                                "--data", "TextFiles", "--data.train_data_path", tmp_path / "empty",
+                                "--tokenizer_dir", TOKENIZER_DIR, *FAST),
+                         "empty")
+
+
+def test_out_dir_holding_a_run_is_refused(tmp_path, base, instructions):
+    args = ["finetune_full", base, "--out_dir", tmp_path / "out", "--data", "JSON", "--data.json_path", instructions,
+            "--data.val_split_fraction", "0.2", "--train.global_batch_size", "1", "--train.micro_batch_size", "1",
+            *FAST]
+    assert litgpt(*args).returncode == 0
+    weights = (tmp_path / "out" / "final" / "lit_model.pth").read_bytes()
+    assert_clean_failure(litgpt(*args), "already holds a run", "--resume auto")
+    assert (tmp_path / "out" / "final" / "lit_model.pth").read_bytes() == weights
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--train.global_batch_size", "3", "--train.micro_batch_size", "2"], "must be a multiple"),
+        (["--train.max_seq_length", "4096"], "longer than the model's block size"),
+        (["--resume", "/nonexistent/step-000001"], "not a checkpoint folder"),
+        (["--train.micro_batch_size", "two"], "micro_batch_size"),
+        (["--precision", "fp8"], "precision"),
+        (["--logger_name", "nosuch"], "logger_name"),
+        (["--optimizer", "NoSuchOptimizer"], "NoSuchOptimizer"),
+        (["--quantize", "bnb.nf5"], "quantize"),
+    ],
+)
+def test_bad_flags(flags, message, tmp_path, base, instructions):
+    result = litgpt("finetune_lora", base, "--out_dir", tmp_path / "o", "--data", "JSON", "--data.json_path",
+                    instructions, "--data.val_split_fraction", "0.2", *FAST, *flags)
+    assert_clean_failure(result, message)
+    assert not (tmp_path / "o" / "final").exists()
+
+
+def test_missing_checkpoint_and_unknown_model(tmp_path):
+    assert_clean_failure(litgpt("finetune_lora", tmp_path / "nothing"), "does not exist")
+    assert_clean_failure(litgpt("pretrain", "Llama-3.2-1b", "--out_dir", tmp_path / "o"), "Did you mean")
