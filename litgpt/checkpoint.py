@@ -114,9 +114,11 @@ def meta_device() -> Iterator[None]:
         yield
 
 
-def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
-    """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
-    expected = model.state_dict()
+def check_weights_match(
+    expected: dict[str, torch.Size], state_dict: dict, source: str, subject: str = "The weights", fix: str = ""
+) -> None:
+    """Raise UserError naming the first missing, unexpected or misshapen key of `state_dict` against `expected`."""
+    fix = fix or "Check that model_config.yaml belongs to these weights."
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if missing or unexpected:
@@ -125,22 +127,26 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
             parts.append(f"{len(missing)} missing (first: {missing[0]})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
-        raise UserError(
-            f"The weights in {source} do not match the model config: {', '.join(parts)}. "
-            "Check that model_config.yaml belongs to these weights."
-        )
-    for key, tensor in expected.items():
-        if state_dict[key].shape != tensor.shape:
+        raise UserError(f"{subject} in {source} do not match the model config: {', '.join(parts)}. {fix}")
+    for key, shape in expected.items():
+        if state_dict[key].shape != shape:
             raise UserError(
-                f"The weights in {source} do not match the model config: {key} has shape "
-                f"{tuple(state_dict[key].shape)}, the config expects {tuple(tensor.shape)}. "
-                "Check that model_config.yaml belongs to these weights."
+                f"{subject} in {source} do not match the model config: {key} has shape "
+                f"{tuple(state_dict[key].shape)}, the config expects {tuple(shape)}. {fix}"
             )
-    model.load_state_dict(state_dict, strict=True, assign=any(p.is_meta for p in model.parameters()))
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_embeddings", False):
-        # `assign` replaces the two tied parameters separately: share them again.
+
+
+def retie_embeddings(model: torch.nn.Module) -> None:
+    """Share the output head with the embedding again (loading with `assign` replaces the two one by one)."""
+    if getattr(getattr(model, "config", None), "tie_embeddings", False):
         model.lm_head.weight = model.transformer.wte.weight
+
+
+def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
+    """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
+    check_weights_match({k: v.shape for k, v in model.state_dict().items()}, state_dict, source)
+    model.load_state_dict(state_dict, strict=True, assign=any(p.is_meta for p in model.parameters()))
+    retie_embeddings(model)
 
 
 @contextmanager

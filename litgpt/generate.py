@@ -11,26 +11,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from litgpt.errors import UserError
+from litgpt.parallel import PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from litgpt.model import GPT
     from litgpt.tokenizer import Tokenizer
 
-# Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
-# weights, so the "-mixed" variants run in the same dtype as their "-true" counterparts.
-PRECISIONS: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "32": torch.float32,
-    "float32": torch.float32,
-    "16-true": torch.float16,
-    "16-mixed": torch.float16,
-    "16": torch.float16,
-    "float16": torch.float16,
-    "bf16-true": torch.bfloat16,
-    "bf16-mixed": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------------
@@ -221,9 +207,9 @@ def resolve_precision(precision: Optional[str], device: torch.device) -> torch.d
         if device.type == "mps":
             return torch.float16
         return torch.float32
-    if precision not in PRECISIONS:
-        raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
-    return PRECISIONS[precision]
+    if precision not in PRECISION_DTYPES:
+        raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISION_DTYPES)}.")
+    return PRECISION_DTYPES[precision]
 
 
 def check_quantize(quantize: Optional[str]) -> None:

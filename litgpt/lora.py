@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litgpt.checkpoint import check_weights_match, retie_embeddings
 from litgpt.errors import UserError
 
 if TYPE_CHECKING:
@@ -336,55 +337,21 @@ def load_base_weights(model: nn.Module, state_dict: dict, source: str) -> None:
     """Load a plain (un-adapted) checkpoint into an adapted model: every non-adapter key must be there, fit, and
     nothing else may be; the first mismatch is a UserError. Adapters are left as they are. On a meta model the
     checkpoint's tensors are assigned (no copy); call `init_lora_weights` afterwards to materialize the adapters."""
-    expected = {key: value for key, value in model.state_dict().items() if not is_lora_key(key)}
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} missing (first: {missing[0]})")
-        if unexpected:
-            lora_hint = " (adapter tensors: load them with load_lora_weights)" if is_lora_key(unexpected[0]) else ""
-            problems.append(f"{len(unexpected)} unexpected (first: {unexpected[0]}{lora_hint})")
-        raise UserError(
-            f"The weights in {source} do not match the model config: {', '.join(problems)}. "
-            "Check that model_config.yaml belongs to these weights."
-        )
-    for key, tensor in expected.items():
-        if state_dict[key].shape != tensor.shape:
-            raise UserError(
-                f"The weights in {source} do not match the model config: {key} has shape "
-                f"{tuple(state_dict[key].shape)}, the config expects {tuple(tensor.shape)}. "
-                "Check that model_config.yaml belongs to these weights."
-            )
+    expected = {key: value.shape for key, value in model.state_dict().items() if not is_lora_key(key)}
+    check_weights_match(expected, state_dict, source)
     assign = any(param.is_meta for name, param in model.named_parameters() if not is_lora_key(name))
     result = model.load_state_dict(state_dict, strict=False, assign=assign)
     if result.unexpected_keys or not all(is_lora_key(key) for key in result.missing_keys):
         raise RuntimeError(f"Loading {source} left keys unloaded: {result}")
-    _retie(model)
+    retie_embeddings(model)
 
 
 def load_lora_weights(model: nn.Module, adapters: dict, source: str) -> None:
     """Copy adapter tensors (a `lora_state_dict`) into an adapted model; they must match its adapters exactly."""
-    expected = expected_lora_shapes(model)
-    missing = [key for key in expected if key not in adapters]
-    unexpected = [key for key in adapters if key not in expected]
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} missing (first: {missing[0]})")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
-        raise UserError(
-            f"The LoRA adapters in {source} do not fit the model and LoRA settings: {', '.join(problems)}. "
-            "Check the lora_* hyperparameters and the base checkpoint."
-        )
-    for key, shape in expected.items():
-        if adapters[key].shape != shape:
-            raise UserError(
-                f"The LoRA adapters in {source} do not fit the model and LoRA settings: {key} has shape "
-                f"{tuple(adapters[key].shape)}, expected {tuple(shape)}. Check lora_r and the base checkpoint."
-            )
+    check_weights_match(
+        expected_lora_shapes(model), adapters, source, subject="The LoRA adapters",
+        fix="Check the lora_* hyperparameters (e.g. lora_r) and the base checkpoint.",
+    )
     params = dict(lora_parameters(model))
     with torch.no_grad():
         for key, tensor in adapters.items():
@@ -397,12 +364,6 @@ def load_lora_weights(model: nn.Module, adapters: dict, source: str) -> None:
                 param.copy_(tensor)
     for _, layer in lora_layers(model):
         layer.merged = False
-
-
-def _retie(model: nn.Module) -> None:
-    # `assign` replaces the two tied parameters one by one: share them again.
-    if getattr(getattr(model, "config", None), "tie_embeddings", False):
-        model.lm_head.weight = model.transformer.wte.weight
 
 
 # ---- merging ---------------------------------------------------------------------------------------------------------

@@ -10,21 +10,11 @@ import torch
 import yaml
 
 from litgpt.errors import UserError
+from litgpt.parallel import PRECISION_DTYPES
 
 LORA_WEIGHTS_FILE = "lit_model.pth.lora"
 HPARAMS_FILE = "hyperparameters.yaml"
 
-PRECISION_DTYPES: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "32": torch.float32,
-    "float32": torch.float32,
-    "16-true": torch.float16,
-    "16": torch.float16,
-    "float16": torch.float16,
-    "bf16-true": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def merge_lora(

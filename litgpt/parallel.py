@@ -6,6 +6,7 @@ Entry points ask `build_fabric` for their Fabric; the model file stays free of d
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Optional, Union
 
 import torch
@@ -15,12 +16,37 @@ from litgpt.errors import UserError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
+# Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
+# weights, so the "-mixed" variants run in the same dtype as their "-true" counterparts.
+PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "float32": torch.float32,
+    "16-true": torch.float16,
+    "16-mixed": torch.float16,
+    "16": torch.float16,
+    "float16": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
 
 def default_precision() -> str:
     """bf16-mixed where the hardware supports it, else 32-true."""
     if torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     return "32-true"
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True  # not Linux: nothing to say
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def build_fabric(
@@ -41,6 +67,12 @@ def build_fabric(
         raise UserError(f"--devices must be at least 1 (or 'auto'), got {devices}.")
     if num_nodes < 1:
         raise UserError(f"--num_nodes must be at least 1, got {num_nodes}.")
+    if precision.startswith("bf16") and not torch.cuda.is_available() and not cpu_has_fast_bf16():
+        print(
+            f"Warning: --precision {precision} on a CPU without native bf16 matrix multiply (AVX512-BF16 or AMX) "
+            "runs many times slower than 32-true.",
+            file=sys.stderr,
+        )
     try:
         return Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, loggers=loggers)
     except (ValueError, RuntimeError, TypeError) as error:

@@ -206,7 +206,7 @@ BREAKS = {
     "base_without_weights": (break_base_without_weights, "has no lit_model.pth"),
     "adapter_rank": (break_adapter_rank, "has shape"),
     "adapter_targets": (break_adapter_targets, "unexpected"),
-    "base_shape": (break_base_shape, "LoRA adapters in .* do not fit"),
+    "base_shape": (break_base_shape, r"LoRA adapters in .* do not match the model config: lm_head.lora_A has shape"),
     "run_config": (break_run_config, r"weights in .* do not match the model config: \d+ missing \(first: transformer\.h\.2\."),
     "already_merged": (break_already_merged, "already holds a merged lit_model.pth"),
     "hparams_not_a_mapping": (break_hparams_not_a_mapping, "mapping"),
