@@ -542,6 +542,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed")
     parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                         help="before each run, wait up to this long for other processes to leave the CPUs alone")
+    parser.add_argument("--max-other-load", type=float, default=1.0,
+                        help="run again (see --retries) when other processes took more than this share of the CPUs")
+    parser.add_argument("--retries", type=int, default=0, help="re-runs allowed per run for --max-other-load")
     parser.add_argument("--idle-threshold", type=float, default=0.15,
                         help="the machine counts as idle below this busy share (with --wait-idle)")
     args = parser.parse_args()
@@ -564,7 +567,7 @@ def main() -> None:
     info = machine(python_ref)
     cases = build_cases(names, work, python_ref, args.precision, total_steps)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    results = []
+    results, discarded = [], []
     started = time.perf_counter()
     for case in cases:
         runs = {"ours": [], "litgpt": []}
@@ -573,10 +576,18 @@ def main() -> None:
                 if command is None:
                     continue
                 log_path = work / "logs" / f"{stamp}-{case.name}-{command.toolkit}-{repeat}.log"
-                busy_before, waited = wait_until_idle(args.idle_threshold, args.wait_idle)
-                result = run_command(command, case, args.warmup, total_steps, args.threads, work, log_path,
-                                     args.timeout)
-                result.update(repeat=repeat, busy_before=round(busy_before, 2), waited_for_idle_seconds=round(waited))
+                for attempt in range(args.retries + 1):
+                    busy_before, waited = wait_until_idle(args.idle_threshold, args.wait_idle)
+                    result = run_command(command, case, args.warmup, total_steps, args.threads, work, log_path,
+                                         args.timeout)
+                    result.update(repeat=repeat, attempt=attempt, busy_before=round(busy_before, 2),
+                                  waited_for_idle_seconds=round(waited))
+                    if (result.get("other_load") or 0) <= args.max_other_load or attempt == args.retries:
+                        break
+                    print(f"[{time.perf_counter() - started:6.0f}s] {case.name} {command.toolkit} #{repeat}: other "
+                          f"processes took {result['other_load']:.0%} of the CPUs "
+                          f"({result['tokens_per_sec']:,.0f} tokens/s); running it again", flush=True)
+                    discarded.append(dict(result, case=case.name))
                 runs[command.toolkit].append(result)
                 if "tokens_per_sec" in result:
                     print(f"[{time.perf_counter() - started:6.0f}s] {case.name:<17} {command.toolkit:<6} #{repeat}: "
@@ -620,6 +631,7 @@ def main() -> None:
             "other_load": "share of the machine's CPU time in the window used by other processes",
         },
         "results": results,
+        "discarded_busy_runs": discarded,
     }
     output.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"\nwrote {output}")

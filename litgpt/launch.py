@@ -182,6 +182,10 @@ def train_model(
     train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
     fabric.seed_everything(seed)
     train_data, val_data = prepare_data(fabric, data, tokenizer, max_seq_length, prompt_style)
+    style_used = getattr(data, "style", None)  # finetuning data records the prompt style it laid samples out in
+    if style_used is not None and style_used.name != config.prompt_style:
+        # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
+        config = dataclasses.replace(config, prompt_style=style_used.name)
 
     model = build_model(resume_dir)
     if precision in ("32-true", "bf16-mixed", "16-mixed"):

@@ -175,6 +175,7 @@ def fit(run: Run) -> dict:
     progress = progress_bar(fabric, total_steps, state.step)
     val_loss = None
     window_loss = torch.zeros((), device=fabric.device)
+    window_label_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
     window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
     while state.step < total_steps:
         step_start = time.perf_counter()
@@ -189,6 +190,7 @@ def fit(run: Run) -> dict:
                 loss = loss_fn(model(input_ids), labels)
                 fabric.backward(loss / accumulation)
             window_loss += loss.detach() / accumulation
+            window_label_tokens += (labels != IGNORE_INDEX).sum()
             state.epoch, state.epoch_position = (epoch + 1, 0) if index + 1 == per_epoch else (epoch, index + 1)
             state.tokens += input_ids.numel() * world
         if train.max_norm is not None:
@@ -216,7 +218,13 @@ def fit(run: Run) -> dict:
                 f"step {state.step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
                 f"{tokens_per_second:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB"
             ) if fabric.global_rank == 0 else None
+            if window_label_tokens.item() == 0 and fabric.global_rank == 0:
+                progress.write(
+                    f"Warning: no token of the last {window_steps} step(s) had a label, so nothing was learned: "
+                    "the prompts fill --train.max_seq_length. Raise it or shorten the prompts."
+                )
             window_loss.zero_()
+            window_label_tokens.zero_()
             window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
 
         last = state.step == total_steps
@@ -234,6 +242,9 @@ def fit(run: Run) -> dict:
     save_checkpoint(run, f"step-{state.step:06d}")
     save_checkpoint(run, "final", with_training_state=False)
     metrics = run_metrics(run, val_loss, seq_length, trainable_fraction)
+    fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
+    for logger in fabric.loggers:
+        logger.finalize("success")  # flush what the logger buffers
     if fabric.global_rank == 0:
         write_json(run.out_dir / "metrics.json", metrics)
         fabric.print(f"Saved the final checkpoint to {run.out_dir / 'final'}")
@@ -247,6 +258,11 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
     flops = flops_per_token(run.config, seq_length, trainable_fraction) * tokens_per_sec
     device = fabric.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    if device_name in GPU_PEAK_FLOPS:
+        peak, source = GPU_PEAK_FLOPS[device_name], "datasheet, dense bf16"
+    else:
+        dtype = torch.float32 if run.precision.startswith("32") else torch.bfloat16
+        peak, source = measured_matmul_flops(device, dtype), f"measured: 2048^3 {dtype} matmul on this device"
     return {
         "steps": state.step,
         "tokens": state.tokens,
@@ -254,7 +270,9 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
         "tokens_per_sec": round(tokens_per_sec, 1),
         "samples_per_sec": round(tokens_per_sec / seq_length, 3),
         "model_flops_per_sec": flops,
-        "mfu": flops / (GPU_PEAK_FLOPS[device_name] * fabric.world_size) if device_name in GPU_PEAK_FLOPS else None,
+        "mfu": flops / (peak * fabric.world_size),
+        "peak_flops_per_device": peak,
+        "peak_flops_source": source,
         "val_loss": val_loss,
         "world_size": fabric.world_size,
         "num_nodes": getattr(fabric, "num_nodes", 1),
@@ -267,6 +285,22 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
 
 # Dense bf16 peak FLOP/s of the GPUs we quote MFU for.
 GPU_PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
+    """The FLOP/s a large square matmul reaches on `device`: the hardware limit that MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up
+    runs, start = 0, time.perf_counter()
+    while runs < 2 or time.perf_counter() - start < seconds:
+        a @ b
+        runs += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if runs >= 2 and time.perf_counter() - start > 5 * seconds:
+            break  # a very slow dtype on this device (e.g. bf16 on a CPU without it): two runs say enough
+    return 2 * size**3 * runs / (time.perf_counter() - start)
 
 
 def cpu_name() -> str:

@@ -197,3 +197,28 @@ def test_cli_converts(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert max_logit_diff(load_lit(tmp_path / "hf"), hf) <= 1e-4
+
+
+def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the text model converts, the vision tower is left out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=211, sliding_window=5)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=210,
+                          boi_token_index=208, eoi_token_index=209)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    lit = load_lit(tmp_path / "hf")
+    assert lit.config.hf_model_type == "gemma3_text" and lit.config.sliding_window_pattern == 6
+    with torch.no_grad():
+        ours, theirs = lit(TOKENS), hf(input_ids=TOKENS).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4

@@ -104,6 +104,7 @@ def test_loss_falls_and_outputs_are_complete(tmp_path, text_folder):
     assert metrics["val_loss"] < 0.8 * math.log(4096), metrics
     assert metrics["steps"] == 40 and metrics["tokens"] == 40 * 4 * 32
     assert metrics["tokens_per_sec"] > 0 and metrics["world_size"] == 1 and metrics["peak_memory_mb"] > 0
+    assert 0 < metrics["mfu"] < 1.5 and metrics["peak_flops_source"].startswith("measured")
     for folder in ("step-000020", "step-000040", "final"):
         assert (out / folder / "lit_model.pth").is_file()
         assert (out / folder / "model_config.yaml").is_file()
@@ -266,3 +267,14 @@ def test_every_config_hub_recipe_parses():
         parser.add_argument("--config", action="config")
         parsed = parser.parse_args(["--config", str(recipe)])
         assert parsed is not None, recipe
+
+
+def test_tensorboard_logger_writes_events(tmp_path, text_folder):
+    pytest.importorskip("tensorboardX", reason="the test extra installs tensorboardX")
+    from litgpt.pretrain import setup
+
+    setup(model_config=Config(**SMALL), out_dir=tmp_path / "run", data=TextFiles(text_folder, cache_dir=tmp_path / "c"),
+          train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, max_seq_length=32, lr_warmup_steps=1),
+          eval=EvalArgs(interval=1000, max_iters=1), devices=1, tokenizer_dir=TOKENIZER_DIR, logger_name="tensorboard")
+    events = list((tmp_path / "run" / "logs").rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

@@ -110,9 +110,25 @@ def family_of(model_type: str, where: str) -> Family:
 
 
 # ---- config.json -> Config -------------------------------------------------------------------------------------------
+# What transformers' Gemma3TextConfig assumes for the fields that Gemma 3's published text_config leaves out.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6, tie_word_embeddings=True,
+)
+# Multimodal checkpoints whose language model litgpt converts: model_type -> (text family, weight prefixes).
+MULTIMODAL = {"gemma3": "gemma3_text"}
+
+
 def config_from_hf(hf: dict, where: str = "config.json") -> Config:
     """Derive a litgpt Config from a Hugging Face config.json (the 4.x and the 5.x `rope_parameters` layouts)."""
     model_type = hf.get("model_type")
+    if model_type in MULTIMODAL and "text_config" in hf:
+        # Gemma 3 4B and larger ship as image-text models: their language model is a Gemma 3 text model.
+        text = {**GEMMA3_TEXT_DEFAULTS, **hf["text_config"], "model_type": MULTIMODAL[model_type]}
+        if "tie_word_embeddings" in hf:
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        return config_from_hf(text, f"{where} (text_config)")
     if model_type is None and "text_config" in hf:
         raise UserError(f"{where} describes a multimodal model; litgpt converts text-only causal LMs.")
     family = family_of(model_type, where)

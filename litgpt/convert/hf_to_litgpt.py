@@ -42,6 +42,7 @@ class HFWeights:
                 f"{str(folder)!r} holds no weights (*.safetensors or pytorch_model*.bin). "
                 "Download the model again with `litgpt download REPO_ID`."
             )
+        self._names = {key: key for key in self._files}  # the name conversion uses -> the name in the file
 
     def _shards(self, single: str, pattern: str) -> list[Path]:
         index = self.folder / f"{single}.index.json"
@@ -57,11 +58,23 @@ class HFWeights:
             return paths
         return sorted(self.folder.glob(pattern))
 
+    def language_model_only(self) -> None:
+        """Read a multimodal checkpoint's language model under the text model's names; leave the rest out."""
+        prefixes = {"language_model.model.": "model.", "model.language_model.": "model.",
+                    "language_model.lm_head.": "lm_head."}
+        names = {}
+        for key in self._files:
+            for old, new in prefixes.items():
+                if key.startswith(old):
+                    names[new + key[len(old):]] = key
+        self._names = names
+
     def keys(self) -> set[str]:
-        return set(self._files)
+        return set(self._names)
 
     def get(self, key: str) -> torch.Tensor:
-        return self._open[self._files[key]][key]
+        name = self._names[key]
+        return self._open[self._files[name]][name]
 
 
 _SAFETENSORS_DTYPES = {
@@ -138,6 +151,8 @@ def convert_hf_checkpoint(
         raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     config = resolve_config(checkpoint_dir, model_name)
     weights = HFWeights(checkpoint_dir)
+    if "text_config" in read_hf_config(checkpoint_dir):
+        weights.language_model_only()
     state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
     if config.tie_embeddings:
         # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
