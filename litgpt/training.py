@@ -171,6 +171,7 @@ def fit(run: Run) -> dict:
     if run.eval.initial_validation and state.step == 0:
         fabric.print(f"step 0 | val loss {validate(run):.4f}")
 
+    fit_start = time.perf_counter()
     profiler = start_profiler(run) if run.profile else None
     progress = progress_bar(fabric, total_steps, state.step)
     val_loss = None
@@ -242,6 +243,7 @@ def fit(run: Run) -> dict:
     save_checkpoint(run, f"step-{state.step:06d}")
     save_checkpoint(run, "final", with_training_state=False)
     metrics = run_metrics(run, val_loss, seq_length, trainable_fraction)
+    metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with validation and saving
     fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
     for logger in fabric.loggers:
         logger.finalize("success")  # flush what the logger buffers

@@ -222,3 +222,18 @@ def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
     with torch.no_grad():
         ours, theirs = lit(TOKENS), hf(input_ids=TOKENS).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_round_trip_folder_loads_with_auto_tokenizer(tmp_path):
+    from tokenizer_helpers import make_tokenizer_folder
+    from transformers import AutoTokenizer
+
+    save_hf_model("llama", tmp_path / "hf")
+    make_tokenizer_folder(tmp_path / "hf", "llama")
+    convert_hf_checkpoint(tmp_path / "hf")
+    convert_lit_checkpoint(tmp_path / "hf", tmp_path / "back")
+    original, reloaded = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(tmp_path / "back")
+    text = "Hello there, wörld! 123"
+    assert reloaded.encode(text) == original.encode(text) and reloaded.decode(original.encode(text)) == original.decode(original.encode(text))
+    generation = json.loads((tmp_path / "back" / "generation_config.json").read_text())
+    assert generation.get("eos_token_id") == original.eos_token_id

@@ -105,6 +105,7 @@ def test_loss_falls_and_outputs_are_complete(tmp_path, text_folder):
     assert metrics["steps"] == 40 and metrics["tokens"] == 40 * 4 * 32
     assert metrics["tokens_per_sec"] > 0 and metrics["world_size"] == 1 and metrics["peak_memory_mb"] > 0
     assert 0 < metrics["mfu"] < 1.5 and metrics["peak_flops_source"].startswith("measured")
+    assert metrics["wall_seconds"] >= metrics["train_seconds"] > 0
     for folder in ("step-000020", "step-000040", "final"):
         assert (out / folder / "lit_model.pth").is_file()
         assert (out / folder / "model_config.yaml").is_file()
@@ -278,3 +279,16 @@ def test_tensorboard_logger_writes_events(tmp_path, text_folder):
           eval=EvalArgs(interval=1000, max_iters=1), devices=1, tokenizer_dir=TOKENIZER_DIR, logger_name="tensorboard")
     events = list((tmp_path / "run" / "logs").rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_continued_pretraining_starts_from_the_given_weights(tmp_path, base_checkpoint, text_folder):
+    """With a vanishing learning rate, one step from --initial_checkpoint_dir leaves the given weights in place."""
+    from litgpt.pretrain import setup
+
+    setup(initial_checkpoint_dir=base_checkpoint, out_dir=tmp_path / "run",
+          data=TextFiles(text_folder, cache_dir=tmp_path / "c"), devices=1,
+          train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, max_seq_length=32, lr_warmup_steps=1,
+                          min_lr=0.0),
+          eval=EvalArgs(interval=1000, max_iters=1), optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1e-12}})
+    assert_same_weights(weights(base_checkpoint), weights(tmp_path / "run" / "final"), 1e-9)
+    assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()  # the tokenizer came from the checkpoint
