@@ -11,6 +11,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -174,6 +175,11 @@ def fit(run: Run) -> dict:
     fit_start = time.perf_counter()
     profiler = start_profiler(run) if run.profile else None
     progress = progress_bar(fabric, total_steps, state.step)
+
+    def say(text: str) -> None:
+        if fabric.global_rank == 0:
+            progress.write(text, file=sys.stdout)
+
     val_loss = None
     window_loss = torch.zeros((), device=fabric.device)
     window_label_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
@@ -215,12 +221,12 @@ def fit(run: Run) -> dict:
             }
             fabric.log_dict(metrics, step=state.step)
             progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-            progress.write(
+            say(
                 f"step {state.step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
                 f"{tokens_per_second:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB"
-            ) if fabric.global_rank == 0 else None
-            if window_label_tokens.item() == 0 and fabric.global_rank == 0:
-                progress.write(
+            )
+            if window_label_tokens.item() == 0:
+                say(
                     f"Warning: no token of the last {window_steps} step(s) had a label, so nothing was learned: "
                     "the prompts fill --train.max_seq_length. Raise it or shorten the prompts."
                 )
@@ -232,16 +238,16 @@ def fit(run: Run) -> dict:
         if (state.step % run.eval.interval == 0 and not last) or (last and run.eval.final_validation):
             val_loss = validate(run)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=state.step)
-            progress.write(f"step {state.step} | val loss {val_loss:.4f}") if fabric.global_rank == 0 else None
+            say(f"step {state.step} | val loss {val_loss:.4f}")
             if run.eval.max_new_tokens and fabric.global_rank == 0:
-                progress.write(f"sample: {sample_text(run)!r}")
+                say(f"sample: {sample_text(run)!r}")
         if train.save_interval is not None and state.step % train.save_interval == 0 and not last:
             save_checkpoint(run, f"step-{state.step:06d}")
     progress.close()
     if profiler is not None:
         stop_profiler(run, profiler)
     save_checkpoint(run, f"step-{state.step:06d}")
-    save_checkpoint(run, "final", with_training_state=False)
+    publish_final(run, run.out_dir / f"step-{state.step:06d}")
     metrics = run_metrics(run, val_loss, seq_length, trainable_fraction)
     metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with validation and saving
     fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
@@ -349,9 +355,9 @@ def stop_profiler(run: Run, profiler) -> None:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------------
-def save_checkpoint(run: Run, name: str, with_training_state: bool = True) -> None:
+def save_checkpoint(run: Run, name: str) -> None:
     """Write out_dir/<name>/ under a temporary name and rename it into place when complete."""
-    from litgpt.checkpoint import copy_tokenizer_files, publish_dir, save_state_dict
+    from litgpt.checkpoint import TRAINING_STATE_FILE, copy_tokenizer_files, publish_dir, save_state_dict
 
     fabric = run.fabric
     weights = run.checkpoint_weights(unwrap(run.model))
@@ -362,16 +368,28 @@ def save_checkpoint(run: Run, name: str, with_training_state: bool = True) -> No
             write_yaml(folder / "hyperparameters.yaml", run.hyperparameters)
             if run.tokenizer_dir is not None:
                 copy_tokenizer_files(run.tokenizer_dir, folder)
-            if with_training_state:
-                torch.save(
-                    {
-                        "optimizer": run.optimizer.state_dict(),
-                        "train_state": asdict(run.state),
-                        "rng": torch.get_rng_state(),
-                    },
-                    folder / "training_state.pth",
-                )
+            training_state = {
+                "optimizer": run.optimizer.state_dict(),
+                "train_state": asdict(run.state),
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(training_state, folder / TRAINING_STATE_FILE)
     fabric.barrier()
+
+
+def publish_final(run: Run, last_step: Path) -> None:
+    """out_dir/final: the last step's files without the training state, hard-linked rather than written twice."""
+    from litgpt.checkpoint import TRAINING_STATE_FILE, publish_dir
+
+    if run.fabric.global_rank == 0:
+        with publish_dir(run.out_dir / "final") as folder:
+            for file in last_step.iterdir():
+                if file.name != TRAINING_STATE_FILE:
+                    try:
+                        os.link(file, folder / file.name)
+                    except OSError:  # a filesystem without hard links
+                        shutil.copy2(file, folder / file.name)
+    run.fabric.barrier()
 
 
 def write_json(path: Path, values: dict) -> None:
