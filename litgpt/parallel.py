@@ -6,6 +6,7 @@ Entry points ask `build_fabric` for their Fabric; the model file stays free of d
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Optional, Union
 
@@ -57,6 +58,7 @@ def build_fabric(
     accelerator: str = "auto",
 ):
     from lightning.fabric import Fabric
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     precision = precision or default_precision()
     if precision not in PRECISIONS:
@@ -67,6 +69,12 @@ def build_fabric(
         raise UserError(f"--devices must be at least 1 (or 'auto'), got {devices}.")
     if num_nodes < 1:
         raise UserError(f"--num_nodes must be at least 1, got {num_nodes}.")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and isinstance(devices, int) and devices > (os.cpu_count() or 1):
+        raise UserError(
+            f"--devices {devices} asks for more CPU processes than this machine has cores ({os.cpu_count()}): "
+            "use at most that many."
+        )
     if precision.startswith("bf16") and not torch.cuda.is_available() and not cpu_has_fast_bf16():
         print(
             f"Warning: --precision {precision} on a CPU without native bf16 matrix multiply (AVX512-BF16 or AMX) "
@@ -75,7 +83,7 @@ def build_fabric(
         )
     try:
         return Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, loggers=loggers)
-    except (ValueError, RuntimeError, TypeError) as error:
+    except (ValueError, RuntimeError, TypeError, MisconfigurationException) as error:
         # Lightning's own checks (e.g. more devices than exist) come as exceptions with a readable message.
         raise UserError(f"Cannot set up the devices: {str(error).strip().splitlines()[0]}") from None
 

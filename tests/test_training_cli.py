@@ -126,6 +126,7 @@ def test_out_dir_holding_a_run_is_refused(tmp_path, base, instructions):
         (["--logger_name", "nosuch"], "logger_name"),
         (["--optimizer", "NoSuchOptimizer"], "NoSuchOptimizer"),
         (["--quantize", "bnb.nf5"], "quantize"),
+        (["--devices", "512"], "more CPU processes than this machine has cores"),
     ],
 )
 def test_bad_flags(flags, message, tmp_path, base, instructions):
