@@ -70,8 +70,10 @@ def main() -> None:
     our_seconds = time.perf_counter() - start
     start = time.perf_counter()
     with torch.no_grad():
+        # An explicit attention mask: the bundled tokenizer's BOS is id 0, which must not be taken for padding.
         their_tokens = hf.generate(
-            prompt[None], max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=args.new_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=config.eos_token_id,
         )[0, prompt.numel():].tolist()
     their_seconds = time.perf_counter() - start
     same = our_tokens == their_tokens

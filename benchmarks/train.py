@@ -42,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -397,6 +398,27 @@ def wait_until_idle(threshold: float, max_wait: float) -> tuple[float, float]:
     return share, time.perf_counter() - start
 
 
+def read_output(child, command: Command, start: float, timeout: float, log_path: Path, lines: list, steps: dict,
+                iter_times: dict) -> None:
+    """Timestamp the child's lines as they come; at each step line note its CPU time, VmHWM and the machine's."""
+    with open(log_path, "w") as log:
+        for line in child.stdout:
+            now = time.perf_counter()
+            lines.append(line)
+            log.write(f"{now - start:9.3f} {line}")
+            match = command.step_pattern.search(line)
+            if match:
+                step = int(match.group(1))
+                busy, total = machine_cpu_seconds()
+                steps[step] = {"t": now - start, "cpu": process_cpu_seconds(child.pid), "hwm_kb":
+                               read_status_kb(child.pid, "VmHWM"), "machine_busy": busy, "machine_total": total}
+                found = REF_ITER_TIME.search(line)
+                if found:
+                    iter_times[step] = float(found.group(1)) / 1000
+            if now - start > timeout:
+                child.kill()
+
+
 def run_command(command: Command, case: Case, warmup: int, total_steps: int, threads: int, work: Path,
                 log_path: Path, timeout: float) -> dict:
     if command.out_dir.exists():
@@ -426,22 +448,11 @@ def run_command(command: Command, case: Case, warmup: int, total_steps: int, thr
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with open(log_path, "w") as log:
-        for line in child.stdout:
-            now = time.perf_counter()
-            lines.append(line)
-            log.write(f"{now - start:9.3f} {line}")
-            match = command.step_pattern.search(line)
-            if match:
-                step = int(match.group(1))
-                busy, total = machine_cpu_seconds()
-                steps[step] = {"t": now - start, "cpu": process_cpu_seconds(child.pid), "hwm_kb":
-                               read_status_kb(child.pid, "VmHWM"), "machine_busy": busy, "machine_total": total}
-                found = REF_ITER_TIME.search(line)
-                if found:
-                    iter_times[step] = float(found.group(1)) / 1000
-            if now - start > timeout:
-                child.kill()
+    try:
+        read_output(child, command, start, timeout, log_path, lines, steps, iter_times)
+    finally:
+        if child.poll() is None:  # interrupted: leave no training process behind
+            child.kill()
     child.wait()
     sampler.join()
     wall = time.perf_counter() - start
@@ -528,6 +539,7 @@ def print_table(results: list[dict]) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the cleanup that kills the training child
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--repeats", type=int, default=3)
