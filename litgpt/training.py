@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
-from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset, collate
+from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.errors import UserError
 
 

@@ -259,7 +259,6 @@ class SFTDataModule(DataModule):
     ) -> None:
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
-        self.checkpoint_prompt_style = prompt_style
         chosen = self.prompt_style
         if isinstance(chosen, str):
             self.style = PromptStyle.from_name(chosen)
