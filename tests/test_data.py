@@ -745,7 +745,7 @@ def test_alpaca2k_local_files(tmp_path, word_tokenizer):
 
 
 def test_alpaca2k_parquet(tmp_path, word_tokenizer):
-    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow
     import pyarrow.parquet as parquet
 
     rows = [{"instruction": "say hello", "input": "", "output": "bye", "text": "..."} for _ in range(20)]

@@ -471,7 +471,6 @@ def test_cli_prompt_too_long(cli_runs):
 
 def test_generate_with_quantized_weights(lit_checkpoint, capsys):
     """--quantize bnb.nf4 loads the weights 4-bit and still generates (bitsandbytes runs nf4 on the CPU)."""
-    pytest.importorskip("bitsandbytes", reason="needs the quantize extra: pip install 'litgpt[quantize]'")
     from litgpt.generate import load_model_and_tokenizer, main
 
     model, _ = load_model_and_tokenizer(lit_checkpoint, device="cpu", quantize="bnb.nf4")

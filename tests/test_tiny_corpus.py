@@ -33,7 +33,7 @@ def backend():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     return transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
 
 
@@ -130,7 +130,7 @@ def test_transformers_loads_the_tokenizer(hf_tokenizer, backend, val_stories):
 
 
 def test_litgpt_tokenizer_matches_transformers(hf_tokenizer, val_stories):
-    litgpt_tokenizer = pytest.importorskip("litgpt.tokenizer")
+    import litgpt.tokenizer as litgpt_tokenizer
     tokenizer = litgpt_tokenizer.Tokenizer(TOKENIZER_DIR)
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (0, 1, 4096)
     for text in val_stories[:50] + ["", "Once upon a time", "Hello </s> world"]:

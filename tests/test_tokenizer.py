@@ -43,7 +43,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_tokenizers(folders):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     return {style: transformers.AutoTokenizer.from_pretrained(folder) for style, folder in folders.items()}
 
 
@@ -104,7 +104,7 @@ def test_special_ids_match_transformers(folders, hf_tokenizers, style):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_split_special_tokens_matches_transformers(tmp_path, folders, style):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     folder = _copy_folder(folders[style], tmp_path / style)
     _edit_json(folder / "tokenizer_config.json", split_special_tokens=True)
     tokenizer, hf = Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
@@ -114,7 +114,7 @@ def test_split_special_tokens_matches_transformers(tmp_path, folders, style):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_template_wins_over_the_add_flags_as_in_transformers(tmp_path, folders, style):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     folder = _copy_folder(folders[style], tmp_path / style)
     _edit_json(folder / "tokenizer_config.json", add_bos_token=True, add_eos_token=True)
     tokenizer, hf = Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)

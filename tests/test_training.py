@@ -271,7 +271,6 @@ def test_every_config_hub_recipe_parses():
 
 
 def test_tensorboard_logger_writes_events(tmp_path, text_folder):
-    pytest.importorskip("tensorboardX", reason="the test extra installs tensorboardX")
     from litgpt.pretrain import setup
 
     setup(model_config=Config(**SMALL), out_dir=tmp_path / "run", data=TextFiles(text_folder, cache_dir=tmp_path / "c"),
