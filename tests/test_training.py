@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from checkpoint_helpers import write_random_checkpoint
 
 from litgpt.args import EvalArgs, TrainArgs
-from litgpt.checkpoint import load_state_dict, save_state_dict
+from litgpt.checkpoint import load_state_dict
 from litgpt.config import Config
 from litgpt.data import JSON, TextFiles
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError
-from litgpt.model import GPT
 
 SMALL = dict(
     name="test-llama", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=2, n_embd=64, n_head=4,
@@ -48,15 +48,7 @@ def text_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory) -> Path:
     """A random small model saved as a litgpt checkpoint with the bundled tokenizer."""
-    folder = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    model = GPT(Config(**SMALL, prompt_style="alpaca"))
-    model.init_weights()
-    save_state_dict(model.state_dict(), folder / "lit_model.pth")
-    model.config.save(folder / "model_config.yaml")
-    for file in TOKENIZER_DIR.iterdir():
-        shutil.copy2(file, folder / file.name)
-    return folder
+    return write_random_checkpoint(tmp_path_factory.mktemp("base"), Config(**SMALL, prompt_style="alpaca"))
 
 
 @pytest.fixture(scope="module")

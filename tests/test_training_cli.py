@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_helpers import write_random_checkpoint
 
-from litgpt.checkpoint import save_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
-from litgpt.model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--train.max_steps", "2", "--train.log_interval", "1", "--eval.max_iters", "1", "--eval.max_new_tokens", "4"]
@@ -35,15 +32,9 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *fragments: str) -
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    model = GPT(Config(name="cli-test", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=1, n_embd=32,
-                       n_head=2, intermediate_size=64, prompt_style="alpaca"))
-    model.init_weights()
-    save_state_dict(model.state_dict(), folder / "lit_model.pth")
-    model.config.save(folder / "model_config.yaml")
-    for file in TOKENIZER_DIR.iterdir():
-        shutil.copy2(file, folder / file.name)
-    return folder
+    config = Config(name="cli-test", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=1, n_embd=32,
+                    n_head=2, intermediate_size=64, prompt_style="alpaca")
+    return write_random_checkpoint(folder, config)
 
 
 @pytest.fixture(scope="module")
