@@ -197,7 +197,7 @@ def write_checkpoints(work: Path, python_ref: Optional[Path]) -> tuple[Path, Opt
     from litgpt.config import Config
 
     ours, ref = work / "checkpoint" / "ours", work / "checkpoint" / "litgpt"
-    fields = {k: v for k, v in MODEL.items()}
+    fields = dict(MODEL)
     if python_ref is not None and not (ref / "lit_model.pth").is_file():
         ref.mkdir(parents=True, exist_ok=True)
         (work / "ref-model.yaml").write_text(dump_yaml(REF_MODEL))
@@ -263,13 +263,11 @@ def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precis
             micro = 8 if name == "tiny" else 4
             tokens = micro * MODEL["block_size"]
             if name == "tiny":
-                ours_config = TINY_RECIPE
-                ours_files = {}
-                ours_extra = []
+                ours_config, ours_files = TINY_RECIPE, {}
             else:
                 ours_config = work / "ours-llama5m-pretrain.yaml"
                 ours_files = {ours_config.name: dump_yaml({
-                    "model_config": {k: v for k, v in MODEL.items()},
+                    "model_config": dict(MODEL),
                     "data": {"class_path": "litgpt.data.TextFiles", "init_args": {
                         "train_data_path": str(work / "text-ours" / "train"),
                         "val_data_path": str(work / "text-ours" / "val")}},
@@ -279,9 +277,8 @@ def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precis
                     "optimizer": OPTIMIZER,
                     "seed": 42,
                 })}
-                ours_extra = []
             ours = Command("ours", ours_python + [
-                "pretrain", "--config", str(ours_config), *ours_extra,
+                "pretrain", "--config", str(ours_config),
                 "--train.max_steps", str(total_steps), "--train.save_interval", "null",
                 "--eval.interval", str(BIG), "--eval.initial_validation", "false", "--eval.final_validation", "false",
                 *common_train, "--out_dir", str(out / "ours"),

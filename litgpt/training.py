@@ -183,7 +183,7 @@ def fit(run: Run) -> dict:
     val_loss = None
     window_loss = torch.zeros((), device=fabric.device)
     window_label_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
-    window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
+    window_steps, window_seconds, window_tokens = 0, 0.0, state.tokens  # seconds in steps, not in eval/saving
     while state.step < total_steps:
         step_start = time.perf_counter()
         lr = lr_at(state.step, run.base_lr, train.lr_warmup_steps, total_steps, train.min_lr)
@@ -206,15 +206,16 @@ def fit(run: Run) -> dict:
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         window_steps += 1
-        state.train_seconds += time.perf_counter() - step_start
+        step_seconds = time.perf_counter() - step_start
+        state.train_seconds += step_seconds
+        window_seconds += step_seconds
         if profiler is not None:
             profiler.step()
         progress.update(1)
 
         if state.step % train.log_interval == 0 or state.step == total_steps:
             loss_value = (fabric.all_reduce(window_loss, reduce_op="mean") / window_steps).item()  # the one sync
-            elapsed = time.perf_counter() - window_start
-            tokens_per_second = (state.tokens - window_tokens) / elapsed
+            tokens_per_second = (state.tokens - window_tokens) / window_seconds
             metrics = {
                 "loss": loss_value, "lr": lr, "tokens": state.tokens, "epoch": state.epoch,
                 "tokens_per_sec": tokens_per_second, "peak_memory_mb": peak_memory_bytes(fabric.device) / 2**20,
@@ -232,7 +233,7 @@ def fit(run: Run) -> dict:
                 )
             window_loss.zero_()
             window_label_tokens.zero_()
-            window_steps, window_start, window_tokens = 0, time.perf_counter(), state.tokens
+            window_steps, window_seconds, window_tokens = 0, 0.0, state.tokens
 
         last = state.step == total_steps
         if (state.step % run.eval.interval == 0 and not last) or (last and run.eval.final_validation):
