@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("litgpt.generate:main", "Generate text from a prompt."),
     "chat": ("litgpt.chat:main", "Chat with a model interactively."),
     "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
+    "consolidate": ("litgpt.consolidate:main", "Turn a sharded checkpoint into one lit_model.pth."),
+    "plan": ("litgpt.plan:main", "Estimate the memory per device of a training run before starting it."),
 }
 
 # Commands whose first argument may be given without its flag (`litgpt pretrain pythia-14m`).
@@ -49,6 +51,35 @@ def main(argv: list[str] | None = None) -> None:
     run_command(name, args)
 
 
+def print_error_once(text: str) -> None:
+    """Print an error; in a run of several processes, once per machine however many ranks hit it, with the rank.
+
+    The first rank to fail claims the message with an exclusive file; a claim older than a minute is from another run.
+    """
+    import hashlib
+    import os
+    import tempfile
+    import time
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK", "0")
+        run_id = os.environ.get("MASTER_PORT", "") + os.environ.get("SLURM_JOB_ID", "")
+        digest = hashlib.sha1(f"{run_id}{text}".encode()).hexdigest()[:16]
+        claim = os.path.join(tempfile.gettempdir(), f"litgpt-error-{digest}")
+        try:
+            if time.time() - os.path.getmtime(claim) > 60:
+                os.unlink(claim)
+        except OSError:
+            pass
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # another rank of this run printed it
+        text = f"[rank {rank}] {text}"
+    print(text, file=sys.stderr)
+
+
 def run_command(name: str, args: list[str]) -> None:
     import importlib
 
@@ -70,7 +101,7 @@ def run_command(name: str, args: list[str]) -> None:
         print(f"litgpt {name}: error: {message} (`litgpt {name} --help` lists the options)", file=sys.stderr)
         sys.exit(1)
     except UserError as error:
-        print(f"litgpt {name}: error: {error}", file=sys.stderr)
+        print_error_once(f"litgpt {name}: error: {error}")
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"litgpt {name}: interrupted", file=sys.stderr)

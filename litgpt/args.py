@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from litgpt.errors import UserError
 
@@ -90,3 +90,26 @@ class EvalArgs:
     initial_validation: bool = False
     final_validation: bool = True
     max_new_tokens: Optional[int] = None
+
+
+ShardingStrategy = Literal["HYBRID_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+@dataclass
+class FSDPArgs:
+    """How a run on more than one device shards the model (FSDP2: each transformer Block, then the root).
+
+    Args:
+        sharding_strategy: HYBRID_SHARD shards inside a node and replicates across nodes; FULL_SHARD shards over every
+            device; SHARD_GRAD_OP shards too but keeps the parameters gathered from forward to backward (faster, more
+            memory); NO_SHARD replicates everything (data parallel).
+        state_dict_type: full: rank 0 writes one consolidated lit_model.pth; sharded: every rank writes its shards
+            into a torch.distributed.checkpoint folder (fast for large models; `litgpt consolidate` makes one file).
+        cpu_offload: Keep parameters, gradients and optimizer state in CPU memory (GPU memory for activations only).
+        timeout: Seconds a collective may wait for the other ranks before the run fails (a rank that died).
+    """
+
+    sharding_strategy: ShardingStrategy = "HYBRID_SHARD"
+    state_dict_type: Literal["full", "sharded"] = "full"
+    cpu_offload: bool = False
+    timeout: float = 600.0

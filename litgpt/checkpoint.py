@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -83,6 +83,8 @@ def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
         hint = ""
         if any(checkpoint_dir.glob("*.safetensors")) or any(checkpoint_dir.glob("pytorch_model*.bin")):
             hint = f" It looks like a Hugging Face folder: run `litgpt convert_to_litgpt {checkpoint_dir}` first."
+        elif (checkpoint_dir / "sharded").is_dir():
+            hint = f" It is a sharded checkpoint: run `litgpt consolidate {checkpoint_dir}` to write one."
         raise UserError(f"{str(checkpoint_dir)!r} has no {WEIGHTS_FILE}.{hint}")
     if not (checkpoint_dir / CONFIG_FILE).is_file():
         raise UserError(f"{str(checkpoint_dir)!r} has no {CONFIG_FILE}; it is needed to build the model.")
@@ -142,6 +144,26 @@ def retie_embeddings(model: torch.nn.Module) -> None:
         model.lm_head.weight = model.transformer.wte.weight
 
 
+def copy_weights(
+    model: torch.nn.Module,
+    state_dict: dict,
+    source: str,
+    select: Callable[[str], bool] = lambda key: True,
+    subject: str = "The weights",
+    fix: str = "",
+) -> None:
+    """Copy a full `state_dict` (e.g. memory-mapped) into a materialized model's selected keys, sharded or not.
+
+    Each rank reads only the part of each tensor that it holds. Names the first missing, unexpected or misshapen key.
+    """
+    from litgpt.parallel import copy_into_shard
+
+    targets = {key: value for key, value in model.state_dict().items() if select(key)}
+    check_weights_match({key: value.shape for key, value in targets.items()}, state_dict, source, subject, fix)
+    for key, target in targets.items():
+        copy_into_shard(target, state_dict[key])
+
+
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
     check_weights_match({k: v.shape for k, v in model.state_dict().items()}, state_dict, source)
@@ -149,20 +171,31 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     retie_embeddings(model)
 
 
+def staging_dir(path: Path) -> Path:
+    """The temporary folder a checkpoint is written into before `publish_dir` renames it into place.
+
+    Its name is fixed so that every rank of a run writes its shards into the same one.
+    """
+    return Path(path).with_name(f".{Path(path).name}.partial")
+
+
 @contextmanager
-def publish_dir(path: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path` in one rename.
+def publish_dir(path: Path, staging: "Path | None" = None) -> Iterator[Path]:
+    """Yield a temporary folder beside `path` (or `staging`, already holding files); when the block succeeds it
+    replaces `path` in one rename.
 
     A reader never sees a half-written checkpoint folder; a failure leaves the previous one as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    if staging is None:
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield staging
-        for file in staging.iterdir():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+        for file in staging.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
         if path.exists():
             retired = path.with_name(f".{path.name}.old")
             shutil.rmtree(retired, ignore_errors=True)
@@ -218,3 +251,97 @@ def resolve_resume(out_dir: Path, resume) -> "Path | None":
             f"(use a step-XXXXXX folder of a run, or --resume auto)."
         )
     return path
+
+
+# ---- training checkpoints: full (one file written by rank 0) or sharded (torch.distributed.checkpoint) --------------------
+SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a sharded checkpoint
+
+
+def is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def gather_weights(model: torch.nn.Module, select: Callable[[str], bool]) -> dict:
+    """The selected weights as whole CPU tensors on rank 0 ({} on the others); every rank must call this."""
+    from litgpt.parallel import gather_full
+
+    gathered = {}
+    for key, value in model.state_dict().items():
+        if select(key):
+            full = gather_full(value).detach()
+            if is_rank_zero():
+                gathered[key] = full.cpu()
+    return gathered
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The optimizer state keyed by parameter names, whole, on rank 0; every rank must call this."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load a whole, name-keyed optimizer state (`gather_optimizer_state`) into a possibly sharded optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_state(model: torch.nn.Module, optimizer, select: Callable[[str], bool]) -> dict:
+    """This rank's shards of the selected weights and of the optimizer state, as torch.distributed.checkpoint reads
+    and writes them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    weights = {key: value for key, value in get_model_state_dict(model).items() if select(key)}
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(folder: Path, model: torch.nn.Module, optimizer, select: Callable[[str], bool]) -> None:
+    """Every rank writes its shards into folder/sharded in parallel (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state(model, optimizer, select), checkpoint_id=Path(folder) / SHARDED_DIR)
+
+
+def load_sharded(folder: Path, model: torch.nn.Module, optimizer, select: Callable[[str], bool]) -> None:
+    """Load a sharded checkpoint into the model and optimizer, resharding when the world size differs from the
+    run that saved it (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    state = sharded_state(model, optimizer, select)
+    path = Path(folder) / SHARDED_DIR
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as error:  # DCP's exception (a BaseException) gathers every rank's
+        causes = getattr(error, "failures", {})
+        reason = " ".join(str(next(iter(causes.values()), error)).split())[:300]
+        raise UserError(
+            f"Cannot load the sharded checkpoint {str(path)!r} into this model: {reason}. Check that the model "
+            "config and the fine-tuning settings (e.g. lora_r) are those of the run that saved it."
+        ) from None
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def consolidated_weights(folder: Path) -> dict:
+    """The weights of a sharded checkpoint as one plain state dict (read in this one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(folder) / SHARDED_DIR
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise UserError(f"{str(path)!r} is not a readable sharded checkpoint: {str(error).splitlines()[0]}") from None
+    weights = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            weights[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    return weights

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from litgpt.errors import UserError
-from litgpt.parallel import PRECISION_DTYPES
+from litgpt.precision import PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from litgpt.model import GPT

@@ -111,16 +111,34 @@ def base_learning_rate(optimizer: torch.optim.Optimizer) -> float:
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------------------
-def restore_training_state(folder: Path, optimizer, state) -> None:
-    """Load the optimizer, the loop's position and the RNG from a checkpoint folder into the run."""
-    from litgpt.checkpoint import TRAINING_STATE_FILE
+def restore_checkpoint(folder: Path, model, optimizer, state, select: Callable[[str], bool], weights_file: str) -> None:
+    """Load a checkpoint folder's weights, optimizer state, loop position and RNG into the run.
 
-    path = Path(folder) / TRAINING_STATE_FILE
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(saved["optimizer"])
-    except Exception as error:  # a truncated or foreign file
-        raise UserError(f"Cannot resume from {str(path)!r}: {str(error).strip().splitlines()[0]}") from None
+    A sharded checkpoint reshards to this run's world size; a full one is read memory-mapped, each rank taking its part.
+    """
+    from litgpt.checkpoint import (
+        SHARDED_DIR,
+        TRAINING_STATE_FILE,
+        copy_weights,
+        load_optimizer_state,
+        load_sharded,
+        load_state_dict,
+    )
+    from litgpt.training import unwrap, unwrap_optimizer
+
+    model, optimizer = unwrap(model), unwrap_optimizer(optimizer)
+    folder = Path(folder)
+    saved = load_state_dict(folder / TRAINING_STATE_FILE)
+    if (folder / SHARDED_DIR).is_dir():
+        load_sharded(folder, model, optimizer, select)
+    else:
+        path = folder / weights_file
+        copy_weights(model, load_state_dict(path), str(path), select)
+        try:
+            load_optimizer_state(model, optimizer, saved["optimizer"])
+        except Exception as error:  # a foreign file or another model's optimizer
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(f"Cannot resume the optimizer from {str(folder / TRAINING_STATE_FILE)!r}: {reason}") from None
     for key, value in saved["train_state"].items():
         setattr(state, key, value)
     torch.set_rng_state(saved["rng"])
@@ -144,6 +162,10 @@ def default_tokenizer_dir(tokenizer_dir: Optional[Path], data, checkpoint_dir: O
 
 
 # ---- the common path of every entry point --------------------------------------------------------------------------------
+def every_key(key: str) -> bool:
+    return True
+
+
 def train_model(
     fabric,
     *,
@@ -159,19 +181,25 @@ def train_model(
     profile: bool,
     hyperparameters: dict,
     precision: str,
-    build_model: Callable[[Optional[Path]], torch.nn.Module],
-    checkpoint_weights: Callable[[torch.nn.Module], dict],
+    build_model: Callable[[], torch.nn.Module],
+    initialize: Callable[[torch.nn.Module], None],
     weights_file: str,
+    initial_weights: Optional[Path] = None,
+    initial_keys: Callable[[str], bool] = every_key,
+    checkpoint_keys: Callable[[str], bool] = every_key,
+    after_load: Optional[Callable[[torch.nn.Module], None]] = None,
     prompt_style=None,
 ) -> dict:
-    """Check the inputs, prepare the data, build the model with `build_model(resume_dir)`, and train it.
+    """Check the inputs, prepare the data, build, shard and load the model, and train it.
 
-    `build_model` returns the model on the CPU or meta device with its weights loaded (from the resume folder when
-    one is given) and with requires_grad set on the parameters to train.
+    `build_model()` returns the model on the meta device with requires_grad set on the parameters to train.
+    `initialize(model)` draws its random weights; then the `initial_keys` of the `initial_weights` file are loaded
+    over them. Checkpoints store the `checkpoint_keys` (`weights_file`); resuming loads them back. `after_load` runs
+    on the loaded model before training (e.g. quantization).
     """
-    from litgpt.checkpoint import resolve_resume
+    from litgpt.checkpoint import load_state_dict, copy_weights, resolve_resume
     from litgpt.data.base import MicroBatches
-    from litgpt.parallel import apply_activation_checkpointing
+    from litgpt.parallel import FSDPStrategy, prepare_model
     from litgpt.tokenizer import Tokenizer, check_vocab_fits
     from litgpt.training import Run, TrainState, fit
 
@@ -187,23 +215,23 @@ def train_model(
         # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
         config = dataclasses.replace(config, prompt_style=style_used.name)
 
-    model = build_model(resume_dir)
-    if precision in ("32-true", "bf16-mixed", "16-mixed"):
-        # Master weights in float32 even when the checkpoint stores half precision (quantized ones stay as they are).
-        for param in model.parameters():
-            if param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.float()
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    model = prepare_model(fabric, build_model(), precision, initialize, train.activation_checkpointing)
+    # A resumed checkpoint that holds every weight makes the initial ones unnecessary.
+    if initial_weights is not None and (resume_dir is None or checkpoint_keys is not every_key):
+        copy_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
+    if after_load is not None:
+        after_load(model)
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(build_optimizer(optimizer_spec, model.parameters(), fabric.device))
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
     state = TrainState()
     if resume_dir is not None:
-        restore_training_state(resume_dir, optimizer, state)
+        restore_checkpoint(resume_dir, model, optimizer, state, checkpoint_keys, weights_file)
     if fabric.global_rank == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_run_args(out_dir, hyperparameters)
+    strategy = fabric.strategy
+    sharded = isinstance(strategy, FSDPStrategy)
     run = Run(
         fabric=fabric,
         model=model,
@@ -217,11 +245,14 @@ def train_model(
         out_dir=Path(out_dir),
         hyperparameters=hyperparameters,
         base_lr=base_lr,
-        checkpoint_weights=checkpoint_weights,
+        checkpoint_keys=checkpoint_keys,
         weights_file=weights_file,
         tokenizer_dir=tokenizer_dir,
         state=state,
         profile=profile,
         precision=precision,
+        sharding=strategy.topology.sharding_strategy if sharded else "none",
+        state_dict_type=strategy.fsdp.state_dict_type if sharded else "full",
+        fsdp=dataclasses.asdict(strategy.fsdp) if sharded else None,
     )
     return fit(run)

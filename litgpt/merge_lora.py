@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from litgpt.errors import UserError
-from litgpt.parallel import PRECISION_DTYPES
+from litgpt.precision import PRECISION_DTYPES
 
 LORA_WEIGHTS_FILE = "lit_model.pth.lora"
 HPARAMS_FILE = "hyperparameters.yaml"

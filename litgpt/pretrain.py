@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -34,6 +34,7 @@ def setup(
     optimizer: Union[str, dict] = "AdamW",
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
+    fsdp: FSDPArgs = FSDPArgs(),
     tokenizer_dir: Optional[Path] = None,
     logger_name: LoggerName = "csv",
     seed: int = 42,
@@ -54,13 +55,15 @@ def setup(
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
+        fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
     """
     from litgpt.launch import check_limits, default_tokenizer_dir, load_logger, record_arguments
-    from litgpt.parallel import build_fabric, default_precision
+    from litgpt.parallel import build_fabric
+    from litgpt.precision import default_precision
 
     hyperparameters = record_arguments(setup, locals())
     check_limits(train)
@@ -85,7 +88,7 @@ def setup(
     tokenizer_dir = default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
 
     logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger])
+    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     fabric.launch(
         main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
         seed, profile, hyperparameters, precision or default_precision(),
@@ -94,23 +97,19 @@ def setup(
 
 def main(fabric, config, out_dir, initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
          seed, profile, hyperparameters, precision) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, load_model_weights, load_state_dict
+    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
     from litgpt.launch import train_model
     from litgpt.model import GPT
 
-    def build_model(resume_dir: Optional[Path]):
-        with fabric.init_module(empty_init=False):
-            model = GPT(config)
-        model.init_weights()  # seeded by train_model
-        source = resume_dir or initial_checkpoint_dir
-        if source is not None:
-            path = Path(source) / WEIGHTS_FILE
-            load_model_weights(model, load_state_dict(path), str(path))
-        return model
+    def build_model():
+        with meta_device():
+            return GPT(config)
 
     train_model(
         fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
         optimizer_spec=optimizer, tokenizer_dir=tokenizer_dir, seed=seed, profile=profile,
         hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        checkpoint_weights=lambda model: model.state_dict(), weights_file=WEIGHTS_FILE,
+        initialize=lambda model: model.init_weights(),  # seeded by train_model
+        initial_weights=Path(initial_checkpoint_dir) / WEIGHTS_FILE if initial_checkpoint_dir else None,
+        weights_file=WEIGHTS_FILE,
     )

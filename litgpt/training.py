@@ -33,7 +33,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    epoch_position: int = 0  # micro-batches of this rank consumed in the current epoch
+    epoch_samples: int = 0  # samples of the current epoch consumed, all ranks together (any world size resumes)
     tokens: int = 0  # tokens trained on, all ranks together
     train_seconds: float = 0.0  # time spent in steps, over every session of the run
 
@@ -52,19 +52,26 @@ class Run:
     out_dir: Path
     hyperparameters: dict
     base_lr: float
-    # What a checkpoint stores as weights: the model's state dict, or only the LoRA adapters.
-    checkpoint_weights: Callable[[torch.nn.Module], dict]
+    # Which weights a checkpoint stores: every key, or only the LoRA adapters'.
+    checkpoint_keys: Callable[[str], bool]
     weights_file: str = "lit_model.pth"
     tokenizer_dir: Optional[Path] = None  # its files are copied into every checkpoint
     state: TrainState = field(default_factory=TrainState)
     profile: bool = False
     precision: str = "32-true"
-    sharding: str = "none"
+    sharding: str = "none"  # the FSDP sharding strategy, "none" on one device
+    state_dict_type: str = "full"  # full: one file written by rank 0; sharded: every rank writes its shards
+    fsdp: Optional[dict] = None  # the FSDP options, for metrics.json
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The GPT inside Fabric's wrapper."""
     return getattr(model, "module", model)
+
+
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside Fabric's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
@@ -159,7 +166,13 @@ def fit(run: Run) -> dict:
     validation_batches(run)  # fail before training, not after it, when the validation set is unusable
     seq_length = run.train_data.dataset[0]["input_ids"].numel()
     total_steps = train.total_steps(run.train_data.per_epoch / accumulation, seq_length)
-    batches = run.train_data.iterate(state.epoch, state.epoch_position)
+    samples_per_micro_step = train.micro_batch_size * world
+    if state.epoch_samples % samples_per_micro_step:
+        fabric.print(
+            f"Warning: the checkpoint stopped {state.epoch_samples} samples into epoch {state.epoch}, which this "
+            f"world size cannot split evenly; continuing from sample {state.epoch_samples // samples_per_micro_step * samples_per_micro_step}."
+        )
+    batches = run.train_data.iterate(state.epoch, state.epoch_samples // samples_per_micro_step)
     per_epoch = run.train_data.per_epoch
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable_fraction = sum(p.numel() for p in trainable) / sum(p.numel() for p in model.parameters())
@@ -198,7 +211,9 @@ def fit(run: Run) -> dict:
                 fabric.backward(loss / accumulation)
             window_loss += loss.detach() / accumulation
             window_label_tokens += (labels != IGNORE_INDEX).sum()
-            state.epoch, state.epoch_position = (epoch + 1, 0) if index + 1 == per_epoch else (epoch, index + 1)
+            state.epoch, state.epoch_samples = (
+                (epoch + 1, 0) if index + 1 == per_epoch else (epoch, (index + 1) * samples_per_micro_step)
+            )
             state.tokens += input_ids.numel() * world
         if train.max_norm is not None:
             fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
@@ -240,8 +255,9 @@ def fit(run: Run) -> dict:
             val_loss = validate(run)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=state.step)
             say(f"step {state.step} | val loss {val_loss:.4f}")
-            if run.eval.max_new_tokens and fabric.global_rank == 0:
-                say(f"sample: {sample_text(run)!r}")
+            if run.eval.max_new_tokens:
+                sample = sample_text(run)  # on every rank: a sharded model's forward is collective
+                say(f"sample: {sample!r}")
         if train.save_interval is not None and state.step % train.save_interval == 0 and not last:
             save_checkpoint(run, f"step-{state.step:06d}")
     progress.close()
@@ -284,12 +300,21 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
         "peak_flops_source": source,
         "val_loss": val_loss,
         "world_size": fabric.world_size,
-        "num_nodes": getattr(fabric, "num_nodes", 1),
+        "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
         "sharding_strategy": run.sharding,
+        "state_dict_type": run.state_dict_type,
+        "fsdp": run.fsdp,
         "precision": run.precision,
         "device": device_name,
         "peak_memory_mb": round(peak_memory_bytes(device) / 2**20, 1),
+        "peak_memory_mb_per_rank": per_rank_peak_memory_mb(fabric),
     }
+
+
+def per_rank_peak_memory_mb(fabric) -> list[float]:
+    """Every rank's peak memory (collective): a sharded run should show each rank holding its part only."""
+    peak = torch.tensor([peak_memory_bytes(fabric.device) / 2**20], dtype=torch.float64, device=fabric.device)
+    return [round(value, 1) for value in fabric.all_gather(peak).flatten().tolist()]
 
 
 # Dense bf16 peak FLOP/s of the GPUs we quote MFU for.
@@ -357,39 +382,72 @@ def stop_profiler(run: Run, profiler) -> None:
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------------
 def save_checkpoint(run: Run, name: str) -> None:
-    """Write out_dir/<name>/ under a temporary name and rename it into place when complete."""
-    from litgpt.checkpoint import TRAINING_STATE_FILE, copy_tokenizer_files, publish_dir, save_state_dict
+    """Write out_dir/<name>/ under a temporary name and rename it into place when complete (every rank calls this).
+
+    Full: rank 0 gathers the weights and optimizer state and writes them. Sharded: every rank writes its shards into
+    <name>/sharded/ in parallel; nobody holds the whole model.
+    """
+    from litgpt.checkpoint import (
+        TRAINING_STATE_FILE,
+        copy_tokenizer_files,
+        gather_optimizer_state,
+        gather_weights,
+        publish_dir,
+        save_sharded,
+        save_state_dict,
+        staging_dir,
+    )
 
     fabric = run.fabric
-    weights = run.checkpoint_weights(unwrap(run.model))
+    model, optimizer = unwrap(run.model), unwrap_optimizer(run.optimizer)
+    path = run.out_dir / name
+    staging = staging_dir(path)
     if fabric.global_rank == 0:
-        with publish_dir(run.out_dir / name) as folder:
-            save_state_dict(weights, folder / run.weights_file)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run that died while saving
+        staging.mkdir(parents=True)
+    weights = optimizer_state = None
+    if run.state_dict_type == "sharded":
+        fabric.barrier()
+        save_sharded(staging, model, optimizer, run.checkpoint_keys)
+    else:
+        weights = gather_weights(model, run.checkpoint_keys)
+        optimizer_state = gather_optimizer_state(model, optimizer)
+    if fabric.global_rank == 0:
+        with publish_dir(path, staging) as folder:
+            if weights is not None:
+                save_state_dict(weights, folder / run.weights_file)
             run.config.save(folder / "model_config.yaml")
             write_yaml(folder / "hyperparameters.yaml", run.hyperparameters)
             if run.tokenizer_dir is not None:
                 copy_tokenizer_files(run.tokenizer_dir, folder)
             training_state = {
-                "optimizer": run.optimizer.state_dict(),
+                "optimizer": optimizer_state,  # in sharded/ for a sharded checkpoint
                 "train_state": asdict(run.state),
                 "rng": torch.get_rng_state(),
+                "weights_file": run.weights_file,
+                "state_dict_type": run.state_dict_type,
             }
             torch.save(training_state, folder / TRAINING_STATE_FILE)
     fabric.barrier()
 
 
 def publish_final(run: Run, last_step: Path) -> None:
-    """out_dir/final: the last step's files without the training state, hard-linked rather than written twice."""
-    from litgpt.checkpoint import TRAINING_STATE_FILE, publish_dir
+    """out_dir/final: the last step's weights and files without the training state, ready for `litgpt generate`.
+
+    Files are hard-linked rather than written twice; a sharded checkpoint's weights are consolidated into one file.
+    """
+    from litgpt.checkpoint import SHARDED_DIR, TRAINING_STATE_FILE, consolidated_weights, publish_dir, save_state_dict
 
     if run.fabric.global_rank == 0:
         with publish_dir(run.out_dir / "final") as folder:
             for file in last_step.iterdir():
-                if file.name != TRAINING_STATE_FILE:
+                if file.name not in (TRAINING_STATE_FILE, SHARDED_DIR):
                     try:
                         os.link(file, folder / file.name)
                     except OSError:  # a filesystem without hard links
                         shutil.copy2(file, folder / file.name)
+            if (last_step / SHARDED_DIR).is_dir():
+                save_state_dict(consolidated_weights(last_step), folder / run.weights_file)
     run.fabric.barrier()
 
 

@@ -24,7 +24,7 @@ from litgpt.config import Config
 from litgpt.configs import configs_by_name
 from litgpt.data.base import DataModule
 from litgpt.launch import build_optimizer, check_limits, check_seq_length
-from litgpt.parallel import PRECISIONS
+from litgpt.precision import PRECISIONS
 from litgpt.quantize import QUANTIZE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -146,7 +146,7 @@ def test_pretrain_resume_equals_an_uninterrupted_run(tmp_path, text_folder):
     whole = torch.load(tmp_path / "whole" / "step-000008" / "training_state.pth", weights_only=True)
     resumed = torch.load(tmp_path / "stopped" / "step-000008" / "training_state.pth", weights_only=True)
     assert whole["train_state"]["epoch"] >= 1, "the run should cross an epoch boundary"
-    for key in ("step", "epoch", "epoch_position", "tokens"):
+    for key in ("step", "epoch", "epoch_samples", "tokens"):
         assert whole["train_state"][key] == resumed["train_state"][key], key
     assert_same_weights(weights(tmp_path / "whole" / "final"), weights(tmp_path / "stopped" / "final"), 0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -16,6 +16,7 @@ def setup(
     precision: Optional[str] = None,
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
+    fsdp: FSDPArgs = FSDPArgs(),
     resume: Union[bool, Literal["auto"], Path] = False,
     data: Optional[DataModule] = None,
     train: TrainArgs = TrainArgs(
@@ -41,6 +42,7 @@ def setup(
         precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
+        fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         train: Training schedule and batch sizes.
@@ -53,7 +55,8 @@ def setup(
     from litgpt.checkpoint import find_checkpoint_dir
     from litgpt.config import Config
     from litgpt.launch import check_limits, load_logger, record_arguments
-    from litgpt.parallel import build_fabric, default_precision
+    from litgpt.parallel import build_fabric
+    from litgpt.precision import default_precision
 
     hyperparameters = record_arguments(setup, locals())
     check_limits(train)
@@ -64,7 +67,7 @@ def setup(
 
         data = Alpaca()
     logger = load_logger(logger_name, Path(out_dir), run_name=f"finetune-full-{config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger])
+    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     fabric.launch(
         main, config, checkpoint_dir, Path(out_dir), resume, data, train, eval, optimizer, seed, profile,
         hyperparameters, precision or default_precision(),
@@ -73,22 +76,18 @@ def setup(
 
 def main(fabric, config, checkpoint_dir, out_dir, resume, data, train, eval, optimizer, seed, profile,
          hyperparameters, precision) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, load_model_weights, load_state_dict, meta_device
+    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
     from litgpt.launch import train_model
     from litgpt.model import GPT
-    from litgpt.prompts import PromptStyle
 
-    def build_model(resume_dir: Optional[Path]):
+    def build_model():
         with meta_device():
-            model = GPT(config)
-        path = (resume_dir or checkpoint_dir) / WEIGHTS_FILE
-        load_model_weights(model, load_state_dict(path), str(path))
-        return model
+            return GPT(config)
 
     train_model(
         fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
         optimizer_spec=optimizer, tokenizer_dir=checkpoint_dir, seed=seed, profile=profile,
         hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        checkpoint_weights=lambda model: model.state_dict(), weights_file=WEIGHTS_FILE,
-        prompt_style=PromptStyle.from_config(config),
+        initialize=lambda model: None,  # every weight comes from the checkpoint
+        initial_weights=checkpoint_dir / WEIGHTS_FILE, weights_file=WEIGHTS_FILE,
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.data.base import DataModule
+from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
 
 
@@ -17,6 +18,7 @@ def setup(
     quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"]] = None,
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
+    fsdp: FSDPArgs = FSDPArgs(),
     lora_r: int = 8,
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
@@ -55,6 +57,7 @@ def setup(
             bnb.int8; needs `pip install 'litgpt[quantize]'`).
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
+        fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         lora_r: The adapters' rank.
         lora_alpha: The adapters' scale numerator (the update is scaled by alpha / r).
         lora_dropout: Dropout on the adapters' input.
@@ -77,7 +80,8 @@ def setup(
     from litgpt.config import Config
     from litgpt.launch import check_limits, load_logger, record_arguments
     from litgpt.lora import LoRASettings
-    from litgpt.parallel import build_fabric, default_precision
+    from litgpt.parallel import FSDPStrategy, build_fabric
+    from litgpt.precision import default_precision
 
     hyperparameters = record_arguments(setup, locals())
     check_limits(train)
@@ -96,7 +100,12 @@ def setup(
 
         data = Alpaca()
     logger = load_logger(logger_name, Path(out_dir), run_name=f"finetune-lora-{config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger])
+    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
+    if quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
+        raise UserError(
+            "--quantize (QLoRA) runs on one device: bitsandbytes' quantized weights cannot be sharded. Use --devices 1, "
+            "or leave out --quantize and let FSDP shard the model over the devices."
+        )
     fabric.launch(
         main, config, checkpoint_dir, Path(out_dir), settings, quantize, resume, data, train, eval, optimizer,
         seed, profile, hyperparameters, precision or default_precision(),
@@ -105,42 +114,33 @@ def setup(
 
 def main(fabric, config, checkpoint_dir, out_dir, settings, quantize, resume, data, train, eval, optimizer, seed,
          profile, hyperparameters, precision) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, load_state_dict, meta_device
+    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
     from litgpt.launch import train_model
-    from litgpt.lora import (
-        add_lora,
-        init_lora_weights,
-        load_base_weights,
-        load_lora_weights,
-        lora_state_dict,
-        mark_only_lora_as_trainable,
-    )
+    from litgpt.lora import add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
     from litgpt.merge_lora import LORA_WEIGHTS_FILE, merge_lora
     from litgpt.model import GPT
     from litgpt.prompts import PromptStyle
 
-    def build_model(resume_dir: Optional[Path]):
+    def build_model():
         with meta_device():
             model = GPT(config)
         add_lora(model, settings)
-        base = checkpoint_dir / WEIGHTS_FILE
-        load_base_weights(model, load_state_dict(base), str(base))
-        init_lora_weights(model)  # seeded by train_model
-        if resume_dir is not None:
-            adapters = resume_dir / LORA_WEIGHTS_FILE
-            load_lora_weights(model, load_state_dict(adapters), str(adapters))
         mark_only_lora_as_trainable(model)
-        if quantize is not None:
-            from litgpt.quantize import quantize_frozen_base
-
-            quantize_frozen_base(model, quantize, fabric.device)
         return model
+
+    def quantize_base(model):
+        from litgpt.quantize import quantize_frozen_base
+
+        quantize_frozen_base(model, quantize, fabric.device)
 
     train_model(
         fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
         optimizer_spec=optimizer, tokenizer_dir=checkpoint_dir, seed=seed, profile=profile,
         hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        checkpoint_weights=lora_state_dict, weights_file=LORA_WEIGHTS_FILE,
+        initialize=init_lora_weights,  # the adapters; seeded by train_model
+        initial_weights=checkpoint_dir / WEIGHTS_FILE, initial_keys=lambda key: not is_lora_key(key),
+        checkpoint_keys=is_lora_key, weights_file=LORA_WEIGHTS_FILE,
+        after_load=quantize_base if quantize is not None else None,
         prompt_style=PromptStyle.from_config(config),
     )
     if fabric.global_rank == 0:

@@ -1,0 +1,50 @@
+"""`litgpt consolidate`: turn a sharded checkpoint (torch.distributed.checkpoint folder) into one lit_model.pth."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from litgpt.errors import UserError
+
+
+def main(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
+    """Write the weights of a sharded checkpoint as one file that `generate`, `chat` and the converters read.
+
+    Needs memory for the whole model in this one process; the optimizer state stays behind.
+
+    Args:
+        checkpoint_dir: A step-XXXXXX folder of a run with --fsdp.state_dict_type sharded (it holds sharded/).
+        out_dir: Where to write the weights with the config and tokenizer (default: into checkpoint_dir itself).
+    """
+    from litgpt.checkpoint import (
+        CONFIG_FILE,
+        SHARDED_DIR,
+        TRAINING_STATE_FILE,
+        WEIGHTS_FILE,
+        consolidated_weights,
+        copy_tokenizer_files,
+        load_state_dict,
+        save_state_dict,
+    )
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / SHARDED_DIR).is_dir():
+        raise UserError(
+            f"{str(checkpoint_dir)!r} is not a sharded checkpoint (it has no {SHARDED_DIR}/ folder); a full checkpoint "
+            f"already holds its weights in one file."
+        )
+    weights_file = WEIGHTS_FILE
+    if (checkpoint_dir / TRAINING_STATE_FILE).is_file():
+        weights_file = load_state_dict(checkpoint_dir / TRAINING_STATE_FILE).get("weights_file", WEIGHTS_FILE)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir
+    weights = consolidated_weights(checkpoint_dir)
+    save_state_dict(weights, out_dir / weights_file)
+    if out_dir != checkpoint_dir:
+        for name in (CONFIG_FILE, "hyperparameters.yaml"):
+            if (checkpoint_dir / name).is_file():
+                shutil.copy2(checkpoint_dir / name, out_dir / name)
+        copy_tokenizer_files(checkpoint_dir, out_dir)
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"Wrote {len(weights)} tensors ({size / 2**20:,.1f} MiB) to {out_dir / weights_file}")

@@ -1,0 +1,328 @@
+"""FSDP2 with real processes on the CPU (gloo): every sharding strategy against a single-process run, checkpoints in
+both formats, resharded resume, torchrun across two "nodes", and the launcher checks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import write_random_checkpoint
+
+from litgpt.checkpoint import load_state_dict
+from litgpt.config import Config
+from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+from litgpt.errors import UserError
+from litgpt.parallel import Topology, check_launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(
+    name="dist-llama", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=2, n_embd=64, n_head=4,
+    n_query_groups=2, intermediate_size=128, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", bias=False,
+    prompt_style="alpaca",
+)
+# Global batch 4 = 1 process x micro 1 x 4 accumulation = 2 processes x micro 1 x 2 = 4 processes x 1 x 1: the same
+# samples per step whatever the world size, and a micro-batch of one sample keeps padding out of the comparison.
+TRAIN = [
+    "--train.global_batch_size", "4", "--train.micro_batch_size", "1", "--train.max_steps", "4",
+    "--train.lr_warmup_steps", "1", "--train.log_interval", "1", "--train.save_interval", "2",
+    "--train.max_seq_length", "64", "--train.max_norm", "1.0", "--eval.interval", "1000", "--eval.max_iters", "1",
+    "--optimizer.class_path", "torch.optim.AdamW", "--optimizer.init_args.lr", "0.003",
+]
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+# ---- launcher checks and mesh layout (no processes) --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, shape",
+    [("HYBRID_SHARD", 2, 2, (2, 2)), ("HYBRID_SHARD", 4, 1, (1, 4)), ("FULL_SHARD", 2, 2, (1, 4)),
+     ("SHARD_GRAD_OP", 8, 1, (1, 8)), ("NO_SHARD", 2, 2, (4, 1))],
+)
+def test_mesh_shape(strategy, devices, nodes, shape):
+    topology = Topology(devices, nodes, strategy)
+    assert topology.mesh_shape == shape and topology.world_size == devices * nodes
+
+
+def test_hybrid_shard_on_one_node_is_full_shard(capsys):
+    assert Topology(4, 1, "HYBRID_SHARD").sharding_strategy == "FULL_SHARD"
+    assert "on one node it is FULL_SHARD" in capsys.readouterr().err
+
+
+def clean_environment(monkeypatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")) or name in (
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+        ):
+            monkeypatch.delenv(name)
+
+
+def torchrun_environment(monkeypatch, world: int, local: int) -> None:
+    clean_environment(monkeypatch)
+    values = dict(RANK=0, LOCAL_RANK=0, GROUP_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=local, TORCHELASTIC_RUN_ID="t")
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def slurm_environment(monkeypatch, tasks: int, tasks_per_node: str, per_node_flag: str | None = None) -> None:
+    clean_environment(monkeypatch)
+    values = dict(SLURM_NTASKS=tasks, SLURM_TASKS_PER_NODE=tasks_per_node, SLURM_JOB_NAME="train", SLURM_PROCID=0,
+                  SLURM_LOCALID=0, SLURM_NODEID=0, SLURM_JOB_ID=7, SLURM_NODELIST="node1")
+    if per_node_flag is not None:
+        values["SLURM_NTASKS_PER_NODE"] = per_node_flag
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_torchrun_world_must_match_the_flags(monkeypatch):
+    torchrun_environment(monkeypatch, world=4, local=2)
+    check_launcher(2, 2, os.environ)  # matches
+    with pytest.raises(UserError, match=r"torchrun started 4 process\(es\) \(2 per node\), but --devices 2 --num_nodes 1"):
+        check_launcher(2, 1, os.environ)
+    with pytest.raises(UserError, match="--nproc_per_node 4"):
+        check_launcher(4, 1, os.environ)
+
+
+def test_slurm_tasks_must_match_the_flags(monkeypatch):
+    slurm_environment(monkeypatch, tasks=4, tasks_per_node="2(x2)")
+    check_launcher(2, 2, os.environ)
+    assert os.environ["SLURM_NTASKS_PER_NODE"] == "2"  # what Fabric needs, filled in for `srun --ntasks 4`
+    with pytest.raises(UserError, match=r"Slurm started 4 task\(s\) \(2 per node\), but --devices 4 --num_nodes 1"):
+        check_launcher(4, 1, os.environ)
+    slurm_environment(monkeypatch, tasks=3, tasks_per_node="2,1")
+    with pytest.raises(UserError, match="an uneven number per node"):
+        check_launcher(3, 1, os.environ)
+    slurm_environment(monkeypatch, tasks=2, tasks_per_node="2")
+    with pytest.raises(UserError, match="Slurm started 2 task"):
+        check_launcher(1, 1, os.environ)  # two independent single-device runs would write over each other
+
+
+def test_num_nodes_needs_a_launcher(monkeypatch):
+    clean_environment(monkeypatch)
+    with pytest.raises(UserError, match="--num_nodes 2 needs a launcher"):
+        check_launcher(1, 2, os.environ)
+    monkeypatch.setenv("NODE_RANK", "1")  # started by hand on each node
+    check_launcher(1, 2, os.environ)
+
+
+# ---- real processes ------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_environment(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def litgpt(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "litgpt", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env or child_environment(),
+                          timeout=timeout)
+
+
+def torchrun_two_nodes(*args, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine: a 2 x 2 world."""
+    port = free_port()
+    launches = []
+    for node_rank in (0, 1):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "-m", "litgpt", *map(str, args),
+        ]
+        launches.append(subprocess.Popen(command, cwd=ROOT, env=child_environment(), text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    for process in launches:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+def losses(out_dir: Path) -> list[float]:
+    (log,) = Path(out_dir).rglob("metrics.csv")
+    with open(log) as f:
+        return [float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")]
+
+
+def final_weights(out_dir: Path, name: str) -> dict:
+    return {k: v.clone() for k, v in load_state_dict(Path(out_dir) / "final" / name).items()}
+
+
+def assert_close_runs(run: Path, reference: Path, weights_file: str, loss_tol=1e-5, weight_tol=1e-4) -> None:
+    ours, theirs = losses(run), losses(reference)
+    assert len(ours) == len(theirs) == 4
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=loss_tol)
+    a, b = final_weights(run, weights_file), final_weights(reference, weights_file)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=weight_tol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("distributed")
+    base = write_random_checkpoint(root / "base", Config(**SMALL))
+    instructions = root / "instructions.json"
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:40]
+    instructions.write_text(json.dumps([{"instruction": "Continue the story.", "output": s[:200]} for s in stories]))
+    texts = root / "texts"
+    texts.mkdir()
+    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:60]):
+        (texts / f"{i:03d}.txt").write_text(story)
+    return {"base": base, "instructions": instructions, "texts": texts, "root": root}
+
+
+def command_args(command: str, inputs: dict, out_dir: Path) -> list:
+    """The command line of one entry point on the test inputs."""
+    common = ["--out_dir", out_dir, *TRAIN, "--seed", "5"]
+    if command == "pretrain":
+        config = inputs["root"] / "model.yaml"
+        config.write_text(json.dumps({"model_config": SMALL}))
+        return ["pretrain", "--config", config, "--tokenizer_dir", TOKENIZER_DIR, "--data", "TextFiles",
+                "--data.train_data_path", inputs["texts"], "--data.cache_dir", out_dir.parent / f"cache-{out_dir.name}",
+                *common]
+    data = ["--data", "JSON", "--data.json_path", inputs["instructions"], "--data.val_split_fraction", "0.2"]
+    if command == "finetune_full":
+        return ["finetune_full", inputs["base"], *data, *common]
+    return ["finetune_lora", inputs["base"], *data, *common, "--lora_r", "4", "--lora_alpha", "8",
+            "--lora_dropout", "0", "--lora_mlp", "true"]
+
+
+WEIGHTS = {"pretrain": "lit_model.pth", "finetune_full": "lit_model.pth", "finetune_lora": "lit_model.pth.lora"}
+
+
+@pytest.fixture(scope="module")
+def single_process(inputs) -> dict:
+    """The reference: each entry point in one process on the same global batch."""
+    runs = {}
+    for command in WEIGHTS:
+        out_dir = inputs["root"] / f"single-{command}"
+        result = litgpt(*command_args(command, inputs, out_dir), "--devices", "1")
+        assert result.returncode == 0, result.stderr
+        runs[command] = out_dir
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("command", list(WEIGHTS))
+def test_two_processes_equal_one(command, strategy, inputs, single_process, tmp_path):
+    out_dir = tmp_path / "two"
+    result = litgpt(*command_args(command, inputs, out_dir), "--devices", "2", "--fsdp.sharding_strategy", strategy)
+    assert result.returncode == 0, result.stderr
+    assert_close_runs(out_dir, single_process[command], WEIGHTS[command])
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == strategy
+    assert metrics["fsdp"]["sharding_strategy"] == strategy and len(metrics["peak_memory_mb_per_rank"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(WEIGHTS))
+def test_hybrid_shard_over_two_torchrun_nodes_equals_one_process(command, inputs, single_process, tmp_path):
+    out_dir = tmp_path / "hybrid"
+    results = torchrun_two_nodes(*command_args(command, inputs, out_dir), "--devices", "2", "--num_nodes", "2")
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["num_nodes"] == 2 and metrics["sharding_strategy"] == "HYBRID_SHARD"
+    assert_close_runs(out_dir, single_process[command], WEIGHTS[command])
+
+
+# ---- checkpoints: full and sharded, resumed on other world sizes -------------------------------------------------------
+def assert_same_final(run: Path, reference: Path, weights_file: str, atol: float) -> None:
+    a, b = final_weights(run, weights_file), final_weights(reference, weights_file)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(inputs) -> Path:
+    """pretrain with 2 processes writing sharded checkpoints at steps 2 and 4."""
+    out_dir = inputs["root"] / "sharded-run"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "2",
+                    "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.state_dict_type", "sharded")
+    assert result.returncode == 0, result.stderr
+    return out_dir
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_layout_and_consolidation(sharded_run, single_process, tmp_path):
+    step = sharded_run / "step-000002"
+    assert (step / "sharded" / ".metadata").is_file() and not (step / "lit_model.pth").exists()
+    assert len(list((step / "sharded").glob("*.distcp"))) == 2  # one file per rank, written in parallel
+    # final/ holds the consolidated weights, equal to the single-process run's
+    assert_same_final(sharded_run, single_process["pretrain"], "lit_model.pth", atol=1e-4)
+    result = litgpt("consolidate", sharded_run / "step-000004", "--out_dir", tmp_path / "one-file")
+    assert result.returncode == 0, result.stderr
+    consolidated = load_state_dict(tmp_path / "one-file" / "lit_model.pth")
+    for key, value in final_weights(sharded_run, "lit_model.pth").items():
+        assert torch.equal(consolidated[key], value), key
+    generated = litgpt("generate", tmp_path / "one-file", "--prompt", "Once", "--max_new_tokens", "3")
+    assert generated.returncode == 0, generated.stderr
+    unconsolidated = litgpt("generate", step, "--prompt", "Once")
+    assert unconsolidated.returncode == 1 and f"litgpt consolidate {step}" in unconsolidated.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, atol", [(2, 1e-6), (1, 1e-4)])
+def test_sharded_checkpoint_resumes_on_the_same_and_a_smaller_world(devices, atol, sharded_run, inputs, tmp_path):
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", devices,
+                    "--resume", sharded_run / "step-000002", "--fsdp.state_dict_type", "sharded")
+    assert result.returncode == 0, result.stderr
+    assert "Training 4 steps from step 2" in result.stdout
+    assert losses(out_dir) == pytest.approx(losses(sharded_run)[2:], abs=1e-5)
+    assert_same_final(out_dir, sharded_run, "lit_model.pth", atol=atol)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_from_four_processes_resumes_on_two(inputs, single_process, tmp_path):
+    four = tmp_path / "four"
+    for result in torchrun_two_nodes(*command_args("finetune_lora", inputs, four), "--devices", "2", "--num_nodes",
+                                     "2", "--fsdp.state_dict_type", "sharded"):
+        assert result.returncode == 0, result.stderr
+    assert len(list((four / "step-000002" / "sharded").glob("*.distcp"))) == 4
+    two = tmp_path / "two"
+    result = litgpt(*command_args("finetune_lora", inputs, two), "--devices", "2", "--resume", four / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(two, four, "lit_model.pth.lora", atol=1e-5)
+    assert_same_final(two, single_process["finetune_lora"], "lit_model.pth.lora", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_full_checkpoint_from_two_processes_resumes_in_one_and_generates(inputs, single_process, tmp_path):
+    two = tmp_path / "two"
+    result = litgpt(*command_args("finetune_full", inputs, two), "--devices", "2")
+    assert result.returncode == 0, result.stderr
+    assert set(load_state_dict(two / "step-000002" / "lit_model.pth")) == set(final_weights(two, "lit_model.pth"))
+    one = tmp_path / "one"
+    result = litgpt(*command_args("finetune_full", inputs, one), "--devices", "1", "--resume", two / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(one, single_process["finetune_full"], "lit_model.pth", atol=1e-4)
+    generated = litgpt("generate", two / "final", "--prompt", "Once", "--max_new_tokens", "3")
+    assert generated.returncode == 0, generated.stderr
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_of_another_model_is_refused(sharded_run, inputs, tmp_path):
+    args = command_args("pretrain", inputs, tmp_path / "other")
+    args[args.index("--config") + 1] = write_config(inputs["root"] / "wider.yaml", n_embd=128)
+    result = litgpt(*args, "--devices", "2", "--resume", sharded_run / "step-000002")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("Cannot load the sharded checkpoint") == 1 and "Traceback" not in result.stderr
+
+
+def write_config(path: Path, **changes) -> Path:
+    path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
+    return path
