@@ -61,7 +61,7 @@ def print_error_once(text: str) -> None:
     import tempfile
     import time
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1")
     if world > 1:
         rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK", "0")
         run_id = os.environ.get("MASTER_PORT", "") + os.environ.get("SLURM_JOB_ID", "")
@@ -106,6 +106,15 @@ def run_command(name: str, args: list[str]) -> None:
     except KeyboardInterrupt:
         print(f"litgpt {name}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as error:
+        if type(error).__name__ != "OutOfMemoryError":  # torch's, named so that this module need not import torch
+            raise
+        print_error_once(
+            f"litgpt {name}: error: out of GPU memory ({str(error).splitlines()[0]}). Lower --train.micro_batch_size "
+            "(the global batch stays the same), add --train.activation_checkpointing true, use more devices with "
+            "--fsdp.sharding_strategy FULL_SHARD, or --fsdp.cpu_offload true; `litgpt plan` estimates the memory."
+        )
+        sys.exit(1)
     except BrokenPipeError:
         # The reader of our output went away (`litgpt download list | head`): stop quietly.
         import os

@@ -5,6 +5,7 @@ Entry points ask `build_fabric` for their Fabric; the model file stays free of d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Callable, Optional, Union, get_args
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -208,6 +210,10 @@ class FSDPStrategy(ModelParallelStrategy):
         self.topology = topology
         self.fsdp = fsdp
         self.training_precision = precision
+        if topology.mesh_shape[1] > 1:
+            # Skipping the gradient sync during accumulation would hold every gradient unsharded until the last
+            # micro-batch: the memory FSDP exists to save. Sharded strategies reduce-scatter after every micro-batch.
+            self._backward_sync_control = _ReduceEveryMicroBatch()
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # not the parent's (data, tensor) mesh: ours is (replicate, shard)
@@ -223,6 +229,11 @@ class FSDPStrategy(ModelParallelStrategy):
         if not is_sharded(module):
             shard_model(module, mesh, self.fsdp, self.training_precision, self.root_device)
         return module
+
+
+class _ReduceEveryMicroBatch(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        return contextlib.nullcontext()
 
 
 def is_sharded(module: nn.Module) -> bool:

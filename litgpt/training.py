@@ -301,6 +301,7 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
         "val_loss": val_loss,
         "world_size": fabric.world_size,
         "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
+        "cluster_environment": type(getattr(fabric.strategy, "cluster_environment", None)).__name__,
         "sharding_strategy": run.sharding,
         "state_dict_type": run.state_dict_type,
         "fsdp": run.fsdp,

@@ -326,3 +326,33 @@ def test_sharded_checkpoint_of_another_model_is_refused(sharded_run, inputs, tmp
 def write_config(path: Path, **changes) -> Path:
     path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
     return path
+
+
+# ---- memory: each rank holds its shard ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_each_rank_holds_half_of_a_fully_sharded_model(inputs, tmp_path):
+    """finetune_full of a 16M-parameter model: FULL_SHARD needs (weights + gradients + AdamW state) / 2 per rank less
+    than NO_SHARD, measured as each rank's peak RSS; loading reads only each rank's half of the memory-mapped file."""
+    config = Config(**{**SMALL, "n_layer": 4, "n_embd": 512, "n_head": 8, "n_query_groups": 4,
+                       "intermediate_size": 1376})
+    base = write_random_checkpoint(tmp_path / "base", config)
+    parameters = sum(t.numel() for t in load_state_dict(base / "lit_model.pth").values()) - 4096 * 512  # tied
+    # glibc keeps freed memory unless told to return it; without this RSS hides what sharding saves.
+    env = child_environment(GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0")
+    peaks = {}
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        out_dir = tmp_path / strategy
+        args = command_args("finetune_full", inputs, out_dir)
+        args[1] = base
+        args[args.index("--train.max_steps") + 1] = "2"
+        args[args.index("--train.save_interval") + 1] = "1000"
+        # sharded checkpoints: a full one would gather the whole model and optimizer state on rank 0 to write it
+        result = litgpt(*args, "--devices", "2", "--fsdp.sharding_strategy", strategy, "--fsdp.state_dict_type",
+                        "sharded", env=env)
+        assert result.returncode == 0, result.stderr
+        peaks[strategy] = json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb_per_rank"]
+    # fp32 weights, gradients and two AdamW moments: 16 bytes per parameter, half of it on each of two ranks.
+    expected_saving = 16 * parameters / 2 / 2**20
+    for rank in (0, 1):
+        saving = peaks["NO_SHARD"][rank] - peaks["FULL_SHARD"][rank]
+        assert 0.75 * expected_saving < saving < 1.25 * expected_saving, (peaks, expected_saving)

@@ -108,3 +108,54 @@ def test_sbatch_wait(slurm_cluster, tmp_path):
     logs = "".join(f.read_text() for f in tmp_path.glob("slurm-*.log"))
     assert p.returncode == 0, p.stdout + p.stderr + logs
     assert results(out.read_text()) == expected(2), out.read_text() + logs
+
+
+# ---- litgpt under srun -------------------------------------------------------------------------------------------------
+TINY_RUN = [
+    "pretrain", "--config", ROOT / "config_hub" / "pretrain" / "tiny.yaml", "--train.max_steps", "2",
+    "--train.global_batch_size", "4", "--train.micro_batch_size", "1", "--train.max_seq_length", "64",
+    "--train.log_interval", "1", "--eval.max_iters", "1", "--eval.max_new_tokens", "0", "--eval.initial_validation",
+    "false",
+]
+LITGPT = Path(sys.executable).parent / "litgpt"  # the console script `pip install` puts beside the interpreter
+
+
+def test_srun_ntasks_litgpt_pretrain(slurm_cluster, tmp_path):
+    # `srun --ntasks 2` (no --ntasks-per-node): Lightning alone refuses it; litgpt fills in the per-node count.
+    env = slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    out = tmp_path / "out"
+    p = srun(["--ntasks", 2, LITGPT, *TINY_RUN, "--out_dir", out, "--data.cache_dir", tmp_path / "cache",
+              "--devices", 2], env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["cluster_environment"] == "SLURMEnvironment" and metrics["world_size"] == 2
+    assert metrics["sharding_strategy"] == "FULL_SHARD" and (out / "final" / "lit_model.pth").is_file()
+
+
+def test_srun_task_count_that_does_not_match_the_flags(slurm_cluster, tmp_path):
+    env = slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = srun(["--ntasks", 2, LITGPT, *TINY_RUN, "--out_dir", tmp_path / "out", "--devices", 1], env=env)
+    assert p.returncode != 0
+    assert p.stderr.count("Slurm started 2 task(s) (2 per node), but --devices 1 --num_nodes 1") == 1, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_tutorial_batch_script(slurm_cluster, tmp_path):
+    """tutorials/slurm.md's sbatch script as written, shrunk by sbatch options and arguments to one CPU node."""
+    text = (ROOT / "tutorials" / "slurm.md").read_text()
+    script = text.split("```bash\n")[1].split("```")[0]
+    assert script.startswith("#!/bin/bash\n#SBATCH")
+    # Where a real cluster has GPUs, this one has none: drop the GPU request, keep every other line as written.
+    (tmp_path / "pretrain.sbatch").write_text(script.replace("#SBATCH --gpus-per-node=8\n", ""))
+    (tmp_path / "config_hub").symlink_to(ROOT / "config_hub")
+    (tmp_path / "logs").mkdir()
+    env = slurm_env(MASTER_PORT=str(free_port()), PATH=f"{LITGPT.parent}:{os.environ['PATH']}")
+    p = subprocess.run(
+        ["sbatch", "--wait", "--nodes", "1", "--ntasks-per-node", "2", "--cpus-per-task", "1", "--time", "10",
+         "pretrain.sbatch", *map(str, TINY_RUN[3:]), "--data.cache_dir", tmp_path / "cache"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.out"))
+    assert p.returncode == 0, p.stdout + p.stderr + logs
+    metrics = json.loads((tmp_path / "checkpoints" / "litgpt-pretrain" / "metrics.json").read_text())
+    assert metrics["cluster_environment"] == "SLURMEnvironment" and metrics["world_size"] == 2

@@ -1,0 +1,127 @@
+"""Tokens/s and per-rank peak memory of `litgpt pretrain` with 1, 2 and 4 processes and every sharding strategy.
+
+Each case is one `litgpt pretrain` run of the bundled tiny corpus on a Llama-shaped model, with the same global
+batch whatever the number of processes (so the runs do the same work); the figures come from the run's own
+metrics.json: `tokens_per_sec` (tokens over the time spent in optimizer steps, all steps) and
+`peak_memory_mb_per_rank` (each rank's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU). 4 processes are
+two `torchrun --nnodes 2 --nproc_per_node 2` launches on this machine (HYBRID_SHARD's 2 x 2 mesh). On CPU the runs
+use GLIBC_TUNABLES so that freed memory returns to the OS and RSS shows what each rank holds.
+
+    python benchmarks/distributed.py                       # both models, every case
+    python benchmarks/distributed.py --models small --steps 4
+
+Models: `small`, the ~5M shape of config_hub/pretrain/tiny.yaml (4 layers, n_embd 256, GQA 4/2, vocab 4096),
+micro batch 4 x seq 256; `100m`, a ~100M Llama shape (12 layers, n_embd 768, 12 heads / 4 KV groups,
+intermediate 2048, vocab 4096 tokenizer in a 32000-row embedding), micro batch 2 x seq 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPE = REPO / "config_hub" / "pretrain" / "tiny.yaml"
+MODELS = {
+    "small": {"micro_batch_size": 4, "overrides": []},
+    "100m": {
+        "micro_batch_size": 2,
+        "overrides": [
+            "--model_config.name", "llama-100m", "--model_config.n_layer", "12", "--model_config.n_embd", "768",
+            "--model_config.n_head", "12", "--model_config.n_query_groups", "4",
+            "--model_config.intermediate_size", "2048", "--model_config.padded_vocab_size", "32000",
+        ],
+    },
+}
+# (processes, strategy); 4 processes run as two torchrun "nodes" of 2.
+CASES = [(1, None), (2, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (4, "HYBRID_SHARD"), (4, "FULL_SHARD")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(model: str, processes: int, strategy, steps: int, work: Path) -> dict:
+    spec = MODELS[model]
+    out_dir = work / f"{model}-{processes}-{strategy or 'single'}"
+    micro = spec["micro_batch_size"]
+    global_batch = micro * 4  # the same samples per step for 1, 2 and 4 processes
+    args = [
+        "pretrain", "--config", str(TINY_RECIPE), *spec["overrides"], "--out_dir", str(out_dir),
+        "--data.cache_dir", str(work / "cache"), "--train.max_steps", str(steps), "--train.log_interval", str(steps),
+        "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(global_batch),
+        "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
+        "--eval.max_new_tokens", "0", "--train.lr_warmup_steps", "1",
+    ]
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0"}
+    if processes == 1:
+        commands = [[sys.executable, "-m", "litgpt", *args, "--devices", "1"]]
+    elif processes == 2:
+        commands = [[sys.executable, "-m", "litgpt", *args, "--devices", "2", "--fsdp.sharding_strategy", strategy]]
+    else:
+        port = str(free_port())
+        commands = [
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
+             str(rank), "--master_addr", "127.0.0.1", "--master_port", port, "-m", "litgpt", *args, "--devices", "2",
+             "--num_nodes", "2", "--fsdp.sharding_strategy", strategy]
+            for rank in (0, 1)
+        ]
+    launched = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for c in commands]
+    errors = [p.communicate()[1] for p in launched]
+    if any(p.returncode for p in launched):
+        raise SystemExit(f"{model} {processes} {strategy} failed:\n" + "\n".join(e[-2000:] for e in errors))
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    return {
+        "model": model, "processes": processes, "strategy": strategy or "none",
+        "tokens_per_sec": metrics["tokens_per_sec"], "peak_memory_mb_per_rank": metrics["peak_memory_mb_per_rank"],
+        "command": " && ".join(" ".join(c) for c in commands),
+    }
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--output", type=Path, default=None, help="JSON file for the results")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as work:
+        for model in args.models:
+            print(f"\n{model}: processes  strategy       tokens/s   peak MB per rank", flush=True)
+            baseline = None
+            for processes, strategy in CASES:
+                result = run_case(model, processes, strategy, args.steps, Path(work))
+                baseline = baseline or result["tokens_per_sec"]
+                results.append(result)
+                peaks = ", ".join(f"{peak:,.0f}" for peak in result["peak_memory_mb_per_rank"])
+                print(f"{model:>5}: {processes:>9}  {result['strategy']:<13} {result['tokens_per_sec']:>9,.0f} "
+                      f"({result['tokens_per_sec'] / baseline:.2f}x)  [{peaks}]", flush=True)
+    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    output = args.output or REPO / "benchmarks" / "results" / f"distributed-{datetime.date.today()}.json"
+    output.write_text(json.dumps({"machine": machine, "steps": args.steps, "results": results}, indent=2) + "\n")
+    print(f"\nWrote {output}")
+
+
+if __name__ == "__main__":
+    main()
