@@ -4,8 +4,9 @@ Each case is one `litgpt pretrain` run of the bundled tiny corpus on a Llama-sha
 batch whatever the number of processes (so the runs do the same work); the figures come from the run's own
 metrics.json: `tokens_per_sec` (tokens over the time spent in optimizer steps, all steps) and
 `peak_memory_mb_per_rank` (each rank's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU). 4 processes are
-two `torchrun --nnodes 2 --nproc_per_node 2` launches on this machine (HYBRID_SHARD's 2 x 2 mesh). On CPU the runs
-use GLIBC_TUNABLES so that freed memory returns to the OS and RSS shows what each rank holds.
+two `torchrun --nnodes 2 --nproc_per_node 2` launches on this machine (HYBRID_SHARD's 2 x 2 mesh). Memory comes from a
+second, 2-step run of each case with GLIBC_TUNABLES set so that freed memory returns to the OS and RSS shows what each
+rank holds (that setting slows allocation, so the throughput run goes without it).
 
     python benchmarks/distributed.py                       # both models, every case
     python benchmarks/distributed.py --models small --steps 4
@@ -54,18 +55,33 @@ def free_port() -> int:
 
 
 def run_case(model: str, processes: int, strategy, steps: int, work: Path) -> dict:
+    """Throughput from a run of `steps` steps; per-rank peak memory from a 2-step run that returns freed memory."""
+    throughput = launch(model, processes, strategy, steps, work / "throughput", {})
+    memory = launch(model, processes, strategy, 2, work / "memory", {"GLIBC_TUNABLES": RETURN_FREED_MEMORY})
+    return {
+        "model": model, "processes": processes, "strategy": strategy or "none",
+        "tokens_per_sec": throughput["metrics"]["tokens_per_sec"],
+        "peak_memory_mb_per_rank": memory["metrics"]["peak_memory_mb_per_rank"],
+        "command": throughput["command"],
+    }
+
+
+RETURN_FREED_MEMORY = "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0"
+
+
+def launch(model: str, processes: int, strategy, steps: int, work: Path, extra_env: dict) -> dict:
     spec = MODELS[model]
     out_dir = work / f"{model}-{processes}-{strategy or 'single'}"
     micro = spec["micro_batch_size"]
     global_batch = micro * 4  # the same samples per step for 1, 2 and 4 processes
     args = [
         "pretrain", "--config", str(TINY_RECIPE), *spec["overrides"], "--out_dir", str(out_dir),
-        "--data.cache_dir", str(work / "cache"), "--train.max_steps", str(steps), "--train.log_interval", str(steps),
+        "--data.cache_dir", str(work.parent / "cache"), "--train.max_steps", str(steps), "--train.log_interval", str(steps),
         "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(global_batch),
         "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--eval.max_new_tokens", "0", "--train.lr_warmup_steps", "1",
     ]
-    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0"}
+    env = {**os.environ, **extra_env}
     if processes == 1:
         commands = [[sys.executable, "-m", "litgpt", *args, "--devices", "1"]]
     elif processes == 2:
@@ -84,11 +100,7 @@ def run_case(model: str, processes: int, strategy, steps: int, work: Path) -> di
     if any(p.returncode for p in launched):
         raise SystemExit(f"{model} {processes} {strategy} failed:\n" + "\n".join(e[-2000:] for e in errors))
     metrics = json.loads((out_dir / "metrics.json").read_text())
-    return {
-        "model": model, "processes": processes, "strategy": strategy or "none",
-        "tokens_per_sec": metrics["tokens_per_sec"], "peak_memory_mb_per_rank": metrics["peak_memory_mb_per_rank"],
-        "command": " && ".join(" ".join(c) for c in commands),
-    }
+    return {"metrics": metrics, "command": " & ".join(" ".join(c) for c in commands)}
 
 
 def cpu_name() -> str:

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Commands whose first argument may be given without its flag (`litgpt pretrain pythia-14m`).
-OPTIONAL_POSITIONAL = {"pretrain": "model_name"}
+OPTIONAL_POSITIONAL = {"pretrain": "model_name", "plan": "model_name"}
 
 
 def print_commands() -> None:

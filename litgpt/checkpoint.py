@@ -164,6 +164,15 @@ def copy_weights(
         copy_into_shard(target, state_dict[key])
 
 
+def assign_weights(model: torch.nn.Module, state_dict: dict, source: str, select: Callable[[str], bool]) -> None:
+    """Load the selected keys of `state_dict`; a meta-device model takes its (memory-mapped) tensors without a copy."""
+    expected = {key: value.shape for key, value in model.state_dict().items() if select(key)}
+    check_weights_match(expected, state_dict, source)
+    assign = any(value.is_meta for key, value in model.state_dict().items() if select(key))
+    model.load_state_dict(state_dict, strict=False, assign=assign)
+    retie_embeddings(model)
+
+
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
     check_weights_match({k: v.shape for k, v in model.state_dict().items()}, state_dict, source)

@@ -197,9 +197,9 @@ def train_model(
     over them. Checkpoints store the `checkpoint_keys` (`weights_file`); resuming loads them back. `after_load` runs
     on the loaded model before training (e.g. quantization).
     """
-    from litgpt.checkpoint import load_state_dict, copy_weights, resolve_resume
+    from litgpt.checkpoint import assign_weights, copy_weights, load_state_dict, resolve_resume
     from litgpt.data.base import MicroBatches
-    from litgpt.parallel import FSDPStrategy, prepare_model
+    from litgpt.parallel import FSDPStrategy, apply_activation_checkpointing, prepare_model
     from litgpt.tokenizer import Tokenizer, check_vocab_fits
     from litgpt.training import Run, TrainState, fit
 
@@ -215,12 +215,25 @@ def train_model(
         # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
         config = dataclasses.replace(config, prompt_style=style_used.name)
 
-    model = prepare_model(fabric, build_model(), precision, initialize, train.activation_checkpointing)
-    # A resumed checkpoint that holds every weight makes the initial ones unnecessary.
-    if initial_weights is not None and (resume_dir is None or checkpoint_keys is not every_key):
-        copy_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
-    if after_load is not None:
+    if after_load is None:
+        model = prepare_model(fabric, build_model(), precision, initialize, train.activation_checkpointing)
+        # A resumed checkpoint that holds every weight makes the initial ones unnecessary.
+        if initial_weights is not None and (resume_dir is None or checkpoint_keys is not every_key):
+            copy_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
+    else:
+        # QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
+        # the model is never whole in memory at its stored precision.
+        model = build_model()
+        assign_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
+        with torch.no_grad():
+            initialize(model)
         after_load(model)
+        if precision in ("32-true", "bf16-mixed"):  # float32 master copies of what stays unquantized
+            for param in model.parameters():
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    param.data = param.data.float()
+        if train.activation_checkpointing:
+            apply_activation_checkpointing(model)
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(build_optimizer(optimizer_spec, model.parameters(), fabric.device))
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from litgpt.checkpoint import check_weights_match, retie_embeddings
+from litgpt.checkpoint import assign_weights, check_weights_match
 from litgpt.errors import UserError
 
 if TYPE_CHECKING:
@@ -337,13 +337,7 @@ def load_base_weights(model: nn.Module, state_dict: dict, source: str) -> None:
     """Load a plain (un-adapted) checkpoint into an adapted model: every non-adapter key must be there, fit, and
     nothing else may be; the first mismatch is a UserError. Adapters are left as they are. On a meta model the
     checkpoint's tensors are assigned (no copy); call `init_lora_weights` afterwards to materialize the adapters."""
-    expected = {key: value.shape for key, value in model.state_dict().items() if not is_lora_key(key)}
-    check_weights_match(expected, state_dict, source)
-    assign = any(param.is_meta for name, param in model.named_parameters() if not is_lora_key(name))
-    result = model.load_state_dict(state_dict, strict=False, assign=assign)
-    if result.unexpected_keys or not all(is_lora_key(key) for key in result.missing_keys):
-        raise RuntimeError(f"Loading {source} left keys unloaded: {result}")
-    retie_embeddings(model)
+    assign_weights(model, state_dict, source, lambda key: not is_lora_key(key))
 
 
 def load_lora_weights(model: nn.Module, adapters: dict, source: str) -> None:

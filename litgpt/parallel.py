@@ -166,9 +166,14 @@ def check_launcher(devices: int, num_nodes: int, environ) -> None:
     # Lightning's hint to use srun whenever srun exists is noise on a cluster's login or batch node.
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     world_size = devices * num_nodes
-    asked = f"--devices {devices} --num_nodes {num_nodes} asks for {world_size} processes"
+    asked = f"--devices {devices} --num_nodes {num_nodes} asks for {world_size} process(es)"
     if SLURMEnvironment.detect():  # Fabric looks for Slurm first, so do we
         tasks, per_node = int(environ["SLURM_NTASKS"]), slurm_tasks_per_node(environ)
+        if tasks > 1 and "SLURM_STEP_ID" not in environ:
+            raise UserError(
+                f"This Slurm job has {tasks} tasks, but the command runs in the batch script itself, as one process "
+                "that would wait for the others: start it with srun (`srun litgpt ...`), which starts one per task."
+            )
         if tasks != world_size or per_node != devices:
             raise UserError(
                 f"Slurm started {tasks} task(s) ({per_node or 'an uneven number'} per node), but {asked} "
@@ -254,7 +259,8 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
 
 
 def prepare_model(

@@ -8,19 +8,23 @@ What is counted, per device:
 
 - parameters: the resident (sharded) copy. Trainable ones in the master dtype (float32 for 32-true and the -mixed
   precisions, 16 bits for the -true ones). Frozen LoRA base weights too, since the training entry points cast the
-  whole model to the master dtype; with --quantize the blocks' linear weights are stored in 4 or 8 bits instead.
+  whole model to the master dtype; with --quantize the blocks' linear weights are stored in 4 or 8 bits instead
+  (after the whole base was loaded in the master dtype: that moment is planned too).
 - gradients: one per trainable parameter, in the master dtype, sharded like it. With gradient accumulation the
-  earlier micro-batches' gradients are held while the next one runs forward; under FSDP they are held unsharded,
-  because `fit` skips the gradient reduction on all but the last micro-batch (`fabric.no_backward_sync`, which is
-  FSDP2's `set_requires_gradient_sync(False)`).
+  earlier micro-batches' gradients are held while the next one runs forward (sharded: the sharded strategies
+  reduce-scatter after every micro-batch).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
-- gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a block's parameters in the
-  compute dtype before it runs: two blocks at a time (one running, one prefetched) plus the root (embedding, final
-  norm, head) for the whole step; with SHARD_GRAD_OP every block stays gathered from its forward until its backward.
+- gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
+  compute dtype before it runs: two blocks at a time (one running, one prefetched) and, in the backward pass, the
+  root (embedding, final norm, head) throughout; with SHARD_GRAD_OP every unit stays gathered from its forward until
+  its backward.
   On a single device (no FSDP) with a -mixed precision, autocast's 16-bit copies of the linear weights, which
   autograd keeps for the backward pass, take this row instead.
 - activations: what autograd saves in the forward pass of `litgpt.model.GPT`, tensor by tensor (see `_Tape`);
   with activation checkpointing only each block's input, and one block's activations while it is recomputed.
+  Attention is O(sequence) (flash / memory-efficient kernels, and the CPU's flash kernel), except on CUDA in
+  float32 with grouped keys (n_query_groups < n_head), which no fused kernel takes: the math path keeps the
+  (batch, heads, seq, seq) softmax, as does soft-capped attention (Gemma 2) everywhere.
 - logits and loss: `loss_fn` upcasts the logits to float32; at the start of the backward pass the log-softmax
   output, its gradient and the logits' gradient (3 x tokens x vocab x 4 bytes) are alive together.
 - work buffers: what one block's backward pass allocates on top (activation gradients, its weight gradients,
@@ -37,22 +41,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, get_args
 
+from litgpt.args import ShardingStrategy
 from litgpt.config import Config
 from litgpt.errors import UserError
+from litgpt.precision import PRECISIONS
+from litgpt.quantize import QUANTIZE_MODES
 
 METHODS = ("full", "lora")
-SHARDING_STRATEGIES = ("HYBRID_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-PLAN_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+SHARDING_STRATEGIES = get_args(ShardingStrategy)
 PLAN_DEVICES = ("cuda", "cpu")
-QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
 GiB = 2**30
 
 # What a device needs beyond the tensors counted here.
-CUDA_CONTEXT_BYTES = 1 * GiB  # CUDA context, cuBLAS and NCCL workspaces
-CUDA_FRAGMENTATION = 0.05  # the caching allocator reserves more than it hands out: a share of the peak
-CPU_RUNTIME_BYTES = GiB // 2  # the resident size of Python + torch + litgpt before the model is built
+CUDA_CONTEXT_BYTES = 1 * GiB  # CUDA context and library workspaces (0.82 GiB measured on an H100, torch 2.11)
+CUDA_FRAGMENTATION = 0.10  # the caching allocator reserves more than it hands out: a share of the peak
+CPU_RUNTIME_BYTES = GiB // 2  # resident size of Python + torch + litgpt before the model (0.42 GiB, torch 2.13)
 BNB_BLOCK = 64  # bitsandbytes' 4-bit quantization block (one absmax per 64 weights)
 
 ROWS = (
@@ -114,9 +119,11 @@ class MemoryPlan:
     total: int
     device_memory: int
     fits: bool
-    margin: int  # device_memory - total: what is left (negative: what is missing)
+    margin: int  # device_memory - what is needed (the total, or the loading): what is left (negative: missing)
+    loading: int  # with --quantize: the base in the master dtype on the device, before it is quantized
     host_memory_per_node: int  # with cpu_offload: the sharded state of the node's devices in CPU memory
     activations_per_layer: int  # one (typical) block's saved activations without checkpointing
+    attention: str  # which attention kernel the activations assume
     row_details: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -270,6 +277,8 @@ def estimate(
         raise UserError("--cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
     if precision == "16-mixed" and device == "cpu":
         raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
+    if precision == "16-mixed" and world > 1:
+        raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
     if method == "lora" and lora is None:
         lora = LoRASettings()
     if method == "full":
@@ -293,6 +302,7 @@ def estimate(
     layout = _parameter_layout(config, lora, quantize)
     n_tokens = micro_batch_size * seq_length
     notes: list[str] = []
+    dtype_name = {4: "float32", 2: "16-bit"}
 
     # ---- resident state ----------------------------------------------------------------------------------------
     def stored_bytes(p: "_Param") -> int:
@@ -306,12 +316,9 @@ def estimate(
     optimizer_state = 2 * gradients_sharded + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
     unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     reduce_bytes = master  # FSDP's reduce dtype: float32 for -mixed (and 32-true), 16 bits for -true
-    if not accumulate_gradients:
-        gradients_held = 0
-    elif fsdp:
-        gradients_held = unsharded(trainable) * reduce_bytes
-    else:
-        gradients_held = gradients_sharded
+    # Sharded strategies reduce-scatter after every micro-batch, so accumulation holds sharded gradients (NO_SHARD
+    # holds them unsharded, which is the same size there).
+    gradients_held = gradients_sharded if accumulate_gradients else 0
 
     # ---- activations -------------------------------------------------------------------------------------------
     saved = saved_activation_bytes(
@@ -332,13 +339,17 @@ def estimate(
     block_bytes = sorted(unsharded(ps) * compute for ps in layout.blocks)
     root_bytes = unsharded(layout.root) * compute
     if fsdp:
-        gathered_backward = root_bytes + sum(block_bytes[-2:])
+        # `shard_model` keeps the root (embeddings, final norm, head) gathered from its forward to its backward, which
+        # starts with the head. A block is gathered for its forward and again for its backward, the next one
+        # prefetched (a shard group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
+        # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
+        gathered_backward = root_bytes + sum(block_bytes[-(2 if shard > 1 else 1):])
         if sharding_strategy == "SHARD_GRAD_OP" and shard > 1:
             gathered_start = root_bytes + sum(block_bytes)
-            gathered_detail = "root + every block (kept from forward to backward)"
+            gathered_detail = "every block + root, from forward to backward"
         else:
-            gathered_start = gathered_backward
-            gathered_detail = "root + 2 blocks in the compute dtype"
+            gathered_start = root_bytes
+            gathered_detail = "root + 2 blocks at a time, compute dtype"
     elif autocast:
         # Autocast's 16-bit copies of the linear weights, saved for the backward pass; with checkpointing only the
         # head's and the recomputed block's are saved, but the cached copies of trainable weights last until the
@@ -358,6 +369,19 @@ def estimate(
     grad_itemsize = compute if (autocast or fsdp) else param_compute
     widest = max(config.qkv_size, _mlp_width(config), config.n_embd)
     activation_grads = 3 * n_tokens * widest * grad_itemsize + 2 * n_tokens * config.n_embd * param_compute
+    math_attention = (
+        device == "cuda" and precision == "32-true" and config.n_query_groups != config.n_head
+        and config.attention_logit_softcapping is None
+    )
+    if config.attention_logit_softcapping is not None:
+        attention = "soft-capped attention, materialized"
+    elif math_attention:
+        attention = "math attention: no fused float32 kernel takes grouped keys"
+    else:
+        attention = "flash attention" if device == "cuda" else "CPU flash attention"
+    if math_attention or config.attention_logit_softcapping is not None:
+        # The attention weights' gradient and the scores' gradient: (B, H, T, T) each.
+        activation_grads += 2 * micro_batch_size * config.n_head * seq_length**2 * compute
     top_trainable = unsharded(_top_block_trainable(layout))
     if fsdp:
         # The block's unsharded gradients in the compute dtype, and the reduce-scatter input in the reduce dtype.
@@ -397,7 +421,10 @@ def estimate(
             gradients=gradients_held + root_grads, gathered_params=gathered_backward,
             activations=activations - root_activations, buffers=buffers,
         ),
-        "optimizer step": dict(gradients=resident_gradients + (root_grads if fsdp else 0)),
+        # Under FSDP the root's parameters stay gathered and its gradients unsharded until the backward pass ends.
+        "optimizer step": dict(
+            gradients=resident_gradients + (root_grads if fsdp else 0), gathered_params=root_bytes if fsdp else 0
+        ),
     })
     for moment in moments.values():
         moment.update(parameters=resident_parameters, optimizer_state=resident_optimizer)
@@ -405,21 +432,27 @@ def estimate(
     at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
     largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
     peak = sum(at_peak.values())
-    if device == "cuda":
-        overhead = CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * peak)
-    else:
-        overhead = CPU_RUNTIME_BYTES
+    overhead = _overhead(peak, device)
     total = peak + overhead
     device_memory = int(device_memory_gb * GiB)
+    loading = 0
+    if quantize:
+        # The training commands load the whole base onto the device in the master dtype, then quantize it there.
+        loading = sum(math.prod(p.shape) for p in layout.params) * master
+        notes.append(
+            f"--quantize: the base is loaded onto the device in {dtype_name[master]} before it is quantized: "
+            f"{_fmt(loading)} (+ overhead) at that moment, before training starts."
+        )
+    needed = max(total, loading + _overhead(loading, device) if loading else 0)
 
     # ---- what the table says -------------------------------------------------------------------------------------
-    dtype_name = {4: "float32", 2: "16-bit"}
     placement = f"1/{shard} shard" if shard > 1 else ("replicated" if fsdp else "one device")
     if cpu_offload:
         placement = "in CPU memory"
     details = {
         "parameters": f"{placement}, {dtype_name[master]}" + (f", blocks' linears {quantize}" if quantize else ""),
-        "gradients": f"{placement}, {dtype_name[master]}",
+        "gradients": f"{placement}, {dtype_name[master]}"
+        + (" (+ the root's unsharded in the backward pass)" if fsdp and root_grads else ""),
         "optimizer_state": f"2 moments, {placement}, {dtype_name[master]}",
         "gathered_params": gathered_detail,
         "activations": (
@@ -430,13 +463,6 @@ def estimate(
         "buffers": ("1 block recomputed + " if activation_checkpointing else "")
         + "1 block's backward" + (" + 1 dequantized weight" if quantize else ""),
     }
-    if fsdp and accumulate_gradients and trainable:
-        details["gradients"] = f"unsharded while accumulating, {dtype_name[reduce_bytes]}"
-        notes.append(
-            "With gradient accumulation, fit() skips the gradient reduction on all but the last micro-batch "
-            "(fabric.no_backward_sync), so FSDP2 holds every trainable parameter's gradient unsharded in the reduce "
-            "dtype; --accumulate_gradients false plans for one micro-batch per optimizer step."
-        )
     if method == "lora" and quantize is None:
         notes.append(
             f"The frozen base weights are stored in {dtype_name[master]} (the training commands cast the whole model "
@@ -458,6 +484,11 @@ def estimate(
         notes.append(f"Overhead assumed: {_fmt(CPU_RUNTIME_BYTES)}, the resident size of Python and torch themselves.")
     if config.mlp_class_name == "LLaMAMoE":
         notes.append("Mixture of experts: every token's k experts' activations are counted, whatever the routing.")
+    if math_attention:
+        notes.append(
+            "No fused CUDA attention kernel takes float32 with grouped keys: the math path keeps a (batch, heads, seq, "
+            "seq) softmax per layer; a 16-bit precision runs flash attention instead."
+        )
 
     return MemoryPlan(
         model_name=config.name or "model_config", method=method, precision=precision,
@@ -471,16 +502,23 @@ def estimate(
         optimizer_state=largest["optimizer_state"], gathered_params=largest["gathered_params"],
         activations=largest["activations"], logits_loss=largest["logits_loss"], buffers=largest["buffers"],
         at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=total,
-        device_memory=device_memory, fits=total <= device_memory, margin=device_memory - total,
-        host_memory_per_node=host_per_node, activations_per_layer=max(per_layer), row_details=details, notes=notes,
+        device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
+        host_memory_per_node=host_per_node, activations_per_layer=max(per_layer), attention=attention,
+        row_details=details, notes=notes,
     )
+
+
+def _overhead(peak: int, device: str) -> int:
+    if device == "cuda":
+        return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * peak)
+    return CPU_RUNTIME_BYTES
 
 
 def _check_choices(method: str, precision: str, strategy: str, device: str) -> tuple[str, str, str, str]:
     if method not in METHODS:
         raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
-    if precision not in PLAN_PRECISIONS:
-        raise UserError(f"--precision {precision!r} is not one of {', '.join(PLAN_PRECISIONS)}.")
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
     normalized = str(strategy).upper()
     if normalized not in SHARDING_STRATEGIES:
         raise UserError(f"--sharding_strategy {strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}.")
@@ -758,19 +796,34 @@ class _Tape:
 
     def sdpa(self, q: _T, k: _T, v: _T, masked: bool) -> _T:
         c = self.c
-        q, k, v = (self.autocast_input(t) if self.autocast else t for t in (q, k, v))
+        q, k, v = (self.autocast_input(t) for t in (q, k, v))
         requires_grad = q.requires_grad or k.requires_grad or v.requires_grad
+        if self.math_attention(q.itemsize):
+            # No fused CUDA kernel takes float32 with grouped keys: the math path repeats k and v per head, scales
+            # q and k, and keeps the softmax of the scores; its (B, H, T, hs) output is copied for the projection.
+            if requires_grad:
+                for numel in (q.numel, q.numel, q.numel, self.batch * c.n_head * self.seq * self.seq):
+                    self.save_new(numel, q.itemsize)
+            return self.new(q.numel, q.itemsize, requires_grad)
         out = self.new(q.numel, q.itemsize, requires_grad)
         if requires_grad:
             for t in (q, k, v, out):
                 self.save(t)
             self.save_new(self.batch * c.n_head * self.seq, 4)  # log-sum-exp per query
+            if self.device == "cuda":
+                self.save_new(2, 8)  # the dropout RNG's seed and offset
             if masked:  # the boolean window mask becomes an additive float mask, per call
                 self.save_new(self.seq * self.seq, q.itemsize)
-        if self.device == "cpu" and q.fresh:
-            # The CPU kernel lays its output out like a contiguous q: y.transpose(1, 2).reshape(...) copies it.
+        # CPU flash and CUDA flash attention lay their output out like q, CUDA's memory-efficient kernel (float32,
+        # or a mask) as (B, T, H, hs): after a partial rotary embedding q is contiguous, and the projection's
+        # y.transpose(1, 2).reshape(...) copies the output.
+        efficient = self.device == "cuda" and (q.itemsize == 4 or masked)
+        if q.fresh and not efficient:
             return self.new(out.numel, out.itemsize, requires_grad)
         return out
+
+    def math_attention(self, itemsize: int) -> bool:
+        return self.device == "cuda" and itemsize == 4 and self.c.n_query_groups != self.c.n_head
 
     def softcapped_attention(self, q: _T, k: _T, v: _T) -> _T:
         c = self.c
@@ -944,9 +997,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"parameters: {_count(plan.total_params)} total ({plan.total_params:,}), {_count(plan.trainable_params)} "
         f"trainable ({share:.2%})"
     )
-    attention = "flash attention" if plan.device == "cuda" else "CPU flash attention"
     lines.append(
-        f"micro batch {plan.micro_batch_size} x {plan.seq_length:,} tokens on {plan.device} ({attention}), "
+        f"micro batch {plan.micro_batch_size} x {plan.seq_length:,} tokens on {plan.device} ({plan.attention}), "
         f"activation checkpointing {'on' if plan.activation_checkpointing else 'off'}, "
         f"gradient accumulation {'on' if plan.accumulate_gradients else 'off'}"
     )
@@ -959,13 +1011,17 @@ def format_plan(plan: MemoryPlan) -> str:
             f"{plan.row_details.get(key, '')}"
         )
     lines.append(f"{'':<{width}} {'':>12} {'-' * 12}")
-    lines.append(f"{'peak of a step':<{width}} {'':>12} {_fmt(plan.peak):>12}  at the {plan.peak_phase}")
+    lines.append(f"{'peak':<{width}} {'':>12} {_fmt(plan.peak):>12}  at the {plan.peak_phase}")
     lines.append(f"{'overhead':<{width}} {'':>12} {_fmt(plan.overhead):>12}")
     lines.append(f"{'total':<{width}} {'':>12} {_fmt(plan.total):>12}")
+    if plan.loading:
+        label = "loading, before quantizing"
+        lines.append(f"{label:<{width}} {'':>12} {_fmt(plan.loading):>12}  the whole base before training, + overhead")
+    when = " (at loading)" if plan.device_memory - plan.margin != plan.total else ""
     if plan.fits:
-        verdict = f"fits in {_fmt(plan.device_memory)}: {_fmt(plan.margin)} to spare"
+        verdict = f"fits in {_fmt(plan.device_memory)}: {_fmt(plan.margin)} to spare{when}"
     else:
-        verdict = f"does NOT fit in {_fmt(plan.device_memory)}: {_fmt(-plan.margin)} short"
+        verdict = f"does NOT fit in {_fmt(plan.device_memory)}: {_fmt(-plan.margin)} short{when}"
     lines.append(f"{'device memory':<{width}} {'':>12} {_fmt(plan.device_memory):>12}  {verdict}")
     if plan.cpu_offload:
         lines.append(f"{'host memory per node':<{width}} {'':>12} {_fmt(plan.host_memory_per_node):>12}")

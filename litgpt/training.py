@@ -314,8 +314,14 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
 
 def per_rank_peak_memory_mb(fabric) -> list[float]:
     """Every rank's peak memory (collective): a sharded run should show each rank holding its part only."""
-    peak = torch.tensor([peak_memory_bytes(fabric.device) / 2**20], dtype=torch.float64, device=fabric.device)
-    return [round(value, 1) for value in fabric.all_gather(peak).flatten().tolist()]
+    import torch.distributed as dist
+
+    peak = round(peak_memory_bytes(fabric.device) / 2**20, 1)
+    if not dist.is_initialized():
+        return [peak]
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
 
 
 # Dense bf16 peak FLOP/s of the GPUs we quote MFU for.

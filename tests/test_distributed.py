@@ -72,7 +72,7 @@ def torchrun_environment(monkeypatch, world: int, local: int) -> None:
 def slurm_environment(monkeypatch, tasks: int, tasks_per_node: str, per_node_flag: str | None = None) -> None:
     clean_environment(monkeypatch)
     values = dict(SLURM_NTASKS=tasks, SLURM_TASKS_PER_NODE=tasks_per_node, SLURM_JOB_NAME="train", SLURM_PROCID=0,
-                  SLURM_LOCALID=0, SLURM_NODEID=0, SLURM_JOB_ID=7, SLURM_NODELIST="node1")
+                  SLURM_LOCALID=0, SLURM_NODEID=0, SLURM_JOB_ID=7, SLURM_NODELIST="node1", SLURM_STEP_ID=0)
     if per_node_flag is not None:
         values["SLURM_NTASKS_PER_NODE"] = per_node_flag
     for name, value in values.items():
@@ -100,6 +100,13 @@ def test_slurm_tasks_must_match_the_flags(monkeypatch):
     slurm_environment(monkeypatch, tasks=2, tasks_per_node="2")
     with pytest.raises(UserError, match="Slurm started 2 task"):
         check_launcher(1, 1, os.environ)  # two independent single-device runs would write over each other
+
+
+def test_a_multi_task_batch_script_must_use_srun(monkeypatch):
+    slurm_environment(monkeypatch, tasks=2, tasks_per_node="2", per_node_flag="2")
+    monkeypatch.delenv("SLURM_STEP_ID")  # the batch script itself, not a task started by srun
+    with pytest.raises(UserError, match="start it with srun"):
+        check_launcher(2, 1, os.environ)
 
 
 def test_num_nodes_needs_a_launcher(monkeypatch):
@@ -162,10 +169,14 @@ def assert_close_runs(run: Path, reference: Path, weights_file: str, loss_tol=1e
     ours, theirs = losses(run), losses(reference)
     assert len(ours) == len(theirs) == 4
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=loss_tol)
+    assert_same_final(run, reference, weights_file, weight_tol)
+
+
+def assert_same_final(run: Path, reference: Path, weights_file: str, atol: float) -> None:
     a, b = final_weights(run, weights_file), final_weights(reference, weights_file)
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=weight_tol, msg=key)
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +249,27 @@ def test_hybrid_shard_over_two_torchrun_nodes_equals_one_process(command, inputs
     assert_close_runs(out_dir, single_process[command], WEIGHTS[command])
 
 
+@pytest.mark.slow
+def test_cpu_offload_equals_one_process(inputs, single_process, tmp_path):
+    out_dir = tmp_path / "offload"
+    result = litgpt(*command_args("finetune_full", inputs, out_dir), "--devices", "2", "--fsdp.cpu_offload", "true")
+    assert result.returncode == 0, result.stderr
+    assert_close_runs(out_dir, single_process["finetune_full"], "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_trains_close_to_float32(inputs, single_process, tmp_path):
+    """bf16 compute with float32 master weights and gradient reduction: the losses follow the float32 run's."""
+    out_dir = tmp_path / "bf16"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "2", "--precision", "bf16-mixed")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out_dir / "metrics.json").read_text())["precision"] == "bf16-mixed"
+    reference = losses(single_process["pretrain"])
+    assert losses(out_dir) == pytest.approx(reference, abs=0.05) and losses(out_dir) != reference
+    assert all(t.dtype == torch.float32 for t in final_weights(out_dir, "lit_model.pth").values())
+
+
 # ---- checkpoints: full and sharded, resumed on other world sizes -------------------------------------------------------
-def assert_same_final(run: Path, reference: Path, weights_file: str, atol: float) -> None:
-    a, b = final_weights(run, weights_file), final_weights(reference, weights_file)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
-
-
 @pytest.fixture(scope="module")
 def sharded_run(inputs) -> Path:
     """pretrain with 2 processes writing sharded checkpoints at steps 2 and 4."""
@@ -356,3 +380,43 @@ def test_each_rank_holds_half_of_a_fully_sharded_model(inputs, tmp_path):
     for rank in (0, 1):
         saving = peaks["NO_SHARD"][rank] - peaks["FULL_SHARD"][rank]
         assert 0.75 * expected_saving < saving < 1.25 * expected_saving, (peaks, expected_saving)
+
+
+# ---- bad input: one message, exit code 1, before any process waits ---------------------------------------------------
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num_nodes", "2"], "--num_nodes 2 needs a launcher that starts the processes on every node"),
+        (["--devices", "2", "--fsdp.sharding_strategy", "ZERO_SHARD"], "HYBRID_SHARD"),
+        (["--devices", "2", "--fsdp.state_dict_type", "distributed"], "sharded"),
+        (["--devices", "2", "--fsdp.timeout", "soon"], "timeout"),
+    ],
+)
+def test_bad_distributed_flags(flags, message, tmp_path):
+    result = litgpt("pretrain", "--config", ROOT / "config_hub" / "pretrain" / "tiny.yaml", "--out_dir",
+                    tmp_path / "out", *flags, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_qlora_cannot_be_sharded(inputs, tmp_path):
+    result = litgpt("finetune_lora", inputs["base"], "--quantize", "bnb.nf4", "--devices", "2", "--out_dir",
+                    tmp_path / "out", "--data", "JSON", "--data.json_path", inputs["instructions"], timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "--quantize (QLoRA) runs on one device" in result.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_process_count_that_does_not_match_the_flags(tmp_path):
+    port = str(free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+               "-m", "litgpt", "pretrain", "--config", ROOT / "config_hub" / "pretrain" / "tiny.yaml", "--out_dir",
+               tmp_path / "out", "--devices", "1"]
+    result = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env=child_environment())
+    assert result.returncode != 0
+    message = "torchrun started 2 process(es) (2 per node), but --devices 1 --num_nodes 1 asks for 1 process(es)"
+    assert result.stderr.count(message) == 1, result.stderr
+    # torchrun reports its failed workers with a traceback of its own; none comes from litgpt
+    assert f'File "{ROOT / "litgpt"}' not in result.stderr and not (tmp_path / "out").exists()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_helpers import write_random_checkpoint
 
 from litgpt.config import Config
@@ -67,6 +68,16 @@ def test_finetune_commands_from_flags(command, tmp_path, base, instructions):
     if command != "finetune_full":
         assert (final / "lit_model.pth.lora").is_file()
         assert (final / "hyperparameters.yaml").read_text().count("lora_r: 8") == 1
+
+
+def test_qlora_from_flags_trains_adapters_over_a_quantized_base(tmp_path, base, instructions):
+    result = litgpt("finetune_lora", base, "--quantize", "bnb.nf4", "--out_dir", tmp_path / "out", "--data", "JSON",
+                    "--data.json_path", instructions, "--data.val_split_fraction", "0.2", "--train.global_batch_size",
+                    "2", "--train.micro_batch_size", "1", "--train.max_seq_length", "128", *FAST)
+    assert result.returncode == 0, result.stderr
+    adapters = torch.load(tmp_path / "out" / "final" / "lit_model.pth.lora", weights_only=True)
+    assert adapters and all(".lora_" in key and value.dtype == torch.float32 for key, value in adapters.items())
+    assert all(value.abs().sum() > 0 for key, value in adapters.items() if ".lora_B" in key)  # B starts at zero
 
 
 def test_profile_writes_a_trace(tmp_path, base, instructions):
