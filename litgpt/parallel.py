@@ -207,11 +207,8 @@ class FSDPStrategy(ModelParallelStrategy):
     """
 
     def __init__(self, topology: Topology, fsdp: FSDPArgs, precision: str) -> None:
-        super().__init__(
-            parallelize_fn=self._parallelize,
-            save_distributed_checkpoint=fsdp.state_dict_type == "sharded",
-            timeout=timedelta(seconds=fsdp.timeout),
-        )
+        # Checkpoints are written by litgpt.checkpoint (full or sharded), not through Fabric's save/load.
+        super().__init__(parallelize_fn=self._parallelize, timeout=timedelta(seconds=fsdp.timeout))
         self.topology = topology
         self.fsdp = fsdp
         self.training_precision = precision
@@ -226,7 +223,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self._device_mesh = self.topology.device_mesh(self.root_device.type)
 
     @property
-    def distributed_sampler_kwargs(self) -> dict:
+    def distributed_sampler_kwargs(self) -> dict:  # the parent reads a "data_parallel" mesh dimension we do not have
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:

@@ -376,10 +376,11 @@ def test_each_rank_holds_half_of_a_fully_sharded_model(inputs, tmp_path):
         assert result.returncode == 0, result.stderr
         peaks[strategy] = json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb_per_rank"]
     # fp32 weights, gradients and two AdamW moments: 16 bytes per parameter, half of it on each of two ranks.
+    # Rank 1 does nothing but train; rank 0 also tokenizes the data and writes final/'s consolidated weights.
     expected_saving = 16 * parameters / 2 / 2**20
-    for rank in (0, 1):
-        saving = peaks["NO_SHARD"][rank] - peaks["FULL_SHARD"][rank]
-        assert 0.75 * expected_saving < saving < 1.25 * expected_saving, (peaks, expected_saving)
+    saving = peaks["NO_SHARD"][1] - peaks["FULL_SHARD"][1]
+    assert 0.75 * expected_saving < saving < 1.25 * expected_saving, (peaks, expected_saving)
+    assert peaks["FULL_SHARD"][0] < peaks["NO_SHARD"][0], peaks
 
 
 # ---- bad input: one message, exit code 1, before any process waits ---------------------------------------------------
