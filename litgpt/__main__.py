@@ -80,6 +80,19 @@ def print_error_once(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+def exit_failed() -> None:
+    """Exit with code 1. A process of a distributed run leaves at once: tearing down a process group whose peers
+    are gone can abort the interpreter (SIGABRT) instead of exiting cleanly."""
+    import os
+
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(1)
+
+
 def run_command(name: str, args: list[str]) -> None:
     import importlib
 
@@ -102,7 +115,7 @@ def run_command(name: str, args: list[str]) -> None:
         sys.exit(1)
     except UserError as error:
         print_error_once(f"litgpt {name}: error: {error}")
-        sys.exit(1)
+        exit_failed()
     except KeyboardInterrupt:
         print(f"litgpt {name}: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -114,7 +127,7 @@ def run_command(name: str, args: list[str]) -> None:
             "(the global batch stays the same), add --train.activation_checkpointing true, use more devices with "
             "--fsdp.sharding_strategy FULL_SHARD, or --fsdp.cpu_offload true; `litgpt plan` estimates the memory."
         )
-        sys.exit(1)
+        exit_failed()
     except BrokenPipeError:
         # The reader of our output went away (`litgpt download list | head`): stop quietly.
         import os

@@ -328,8 +328,8 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer, select: Callab
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as error:  # DCP's exception (a BaseException) gathers every rank's
-        causes = getattr(error, "failures", {})
-        reason = " ".join(str(next(iter(causes.values()), error)).split())[:300]
+        cause = next(iter(getattr(error, "failures", {}).values()), error)  # (exception, traceback) per rank
+        reason = " ".join(str(cause[0] if isinstance(cause, tuple) else cause).split())[:300]
         raise UserError(
             f"Cannot load the sharded checkpoint {str(path)!r} into this model: {reason}. Check that the model "
             "config and the fine-tuning settings (e.g. lora_r) are those of the run that saved it."
