@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     run_command(name, args)
 
 
+def launcher_rank() -> int:
+    from litgpt.ranks import launcher_rank
+
+    return launcher_rank()
+
+
 def print_error_once(text: str) -> None:
     """Print an error; in a run of several processes, once per machine however many ranks hit it, with the rank.
 
@@ -63,7 +69,7 @@ def print_error_once(text: str) -> None:
 
     world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1")
     if world > 1:
-        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK", "0")
+        rank = launcher_rank()
         run_id = os.environ.get("MASTER_PORT", "") + os.environ.get("SLURM_JOB_ID", "")
         digest = hashlib.sha1(f"{run_id}{text}".encode()).hexdigest()[:16]
         claim = os.path.join(tempfile.gettempdir(), f"litgpt-error-{digest}")
@@ -80,60 +86,183 @@ def print_error_once(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+def distributed_is_up() -> bool:
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
+
+
 def exit_failed() -> None:
     """Exit with code 1. A process of a distributed run leaves at once: tearing down a process group whose peers
-    are gone can abort the interpreter (SIGABRT) instead of exiting cleanly."""
+    are gone can abort the interpreter (SIGABRT) instead of exiting cleanly. The ranks it started (Fabric starts
+    ranks 1.. as its children) go too, so that none is left waiting on a collective that will never come."""
     import os
 
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+    stop_child_processes()
+    if distributed_is_up():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     sys.exit(1)
 
 
-def run_command(name: str, args: list[str]) -> None:
-    import importlib
+def stop_child_processes(grace_seconds: float = 2.0) -> None:
+    """SIGKILL this process's children that have not exited within `grace_seconds` (Linux: /proc lists them)."""
+    import glob
+    import os
+    import signal
+    import time
 
-    from jsonargparse import CLI
+    children = set()
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            children.update(int(pid) for pid in open(path).read().split())
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_seconds
+    while children and time.monotonic() < deadline:
+        children = {pid for pid in children if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)}
+        time.sleep(0.1)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+# What a collective raises when another rank died (gloo: its socket closed) or stopped answering (any backend).
+PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
+                "timeout", "NCCL communicator was aborted", "has been aborted", "Socket Timeout")
+
+
+def peer_failure_message(prog: str, error: Exception) -> "str | None":
+    """One line for a rank whose collective failed because of another rank, or None if that is not what happened."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    text = " ".join(str(error).split())
+    if type(error).__name__ == "DistStoreError" or "waiting for clients" in text:
+        return (f"{prog}: error: not every rank joined the run within --fsdp.timeout ({text}). Check that the "
+                "launcher starts --devices x --num_nodes processes and that MASTER_ADDR/MASTER_PORT reach rank 0; "
+                "a slow start-up needs a larger --fsdp.timeout.")
+    if not distributed_is_up():
+        return None
+    if not any(marker in text for marker in PEER_FAILURE):
+        return None
+    if any(marker in text.lower() for marker in ("timed out", "timeout")):
+        return (f"{prog}: error: another rank stopped answering; a collective waited for it until the timeout "
+                "(--fsdp.timeout). Look for that rank's error or a hung node.")
+    return f"{prog}: error: another rank failed (its error is printed above); this rank stops too."
+
+
+def check_config_files(args: list[str]) -> None:
+    """Name a --config file that is not valid YAML, with the place of the problem (jsonargparse names neither)."""
+    import os
+
+    import yaml
 
     from litgpt.errors import UserError
 
-    from jsonargparse import ArgumentError
+    for index, arg in enumerate(args):
+        path = args[index + 1] if arg == "--config" and index + 1 < len(args) else arg.partition("--config=")[2]
+        if path and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    yaml.safe_load(f)
+            except yaml.YAMLError as error:
+                raise UserError(f"--config {path!r} is not valid YAML: {' '.join(str(error).split())}") from None
+
+
+def wrapped_user_error(error: BaseException) -> "Exception | None":
+    """The UserError behind an error of jsonargparse's, which wraps what an argument's class raised while it built
+    it (e.g. a --model_config whose n_embd does not divide by n_head)."""
+    from litgpt.errors import UserError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def run_command(name: str, args: list[str]) -> None:
+    import importlib
 
     module_name, function_name = COMMANDS[name][0].split(":")
     function = getattr(importlib.import_module(module_name), function_name)
     if name in OPTIONAL_POSITIONAL and args and not args[0].startswith("-"):
         args = [f"--{OPTIONAL_POSITIONAL[name]}", *args]
+    run_cli(function, args, prog=f"litgpt {name}")
+
+
+def raised_by_the_parser(error: Exception) -> bool:
+    """Whether `error` comes from inside jsonargparse (a combination of options it trips over), not from our code."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and "jsonargparse" in frames[-1].filename
+
+
+def run_cli(function, args: list[str], prog: str) -> None:
+    """Parse `args` for `function` and call it; every failure the user can fix becomes one line and exit code 1."""
+    from jsonargparse import CLI, ArgumentError
+
+    from litgpt.errors import UserError
+
     try:
-        CLI(function, args=args, prog=f"litgpt {name}", as_positional=True, exit_on_error=False)
+        check_config_files(args)
+        CLI(function, args=args, prog=prog, as_positional=True, exit_on_error=False)
     except ArgumentError as error:
         # jsonargparse spreads one problem over indented lines; join them into one.
         message = " ".join(line.strip() for line in str(error).strip().splitlines())
-        print(f"litgpt {name}: error: {message} (`litgpt {name} --help` lists the options)", file=sys.stderr)
+        print(f"{prog}: error: {message} (`{prog} --help` lists the options)", file=sys.stderr)
         sys.exit(1)
     except UserError as error:
-        print_error_once(f"litgpt {name}: error: {error}")
+        print_error_once(f"{prog}: error: {error}")
         exit_failed()
     except KeyboardInterrupt:
-        print(f"litgpt {name}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as error:
-        if type(error).__name__ != "OutOfMemoryError":  # torch's, named so that this module need not import torch
-            raise
-        print_error_once(
-            f"litgpt {name}: error: out of GPU memory ({str(error).splitlines()[0]}). Lower --train.micro_batch_size "
-            "(the global batch stays the same), add --train.activation_checkpointing true, use more devices with "
-            "--fsdp.sharding_strategy FULL_SHARD, or --fsdp.cpu_offload true; `litgpt plan` estimates the memory."
-        )
-        exit_failed()
     except BrokenPipeError:
         # The reader of our output went away (`litgpt download list | head`): stop quietly.
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except Exception as error:
+        user_error = wrapped_user_error(error)
+        if user_error is not None:
+            print_error_once(f"{prog}: error: {user_error}")
+            exit_failed()
+        if raised_by_the_parser(error):
+            print(f"{prog}: error: the arguments could not be read ({type(error).__name__}: {error}); give each "
+                  f"option once, in the form `{prog} --help` shows", file=sys.stderr)
+            sys.exit(1)
+        peer_failure = peer_failure_message(prog, error)
+        if peer_failure is not None:
+            print_error_once(peer_failure)
+            exit_failed()
+        if type(error).__name__ != "OutOfMemoryError":  # torch's, named so that this module need not import torch
+            if distributed_is_up():  # a bug: its traceback marked with the rank, then leave without waiting on peers
+                import traceback
+
+                rank = f"[rank {launcher_rank()}]"
+                print("\n".join(f"{rank} {line}" for line in traceback.format_exc().splitlines()), file=sys.stderr)
+                exit_failed()
+            raise
+        print_error_once(
+            f"{prog}: error: out of GPU memory ({str(error).splitlines()[0]}). Lower --train.micro_batch_size "
+            "(the global batch stays the same), add --train.activation_checkpointing true, use more devices with "
+            "--fsdp.sharding_strategy FULL_SHARD, or --fsdp.cpu_offload true; `litgpt plan` estimates the memory."
+        )
+        exit_failed()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ class TrainArgs:
         max_norm: Clip the gradient norm to this value (None: no clipping).
         min_lr: The learning rate the cosine schedule ends at.
         activation_checkpointing: Recompute each block's activations in the backward pass (less memory, ~30% slower).
+        keep_last: Keep only this many newest complete step checkpoints, deleting older ones (None: keep all).
+        on_nonfinite: What a NaN or infinite loss or gradient norm does: stop the run (naming the step; the last
+            checkpoint stays as it was) or skip that step's update and go on.
+        requeue: Under Slurm, after the checkpoint a SIGTERM or SIGUSR1 triggers, requeue the job
+            (`scontrol requeue`); the requeued job continues with --resume auto.
     """
 
     save_interval: Optional[int] = 1000
@@ -40,6 +45,9 @@ class TrainArgs:
     max_norm: Optional[float] = None
     min_lr: float = 6e-5
     activation_checkpointing: bool = False
+    keep_last: Optional[int] = None
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    requeue: bool = False
 
     def gradient_accumulation_iters(self, world_size: int) -> int:
         """global = world_size x micro x accumulation; raise UserError when that does not divide."""

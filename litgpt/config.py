@@ -154,7 +154,8 @@ class Config:
         try:
             values = yaml.safe_load(path.read_text())
         except yaml.YAMLError as error:
-            raise UserError(f"Model config file {str(path)!r} is not valid YAML: {error}".splitlines()[0]) from None
+            problem = " ".join(str(error).split())
+            raise UserError(f"Model config file {str(path)!r} is not valid YAML: {problem}") from None
         if not isinstance(values, dict):
             raise UserError(f"Model config file {str(path)!r} must hold a mapping of config fields.")
         return cls.from_dict({**values, **overrides}, source=str(path))

@@ -30,6 +30,8 @@ def main(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
     )
 
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"Folder {str(checkpoint_dir)!r} does not exist; pass a step-XXXXXX folder of a run.")
     if not (checkpoint_dir / SHARDED_DIR).is_dir():
         raise UserError(
             f"{str(checkpoint_dir)!r} is not a sharded checkpoint (it has no {SHARDED_DIR}/ folder); a full checkpoint "

@@ -67,12 +67,36 @@ def check_seq_length(train: TrainArgs, config: Config) -> int:
 
 
 def check_limits(train: TrainArgs) -> None:
-    for name in ("max_steps", "max_tokens", "epochs", "save_interval"):
+    for name in ("max_steps", "max_tokens", "epochs", "save_interval", "keep_last"):
         value = getattr(train, name)
         if value is not None and value < 1:
             raise UserError(f"--train.{name} must be at least 1, got {value}.")
     if train.log_interval < 1:
         raise UserError(f"--train.log_interval must be at least 1, got {train.log_interval}.")
+
+
+def check_requeue(train: TrainArgs) -> None:
+    from litgpt.checkpoint import say_rank_zero
+    from litgpt.preemption import slurm_job_id
+
+    if train.requeue and slurm_job_id() is None:
+        say_rank_zero("Note: --train.requeue acts only in a Slurm job; here a stop signal saves and stops the run.")
+
+
+def check_disk_space(out_dir: Path, model: torch.nn.Module, select: Callable[[str], bool], train: TrainArgs) -> None:
+    """Before any weight is allocated: is there room for one checkpoint? Warn when all of them would not fit."""
+    from litgpt.checkpoint import check_free_space, format_bytes, free_bytes, say_rank_zero
+    from litgpt.training import checkpoint_bytes
+
+    size = checkpoint_bytes(model, select)
+    check_free_space(out_dir, size, "one checkpoint of this model")
+    if train.keep_last is None and train.save_interval is not None and train.max_steps is not None:
+        count = train.max_steps // train.save_interval + 1
+        if size * count > free_bytes(out_dir):
+            say_rank_zero(
+                f"Warning: {count} checkpoints of {format_bytes(size)} will not fit in the "
+                f"{format_bytes(free_bytes(out_dir))} free: pass --train.keep_last N to keep only the newest."
+            )
 
 
 # ---- data ----------------------------------------------------------------------------------------------------------------
@@ -89,8 +113,12 @@ def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parame
     """An optimizer from a name ("AdamW") or {"class_path": ..., "init_args": {...}}; fused AdamW where supported."""
     if isinstance(spec, str):
         class_path, init_args = spec, {}
-    elif isinstance(spec, dict) and "class_path" in spec:
-        class_path, init_args = spec["class_path"], dict(spec.get("init_args") or {})
+    elif isinstance(spec, dict):
+        # No class_path: `--optimizer.lr 1e-4` alone changes the default optimizer, AdamW.
+        class_path, init_args = spec.get("class_path", "AdamW"), dict(spec.get("init_args") or {})
+        # `--optimizer.init_args.lr 0.01` on the command line reaches us flattened, as {"lr": "0.01"}.
+        flat = {key: value for key, value in spec.items() if key not in ("class_path", "init_args")}
+        init_args.update({key: flag_value(value) for key, value in flat.items()})
     else:
         raise UserError(f"--optimizer must be a name such as AdamW or a class_path/init_args mapping, got {spec!r}.")
     module_name, _, class_name = class_path.rpartition(".")
@@ -106,36 +134,49 @@ def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parame
         raise UserError(f"--optimizer {class_path}: {error}") from None
 
 
+def flag_value(text):
+    """A command-line value as YAML reads it (`0.9`, `[0.9, 0.95]`, `true`), with `1e-3`-style floats too."""
+    import yaml
+
+    if not isinstance(text, str):
+        return text
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def base_learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------------------
-def restore_checkpoint(folder: Path, model, optimizer, state, select: Callable[[str], bool], weights_file: str) -> None:
+def restore_checkpoint(
+    folder: Path, model, optimizer, state, select: Callable[[str], bool], weights_file: str, shard_io=None
+) -> None:
     """Load a checkpoint folder's weights, optimizer state, loop position and RNG into the run.
 
     A sharded checkpoint reshards to this run's world size; a full one is read memory-mapped, each rank taking its part.
+    `shard_io` stands in for litgpt.checkpoint's loading functions (a strategy's `shard_io`, see `train_model`).
     """
-    from litgpt.checkpoint import (
-        SHARDED_DIR,
-        TRAINING_STATE_FILE,
-        copy_weights,
-        load_optimizer_state,
-        load_sharded,
-        load_state_dict,
-    )
+    import litgpt.checkpoint
+    from litgpt.checkpoint import SHARDED_DIR, TRAINING_STATE_FILE, load_state_dict
     from litgpt.training import unwrap, unwrap_optimizer
 
+    io = shard_io or litgpt.checkpoint
     model, optimizer = unwrap(model), unwrap_optimizer(optimizer)
     folder = Path(folder)
     saved = load_state_dict(folder / TRAINING_STATE_FILE)
     if (folder / SHARDED_DIR).is_dir():
-        load_sharded(folder, model, optimizer, select)
+        io.load_sharded(folder, model, optimizer, select)
     else:
         path = folder / weights_file
-        copy_weights(model, load_state_dict(path), str(path), select)
+        io.copy_weights(model, load_state_dict(path), str(path), select)
         try:
-            load_optimizer_state(model, optimizer, saved["optimizer"])
+            io.load_optimizer_state(model, optimizer, saved["optimizer"])
         except Exception as error:  # a foreign file or another model's optimizer
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(f"Cannot resume the optimizer from {str(folder / TRAINING_STATE_FILE)!r}: {reason}") from None
@@ -189,21 +230,25 @@ def train_model(
     checkpoint_keys: Callable[[str], bool] = every_key,
     after_load: Optional[Callable[[torch.nn.Module], None]] = None,
     prompt_style=None,
+    compile_blocks: bool = False,
 ) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it.
 
     `build_model()` returns the model on the meta device with requires_grad set on the parameters to train.
     `initialize(model)` draws its random weights; then the `initial_keys` of the `initial_weights` file are loaded
     over them. Checkpoints store the `checkpoint_keys` (`weights_file`); resuming loads them back. `after_load` runs
-    on the loaded model before training (e.g. quantization).
+    on the loaded model before training (e.g. quantization). `compile_blocks` compiles each transformer block with
+    torch.compile (`--compiler torch`).
     """
-    from litgpt.checkpoint import assign_weights, copy_weights, load_state_dict, resolve_resume
+    from litgpt.checkpoint import assign_weights, check_writable, copy_weights, load_state_dict, resolve_resume
     from litgpt.data.base import MicroBatches
     from litgpt.parallel import FSDPStrategy, apply_activation_checkpointing, prepare_model
     from litgpt.tokenizer import Tokenizer, check_vocab_fits
     from litgpt.training import Run, TrainState, fit
 
+    check_writable(out_dir)
     resume_dir = resolve_resume(out_dir, resume)
+    check_requeue(train)
     max_seq_length = check_seq_length(train, config)
     tokenizer = Tokenizer(tokenizer_dir)
     check_vocab_fits(tokenizer, config, tokenizer_dir)
@@ -215,15 +260,16 @@ def train_model(
         # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
         config = dataclasses.replace(config, prompt_style=style_used.name)
 
+    model = build_model()
+    check_disk_space(out_dir, model, checkpoint_keys, train)
     if after_load is None:
-        model = prepare_model(fabric, build_model(), precision, initialize, train.activation_checkpointing)
+        model = prepare_model(fabric, model, precision, initialize, train.activation_checkpointing, compile_blocks)
         # A resumed checkpoint that holds every weight makes the initial ones unnecessary.
         if initial_weights is not None and (resume_dir is None or checkpoint_keys is not every_key):
             copy_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
     else:
         # QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         # the model is never whole in memory at its stored precision.
-        model = build_model()
         assign_weights(model, load_state_dict(initial_weights), str(initial_weights), initial_keys)
         with torch.no_grad():
             initialize(model)
@@ -235,16 +281,27 @@ def train_model(
         if train.activation_checkpointing:
             apply_activation_checkpointing(model)
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(build_optimizer(optimizer_spec, model.parameters(), fabric.device))
+    # A strategy that shards the model its own way (extensions/thunder) supplies, once it has set the model up, the
+    # parameters to optimize and the functions that write and read its checkpoints in litgpt's formats.
+    shard_io = getattr(fabric.strategy, "shard_io", None)
+    parameters = model.parameters() if shard_io is None else shard_io.parameters()
+    optimizer = fabric.setup_optimizers(build_optimizer(optimizer_spec, parameters, fabric.device))
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
     state = TrainState()
     if resume_dir is not None:
-        restore_checkpoint(resume_dir, model, optimizer, state, checkpoint_keys, weights_file)
+        restore_checkpoint(resume_dir, model, optimizer, state, checkpoint_keys, weights_file, shard_io)
     if fabric.global_rank == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_run_args(out_dir, hyperparameters)
     strategy = fabric.strategy
-    sharded = isinstance(strategy, FSDPStrategy)
+    if shard_io is not None:
+        sharding, state_dict_type, options = shard_io.sharding_strategy, shard_io.state_dict_type, shard_io.options
+    elif isinstance(strategy, FSDPStrategy):
+        sharding, state_dict_type = strategy.topology.sharding_strategy, strategy.fsdp.state_dict_type
+        options = dataclasses.asdict(strategy.fsdp)
+    else:
+        sharding, state_dict_type, options = "none", "full", None
+    resumed_here = resume_dir is not None and resume_dir.resolve().parent == Path(out_dir).resolve()
     run = Run(
         fabric=fabric,
         model=model,
@@ -264,8 +321,11 @@ def train_model(
         state=state,
         profile=profile,
         precision=precision,
-        sharding=strategy.topology.sharding_strategy if sharded else "none",
-        state_dict_type=strategy.fsdp.state_dict_type if sharded else "full",
-        fsdp=dataclasses.asdict(strategy.fsdp) if sharded else None,
+        sharding=sharding,
+        state_dict_type=state_dict_type,
+        fsdp=options,
+        shard_io=shard_io,
+        # A checkpoint of this run that it resumes from needs no second save at the same step.
+        last_saved_step=state.step if resumed_here else -1,
     )
     return fit(run)

@@ -123,7 +123,7 @@ def read_hparams(checkpoint_dir: Path) -> dict:
     try:
         hparams = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise UserError(f"{str(path)!r} is not valid YAML: {error}".splitlines()[0]) from None
+        raise UserError(f"{str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(hparams, dict):
         raise UserError(f"{str(path)!r} must hold a mapping of hyperparameters.")
     return hparams

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +19,7 @@ from typing import Callable, Optional, Union, get_args
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -23,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from litgpt.args import FSDPArgs, ShardingStrategy
 from litgpt.errors import UserError
 from litgpt.precision import PRECISION_DTYPES, PRECISIONS, cpu_has_fast_bf16, default_precision
+from litgpt.ranks import launcher_rank
 
 SHARDING_STRATEGIES = get_args(ShardingStrategy)
 
@@ -34,8 +39,12 @@ def build_fabric(
     loggers: Optional[list] = None,
     accelerator: str = "auto",
     fsdp: Optional[FSDPArgs] = None,
+    strategy_for_world: Optional[Callable[[int], object]] = None,
 ):
-    """Fabric for a run: one device, or FSDP2 (`FSDPStrategy`) when devices x num_nodes > 1."""
+    """Fabric for a run: one device, or FSDP2 (`FSDPStrategy`) when devices x num_nodes > 1.
+
+    `strategy_for_world(world_size)`, when given, returns the Fabric strategy instead (extensions/thunder's).
+    """
     from lightning.fabric import Fabric
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -60,7 +69,9 @@ def build_fabric(
         )
     check_launcher(devices, num_nodes, os.environ)
     strategy = "auto"
-    if devices * num_nodes > 1:
+    if strategy_for_world is not None:
+        strategy = strategy_for_world(devices * num_nodes)
+    elif devices * num_nodes > 1:
         fsdp = fsdp or FSDPArgs()
         topology = Topology(devices, num_nodes, fsdp.sharding_strategy)
         if precision == "16-mixed":
@@ -95,8 +106,7 @@ def resolve_devices(devices: Union[int, str], on_cpu: bool) -> int:
 
 def say_once(text: str) -> None:
     """Print to stderr from the first process only (every process of a run executes the command's setup)."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0")))
-    if rank == "0":
+    if launcher_rank() == 0:
         print(text, file=sys.stderr)
 
 
@@ -222,6 +232,10 @@ class FSDPStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self._device_mesh = self.topology.device_mesh(self.root_device.type)
 
+    def _configure_launcher(self) -> None:
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = RankLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     @property
     def distributed_sampler_kwargs(self) -> dict:  # the parent reads a "data_parallel" mesh dimension we do not have
         return {"num_replicas": self.world_size, "rank": self.global_rank}
@@ -231,6 +245,34 @@ class FSDPStrategy(ModelParallelStrategy):
         if not is_sharded(module):
             shard_model(module, mesh, self.fsdp, self.training_precision, self.root_device)
         return module
+
+
+class RankLauncher(_SubprocessScriptLauncher):
+    """Fabric's launcher of ranks 1.. as child processes, with a patient watcher (`watch_ranks`) instead of one that
+    SIGKILLs rank 0 the moment a child fails, before rank 0 can print why it stops and exit with code 1."""
+
+    def launch(self, function: Callable, *args, **kwargs):
+        from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
+
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        self._call_children_scripts()
+        threading.Thread(target=watch_ranks, args=(self.procs,), daemon=True, name="litgpt-rank-watcher").start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+def watch_ranks(children: list, grace_seconds: float = 10.0) -> None:
+    """Once a child rank has failed, give this process and the other children `grace_seconds` to stop by themselves
+    (a collective fails at once when a peer is gone); then SIGKILL what is left, so that no rank outlives the run."""
+    while not any(child.poll() for child in children):
+        if all(child.returncode == 0 for child in children):
+            return
+        time.sleep(1.0)
+    time.sleep(grace_seconds)
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _ReduceEveryMicroBatch(_BackwardSyncControl):
@@ -261,10 +303,16 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
 
 
 def prepare_model(
-    fabric, model: nn.Module, precision: str, initialize: Callable[[nn.Module], None], activation_checkpointing: bool
+    fabric,
+    model: nn.Module,
+    precision: str,
+    initialize: Callable[[nn.Module], None],
+    activation_checkpointing: bool,
+    compile_blocks: bool = False,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, activation checkpointing,
-    sharding, then materialization and initialization (`initialize`), so no process ever holds the full model.
+    compilation (`compile_blocks`), sharding, then materialization and initialization (`initialize`), so no process
+    ever holds the full model.
 
     Initialization is rank-aware: a sharded model gets the same weights as a single-process model from the same seed.
     """
@@ -272,6 +320,8 @@ def prepare_model(
         model.to(PRECISION_DTYPES[precision])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile_blocks:
+        compile_each_block(model)
     strategy = fabric.strategy
     if isinstance(strategy, FSDPStrategy):
         shard_model(model, strategy.device_mesh, strategy.fsdp, precision, fabric.device)
@@ -331,6 +381,14 @@ def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def compile_each_block(model: torch.nn.Module) -> None:
+    """`torch.compile` every transformer block in place (`--compiler torch`): after activation checkpointing and
+    before sharding, torchtitan's order, so each graph is one block with its recomputation and FSDP's hooks stay
+    around it; compiled in place, the blocks keep their parameter names."""
+    for block in model.transformer.h:
+        block.compile()
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -39,6 +40,8 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 42,
     profile: bool = False,
+    compiler: Literal["none", "torch", "thunder"] = "none",
+    strategy: Literal["auto", "fsdp", "ddp"] = "auto",
 ) -> None:
     """Pretrain a model.
 
@@ -60,13 +63,50 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
+        compiler: none (eager), torch (torch.compile of each transformer block) or thunder (the Thunder extension,
+            extensions/thunder, which takes over the run; `pip install -e '.[thunder]'`).
+        strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
+            (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
     """
-    from litgpt.launch import check_limits, default_tokenizer_dir, load_logger, record_arguments
+    arguments = dict(locals())
+    if compiler == "thunder":  # only now is the extension (and with it thunder) imported
+        from extensions.thunder.pretrain import setup as thunder_setup
+
+        return thunder_setup(**arguments)
+
+    from litgpt.launch import check_limits, load_logger, record_arguments
     from litgpt.parallel import build_fabric
     from litgpt.precision import default_precision
 
     hyperparameters = record_arguments(setup, locals())
     check_limits(train)
+    fsdp = fsdp_for_strategy(strategy, fsdp)
+    config, data, tokenizer_dir = resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir)
+
+    logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
+    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
+    fabric.launch(
+        main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
+        seed, profile, hyperparameters, precision or default_precision(), compiler == "torch",
+    )
+
+
+def fsdp_for_strategy(strategy: str, fsdp: FSDPArgs) -> FSDPArgs:
+    """--strategy ddp is FSDP's NO_SHARD: every device holds the whole model and the gradients are all-reduced."""
+    if strategy != "ddp" or fsdp.sharding_strategy == "NO_SHARD":
+        return fsdp
+    if fsdp.sharding_strategy != FSDPArgs.sharding_strategy:
+        raise UserError(
+            f"--strategy ddp replicates the model, but --fsdp.sharding_strategy {fsdp.sharding_strategy} shards it: "
+            "give one of the two."
+        )
+    return dataclasses.replace(fsdp, sharding_strategy="NO_SHARD")
+
+
+def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir):
+    """The model config, the data module and the tokenizer folder a pretraining run uses, from its arguments."""
+    from litgpt.launch import default_tokenizer_dir
+
     if model_config is not None and model_name is not None:
         raise UserError("Give either a model name or --model_config, not both.")
     if initial_checkpoint_dir is not None:
@@ -85,18 +125,11 @@ def setup(
         from litgpt.data import Tiny
 
         data = Tiny()
-    tokenizer_dir = default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
-
-    logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    fabric.launch(
-        main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-        seed, profile, hyperparameters, precision or default_precision(),
-    )
+    return config, data, default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
 
 
 def main(fabric, config, out_dir, initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-         seed, profile, hyperparameters, precision) -> None:
+         seed, profile, hyperparameters, precision, compile_blocks=False) -> None:
     from litgpt.checkpoint import WEIGHTS_FILE, meta_device
     from litgpt.launch import train_model
     from litgpt.model import GPT
@@ -112,4 +145,5 @@ def main(fabric, config, out_dir, initial_checkpoint_dir, resume, data, train, e
         initialize=lambda model: model.init_weights(),  # seeded by train_model
         initial_weights=Path(initial_checkpoint_dir) / WEIGHTS_FILE if initial_checkpoint_dir else None,
         weights_file=WEIGHTS_FILE,
+        compile_blocks=compile_blocks,
     )

@@ -289,7 +289,8 @@ def _convert_sentencepiece(checkpoint_dir: Path):
     level = transformers_logger.level
     transformers_logger.setLevel(logging.ERROR)  # its warnings about fallbacks would repeat what is said below
     try:
-        converted = AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True)
+        # Never the code a downloaded repo may ship (auto_map): only transformers' own tokenizer classes.
+        converted = AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
         backend = converted.backend_tokenizer
     except Exception as error:  # missing sentencepiece/protobuf, unreadable model file, ...
         raise UserError(

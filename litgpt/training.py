@@ -14,9 +14,10 @@ import resource
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.errors import UserError
+from litgpt.failpoints import failpoint
+from litgpt.preemption import StepControl, StopSignals
 
 
 @dataclass
@@ -36,6 +39,7 @@ class TrainState:
     epoch_samples: int = 0  # samples of the current epoch consumed, all ranks together (any world size resumes)
     tokens: int = 0  # tokens trained on, all ranks together
     train_seconds: float = 0.0  # time spent in steps, over every session of the run
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient (--train.on_nonfinite skip)
 
 
 @dataclass
@@ -62,6 +66,11 @@ class Run:
     sharding: str = "none"  # the FSDP sharding strategy, "none" on one device
     state_dict_type: str = "full"  # full: one file written by rank 0; sharded: every rank writes its shards
     fsdp: Optional[dict] = None  # the FSDP options, for metrics.json
+    # For a model its strategy shards outside FSDP2 (extensions/thunder): an object with the functions of
+    # litgpt.checkpoint that read and write shards (gather_weights, gather_optimizer_state, save_sharded,
+    # copy_weights, load_optimizer_state, load_sharded; same arguments), used in their place.
+    shard_io: Optional[Any] = None
+    last_saved_step: int = -1
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -194,76 +203,100 @@ def fit(run: Run) -> dict:
             progress.write(text, file=sys.stdout)
 
     val_loss = None
+    stopped_by = None
+    control = StepControl((run.fsdp or {}).get("timeout"))
     window_loss = torch.zeros((), device=fabric.device)
     window_label_tokens = torch.zeros((), device=fabric.device, dtype=torch.long)
     window_steps, window_seconds, window_tokens = 0, 0.0, state.tokens  # seconds in steps, not in eval/saving
-    while state.step < total_steps:
-        step_start = time.perf_counter()
-        lr = lr_at(state.step, run.base_lr, train.lr_warmup_steps, total_steps, train.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(accumulation):
-            epoch, index, batch = next(batches)
-            input_ids = fabric.to_device(batch["input_ids"])
-            labels = fabric.to_device(batch["labels"])
-            with fabric.no_backward_sync(model, enabled=micro < accumulation - 1):
-                loss = loss_fn(model(input_ids), labels)
-                fabric.backward(loss / accumulation)
-            window_loss += loss.detach() / accumulation
-            window_label_tokens += (labels != IGNORE_INDEX).sum()
-            state.epoch, state.epoch_samples = (
-                (epoch + 1, 0) if index + 1 == per_epoch else (epoch, (index + 1) * samples_per_micro_step)
-            )
-            state.tokens += input_ids.numel() * world
-        if train.max_norm is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        window_steps += 1
-        step_seconds = time.perf_counter() - step_start
-        state.train_seconds += step_seconds
-        window_seconds += step_seconds
-        if profiler is not None:
-            profiler.step()
-        progress.update(1)
-
-        if state.step % train.log_interval == 0 or state.step == total_steps:
-            loss_value = (fabric.all_reduce(window_loss, reduce_op="mean") / window_steps).item()  # the one sync
-            tokens_per_second = (state.tokens - window_tokens) / window_seconds
-            metrics = {
-                "loss": loss_value, "lr": lr, "tokens": state.tokens, "epoch": state.epoch,
-                "tokens_per_sec": tokens_per_second, "peak_memory_mb": peak_memory_bytes(fabric.device) / 2**20,
-            }
-            fabric.log_dict(metrics, step=state.step)
-            progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-            say(
-                f"step {state.step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                f"{tokens_per_second:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB"
-            )
-            if window_label_tokens.item() == 0:
-                say(
-                    f"Warning: no token of the last {window_steps} step(s) had a label, so nothing was learned: "
-                    "the prompts fill --train.max_seq_length. Raise it or shorten the prompts."
+    window_updates = 0  # steps of the window not skipped for a non-finite value
+    with StopSignals() as signals:
+        while state.step < total_steps:
+            step_start = time.perf_counter()
+            lr = lr_at(state.step, run.base_lr, train.lr_warmup_steps, total_steps, train.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step_loss = torch.zeros((), device=fabric.device)
+            for micro in range(accumulation):
+                epoch, index, batch = next(batches)
+                input_ids = fabric.to_device(batch["input_ids"])
+                labels = fabric.to_device(batch["labels"])
+                with fabric.no_backward_sync(model, enabled=micro < accumulation - 1):
+                    loss = loss_fn(model(input_ids), labels)
+                    fabric.backward(loss / accumulation)
+                step_loss += loss.detach() / accumulation
+                window_label_tokens += (labels != IGNORE_INDEX).sum()
+                state.epoch, state.epoch_samples = (
+                    (epoch + 1, 0) if index + 1 == per_epoch else (epoch, (index + 1) * samples_per_micro_step)
                 )
-            window_loss.zero_()
-            window_label_tokens.zero_()
-            window_steps, window_seconds, window_tokens = 0, 0.0, state.tokens
+                state.tokens += input_ids.numel() * world
+            failpoint("step:backward")
+            loss_value, grad_norm = step_values(run, step_loss)  # the loop's one host-device sync per step
+            nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
+                                                   signals.received)
+            if nonfinite and train.on_nonfinite == "stop":
+                raise UserError(nonfinite_message(run, grad_norm))
+            if nonfinite:
+                state.skipped_steps += 1
+                say(f"step {state.step + 1}: skipped the update: the loss ({loss_value}) or the gradient norm "
+                    f"({grad_norm}) is not finite on some rank.")
+            else:
+                optimizer.step()
+                window_loss += step_loss
+                window_updates += 1
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            window_steps += 1
+            step_seconds = time.perf_counter() - step_start
+            state.train_seconds += step_seconds
+            window_seconds += step_seconds
+            if profiler is not None:
+                profiler.step()
+            progress.update(1)
+            failpoint("step:end")
 
-        last = state.step == total_steps
-        if (state.step % run.eval.interval == 0 and not last) or (last and run.eval.final_validation):
-            val_loss = validate(run)
-            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=state.step)
-            say(f"step {state.step} | val loss {val_loss:.4f}")
-            if run.eval.max_new_tokens:
-                sample = sample_text(run)  # on every rank: a sharded model's forward is collective
-                say(f"sample: {sample!r}")
-        if train.save_interval is not None and state.step % train.save_interval == 0 and not last:
-            save_checkpoint(run, f"step-{state.step:06d}")
+            if state.step % train.log_interval == 0 or state.step == total_steps:
+                loss_value = (fabric.all_reduce(window_loss, reduce_op="mean") / window_updates).item() \
+                    if window_updates else float("nan")  # every step of the window skipped: its losses were not finite
+                tokens_per_second = (state.tokens - window_tokens) / window_seconds
+                metrics = {
+                    "loss": loss_value, "lr": lr, "tokens": state.tokens, "epoch": state.epoch,
+                    "tokens_per_sec": tokens_per_second, "peak_memory_mb": peak_memory_bytes(fabric.device) / 2**20,
+                }
+                fabric.log_dict(metrics, step=state.step)
+                progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+                say(
+                    f"step {state.step}/{total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                    f"{tokens_per_second:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB"
+                )
+                if window_label_tokens.item() == 0:
+                    say(
+                        f"Warning: no token of the last {window_steps} step(s) had a label, so nothing was learned: "
+                        "the prompts fill --train.max_seq_length. Raise it or shorten the prompts."
+                    )
+                window_loss.zero_()
+                window_label_tokens.zero_()
+                window_steps, window_seconds, window_tokens, window_updates = 0, 0.0, state.tokens, 0
+
+            if stop_signal:
+                stopped_by = signal_name(stop_signal)
+                break
+            last = state.step == total_steps
+            if (state.step % run.eval.interval == 0 and not last) or (last and run.eval.final_validation):
+                val_loss = validate(run)
+                fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=state.step)
+                say(f"step {state.step} | val loss {val_loss:.4f}")
+                if run.eval.max_new_tokens:
+                    sample = sample_text(run)  # on every rank: a sharded model's forward is collective
+                    say(f"sample: {sample!r}")
+            if train.save_interval is not None and state.step % train.save_interval == 0 and not last:
+                save_checkpoint(run, f"step-{state.step:06d}")
     progress.close()
     if profiler is not None:
         stop_profiler(run, profiler)
-    save_checkpoint(run, f"step-{state.step:06d}")
+    if run.last_saved_step != state.step:
+        save_checkpoint(run, f"step-{state.step:06d}")
+    if stopped_by is not None:
+        return stop_for_signal(run, stopped_by)
     publish_final(run, run.out_dir / f"step-{state.step:06d}")
     metrics = run_metrics(run, val_loss, seq_length, trainable_fraction)
     metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with validation and saving
@@ -275,6 +308,55 @@ def fit(run: Run) -> dict:
         fabric.print(f"Saved the final checkpoint to {run.out_dir / 'final'}")
         fabric.print(f"Try it: litgpt generate {run.out_dir / 'final'} --prompt \"Once upon a time\"")
     return metrics
+
+
+def step_values(run: Run, step_loss: torch.Tensor) -> tuple[float, float]:
+    """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm)."""
+    from torch.distributed.tensor import DTensor
+
+    if run.train.max_norm is not None:
+        norm = run.fabric.clip_gradients(
+            run.model, run.optimizer, max_norm=run.train.max_norm, error_if_nonfinite=False
+        )
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if run.precision == "16-mixed":
+        norm = torch.zeros_like(norm)  # the grad scaler skips overflowing steps and lowers its scale by itself
+    return tuple(torch.stack([step_loss.float(), norm.float().to(step_loss.device)]).tolist())
+
+
+def nonfinite_message(run: Run, grad_norm: float) -> str:
+    """The same text on every rank (the gradient norm is global), so a run of many ranks prints it once."""
+    from litgpt.checkpoint import step_checkpoints
+
+    saved = step_checkpoints(run.out_dir)
+    kept = f"the newest checkpoint, {saved[-1]}, is as it was" if saved else "no checkpoint had been saved yet"
+    return (
+        f"Step {run.state.step + 1}: the loss or the gradient norm (here {grad_norm}) is not finite (NaN or inf); "
+        f"training stopped before this update ({kept}). Lower the learning rate, clip with --train.max_norm 1.0, "
+        "or pass --train.on_nonfinite skip to skip such steps and go on."
+    )
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def stop_for_signal(run: Run, name: str) -> dict:
+    """After the checkpoint a stop signal asked for: say where it is and, with --train.requeue under Slurm, requeue."""
+    from litgpt.preemption import requeue_slurm_job
+
+    folder = run.out_dir / f"step-{run.state.step:06d}"
+    for logger in run.fabric.loggers:
+        logger.finalize("success")
+    if run.fabric.global_rank == 0:
+        then = requeue_slurm_job() if run.train.requeue else "continue it with the same command and --resume auto"
+        print(f"Stopped by {name} after step {run.state.step}: saved {folder}; {then}.", flush=True)
+    return {"stopped_by": name, "steps": run.state.step, "checkpoint": str(folder)}
 
 
 def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_fraction: float) -> dict:
@@ -299,6 +381,7 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
         "peak_flops_per_device": peak,
         "peak_flops_source": source,
         "val_loss": val_loss,
+        "skipped_steps": state.skipped_steps,
         "world_size": fabric.world_size,
         "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
         "cluster_environment": type(getattr(fabric.strategy, "cluster_environment", None)).__name__,
@@ -314,14 +397,9 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
 
 def per_rank_peak_memory_mb(fabric) -> list[float]:
     """Every rank's peak memory (collective): a sharded run should show each rank holding its part only."""
-    import torch.distributed as dist
+    from litgpt.checkpoint import every_rank
 
-    peak = round(peak_memory_bytes(fabric.device) / 2**20, 1)
-    if not dist.is_initialized():
-        return [peak]
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
+    return every_rank(round(peak_memory_bytes(fabric.device) / 2**20, 1))
 
 
 # Dense bf16 peak FLOP/s of the GPUs we quote MFU for.
@@ -392,50 +470,130 @@ def save_checkpoint(run: Run, name: str) -> None:
     """Write out_dir/<name>/ under a temporary name and rename it into place when complete (every rank calls this).
 
     Full: rank 0 gathers the weights and optimizer state and writes them. Sharded: every rank writes its shards into
-    <name>/sharded/ in parallel; nobody holds the whole model.
+    <name>/sharded/ in parallel; nobody holds the whole model. The manifest (step, tokens, world size, every file's
+    size and SHA-256) is written last; then --train.keep_last prunes older checkpoints.
     """
+    import litgpt.checkpoint
     from litgpt.checkpoint import (
         TRAINING_STATE_FILE,
+        check_free_space,
         copy_tokenizer_files,
-        gather_optimizer_state,
-        gather_weights,
+        prune_checkpoints,
         publish_dir,
-        save_sharded,
         save_state_dict,
         staging_dir,
+        write_manifest,
     )
 
     fabric = run.fabric
+    io = run.shard_io or litgpt.checkpoint
     model, optimizer = unwrap(run.model), unwrap_optimizer(run.optimizer)
     path = run.out_dir / name
     staging = staging_dir(path)
+    failpoint("save:begin")
     if fabric.global_rank == 0:
+        check_free_space(run.out_dir, checkpoint_bytes(model, run.checkpoint_keys, optimizer), f"checkpoint {name}")
         shutil.rmtree(staging, ignore_errors=True)  # left by a run that died while saving
         staging.mkdir(parents=True)
-    weights = optimizer_state = None
-    if run.state_dict_type == "sharded":
-        fabric.barrier()
-        save_sharded(staging, model, optimizer, run.checkpoint_keys)
-    else:
-        weights = gather_weights(model, run.checkpoint_keys)
-        optimizer_state = gather_optimizer_state(model, optimizer)
-    if fabric.global_rank == 0:
-        with publish_dir(path, staging) as folder:
-            if weights is not None:
-                save_state_dict(weights, folder / run.weights_file)
-            run.config.save(folder / "model_config.yaml")
-            write_yaml(folder / "hyperparameters.yaml", run.hyperparameters)
-            if run.tokenizer_dir is not None:
-                copy_tokenizer_files(run.tokenizer_dir, folder)
-            training_state = {
-                "optimizer": optimizer_state,  # in sharded/ for a sharded checkpoint
-                "train_state": asdict(run.state),
-                "rng": torch.get_rng_state(),
-                "weights_file": run.weights_file,
-                "state_dict_type": run.state_dict_type,
-            }
-            torch.save(training_state, folder / TRAINING_STATE_FILE)
+    weights = optimizer_state = digests = None
+    with disk_errors_named(run, name):
+        if run.state_dict_type == "sharded":
+            fabric.barrier()
+            io.save_sharded(staging, model, optimizer, run.checkpoint_keys)
+            failpoint("save:sharded")
+            digests = own_shard_digests(staging, fabric.global_rank)
+        else:
+            weights = io.gather_weights(model, run.checkpoint_keys)
+            optimizer_state = io.gather_optimizer_state(model, optimizer)
+        if fabric.global_rank == 0:
+            with publish_dir(path, staging) as folder:
+                if weights is not None:
+                    save_state_dict(weights, folder / run.weights_file)
+                    failpoint("save:weights")
+                run.config.save(folder / "model_config.yaml")
+                write_yaml(folder / "hyperparameters.yaml", run.hyperparameters)
+                if run.tokenizer_dir is not None:
+                    copy_tokenizer_files(run.tokenizer_dir, folder)
+                training_state = {
+                    "optimizer": optimizer_state,  # in sharded/ for a sharded checkpoint
+                    "train_state": asdict(run.state),
+                    "rng": torch.get_rng_state(),
+                    "weights_file": run.weights_file,
+                    "state_dict_type": run.state_dict_type,
+                }
+                save_state_dict(training_state, folder / TRAINING_STATE_FILE)
+                failpoint("save:state")
+                write_manifest(folder, checkpoint_info(run), digests)
+                failpoint("save:manifest")
+            failpoint("save:published")
+            if run.train.keep_last is not None:
+                prune_checkpoints(run.out_dir, run.train.keep_last)
+                failpoint("save:pruned")
+    run.last_saved_step = run.state.step
     fabric.barrier()
+
+
+def own_shard_digests(staging: Path, rank: int) -> dict:
+    """The SHA-256 of the shard files, each rank hashing those it wrote, in parallel (collective)."""
+    from litgpt.checkpoint import SHARDED_DIR, every_rank, file_sha256
+
+    mine = {f"{SHARDED_DIR}/{f.name}": file_sha256(f) for f in (staging / SHARDED_DIR).glob(f"__{rank}_*")}
+    return {name: digest for digests in every_rank(mine) for name, digest in digests.items()}
+
+
+def checkpoint_info(run: Run) -> dict:
+    """What a checkpoint's manifest records besides its files."""
+    return {
+        "step": run.state.step,
+        "epoch": run.state.epoch,
+        "tokens": run.state.tokens,
+        "world_size": run.fabric.world_size,
+        "num_nodes": getattr(run.fabric.strategy, "num_nodes", 1),
+        "sharding_strategy": run.sharding,
+        "state_dict_type": run.state_dict_type,
+        "precision": run.precision,
+        "weights_file": run.weights_file,
+    }
+
+
+def checkpoint_bytes(model: torch.nn.Module, select: Callable[[str], bool], optimizer=None) -> int:
+    """About how many bytes one checkpoint of this run takes: the selected weights at their dtype, plus the optimizer
+    state (before the first step, when it does not exist yet, AdamW's two float32 moments per trainable weight)."""
+    weights = sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if select(k))
+    states = [t for state in (optimizer.state.values() if optimizer is not None else ()) for t in state.values()]
+    if states:
+        optimizer_bytes = sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
+    else:
+        optimizer_bytes = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return weights + optimizer_bytes
+
+
+# torch.save reports a failed write as a RuntimeError from its zip writer, not as an OSError with an errno.
+TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+
+
+@contextmanager
+def disk_errors_named(run: Run, name: str) -> Iterator[None]:
+    """Turn a failed write during a save (disk full, quota, file-size limit, read-only) into one message; the staging
+    folder is gone by then and the previous checkpoints are untouched."""
+    from litgpt.checkpoint import format_bytes, free_bytes
+
+    try:
+        yield
+    except Exception as error:
+        failures = getattr(error, "failures", {}) or {}  # torch.distributed.checkpoint gathers every rank's
+        causes = [error, error.__cause__, *(f[0] if isinstance(f, tuple) else f for f in failures.values())]
+        written = next((c for c in causes if isinstance(c, OSError) or (
+            isinstance(c, RuntimeError) and any(marker in str(c) for marker in TORCH_WRITE_FAILURES))), None)
+        if written is None:
+            raise
+        reason = written.strerror if isinstance(written, OSError) and written.strerror else "a write failed"
+        needed = checkpoint_bytes(unwrap(run.model), run.checkpoint_keys, unwrap_optimizer(run.optimizer))
+        raise UserError(
+            f"Could not write checkpoint {name} in {str(run.out_dir)!r}: {reason}. It needs about "
+            f"{format_bytes(needed)}; {format_bytes(free_bytes(run.out_dir))} are free now (check also quotas and "
+            "`ulimit -f`). The earlier checkpoints are as they were: make room and continue with --resume auto."
+        ) from None
 
 
 def publish_final(run: Run, last_step: Path) -> None:
@@ -443,18 +601,28 @@ def publish_final(run: Run, last_step: Path) -> None:
 
     Files are hard-linked rather than written twice; a sharded checkpoint's weights are consolidated into one file.
     """
-    from litgpt.checkpoint import SHARDED_DIR, TRAINING_STATE_FILE, consolidated_weights, publish_dir, save_state_dict
+    from litgpt.checkpoint import (
+        MANIFEST_FILE,
+        SHARDED_DIR,
+        TRAINING_STATE_FILE,
+        consolidated_weights,
+        publish_dir,
+        save_state_dict,
+        write_manifest,
+    )
 
     if run.fabric.global_rank == 0:
         with publish_dir(run.out_dir / "final") as folder:
             for file in last_step.iterdir():
-                if file.name not in (TRAINING_STATE_FILE, SHARDED_DIR):
+                if file.name not in (TRAINING_STATE_FILE, SHARDED_DIR, MANIFEST_FILE):
                     try:
                         os.link(file, folder / file.name)
                     except OSError:  # a filesystem without hard links
                         shutil.copy2(file, folder / file.name)
             if (last_step / SHARDED_DIR).is_dir():
                 save_state_dict(consolidated_weights(last_step), folder / run.weights_file)
+            write_manifest(folder, {**checkpoint_info(run), "state_dict_type": "full"})
+            failpoint("final:written")
     run.fabric.barrier()
 
 

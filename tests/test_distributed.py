@@ -380,7 +380,8 @@ def test_each_rank_holds_half_of_a_fully_sharded_model(inputs, tmp_path):
     expected_saving = 16 * parameters / 2 / 2**20
     saving = peaks["NO_SHARD"][1] - peaks["FULL_SHARD"][1]
     assert 0.75 * expected_saving < saving < 1.25 * expected_saving, (peaks, expected_saving)
-    assert peaks["FULL_SHARD"][0] < peaks["NO_SHARD"][0], peaks
+    # Rank 0's peak can come from that other work, the same for both strategies.
+    assert peaks["FULL_SHARD"][0] <= peaks["NO_SHARD"][0], peaks
 
 
 # ---- bad input: one message, exit code 1, before any process waits ---------------------------------------------------

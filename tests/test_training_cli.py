@@ -12,7 +12,7 @@ import torch
 from checkpoint_helpers import write_random_checkpoint
 
 from litgpt.config import Config
-from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+from litgpt.data.tiny import TINY_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--train.max_steps", "2", "--train.log_interval", "1", "--eval.max_iters", "1", "--eval.max_new_tokens", "4"]
@@ -90,23 +90,7 @@ def test_profile_writes_a_trace(tmp_path, base, instructions):
     assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
 
 
-# ---- bad input: one clear line, exit code 1, nothing on disk lost ------------------------------------------------------------
-def test_malformed_jsonl_names_file_and_line(tmp_path, base):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
-    assert_clean_failure(litgpt("finetune_lora", base, "--out_dir", tmp_path / "o", "--data", "JSON",
-                                "--data.json_path", data, "--data.val_split_fraction", "0.5", *FAST),
-                         "bad.jsonl", "line 2")
-
-
-def test_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    assert_clean_failure(litgpt("pretrain", "--config", "config_hub/pretrain/tiny.yaml", "--out_dir", tmp_path / "o",
-                                "--data", "TextFiles", "--data.train_data_path", tmp_path / "empty",
-                                "--tokenizer_dir", TOKENIZER_DIR, *FAST),
-                         "empty")
-
-
+# ---- bad input: one clear line, exit code 1, nothing on disk lost (the catalogue is tests/test_bad_input.py) -----------------
 def test_out_dir_holding_a_run_is_refused(tmp_path, base, instructions):
     args = ["finetune_full", base, "--out_dir", tmp_path / "out", "--data", "JSON", "--data.json_path", instructions,
             "--data.val_split_fraction", "0.2", "--train.global_batch_size", "1", "--train.micro_batch_size", "1",
@@ -115,29 +99,3 @@ def test_out_dir_holding_a_run_is_refused(tmp_path, base, instructions):
     weights = (tmp_path / "out" / "final" / "lit_model.pth").read_bytes()
     assert_clean_failure(litgpt(*args), "already holds a run", "--resume auto")
     assert (tmp_path / "out" / "final" / "lit_model.pth").read_bytes() == weights
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--train.global_batch_size", "3", "--train.micro_batch_size", "2"], "must be a multiple"),
-        (["--train.max_seq_length", "4096"], "longer than the model's block size"),
-        (["--resume", "/nonexistent/step-000001"], "not a checkpoint folder"),
-        (["--train.micro_batch_size", "two"], "micro_batch_size"),
-        (["--precision", "fp8"], "precision"),
-        (["--logger_name", "nosuch"], "logger_name"),
-        (["--optimizer", "NoSuchOptimizer"], "NoSuchOptimizer"),
-        (["--quantize", "bnb.nf5"], "quantize"),
-        (["--devices", "512"], "more CPU processes than this machine has cores"),
-    ],
-)
-def test_bad_flags(flags, message, tmp_path, base, instructions):
-    result = litgpt("finetune_lora", base, "--out_dir", tmp_path / "o", "--data", "JSON", "--data.json_path",
-                    instructions, "--data.val_split_fraction", "0.2", *FAST, *flags)
-    assert_clean_failure(result, message)
-    assert not (tmp_path / "o" / "final").exists()
-
-
-def test_missing_checkpoint_and_unknown_model(tmp_path):
-    assert_clean_failure(litgpt("finetune_lora", tmp_path / "nothing"), "does not exist")
-    assert_clean_failure(litgpt("pretrain", "Llama-3.2-1b", "--out_dir", tmp_path / "o"), "Did you mean")

@@ -1,0 +1,51 @@
+"""Named points where a test makes this process fail on purpose, to prove that no failure there loses a run.
+
+`LITGPT_FAILPOINT=NAME[@HIT][/RANK][=ACTION]` acts the HIT-th time (default 1st) the process passes the point NAME,
+on rank RANK only (default every rank). ACTION is `kill` (SIGKILL: the process vanishes mid-write, as when a node dies;
+the default), `raise` (a RuntimeError: a crash of this rank alone), `hang` (sleep: a rank that stops answering), or a
+signal's name such as `SIGUSR1` (sent to this process, as a scheduler would, at an exact moment).
+Unset, a failpoint is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+_SPEC = os.environ.get("LITGPT_FAILPOINT", "")
+_hits: dict[str, int] = {}
+
+
+def _parse(spec: str) -> tuple[str, int, "int | None", str]:
+    spec, _, action = spec.partition("=")
+    spec, _, rank = spec.partition("/")
+    name, _, hit = spec.partition("@")
+    return name, int(hit or 1), int(rank) if rank else None, action or "kill"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    from litgpt.ranks import launcher_rank
+
+    return launcher_rank()
+
+
+def failpoint(name: str) -> None:
+    if not _SPEC:
+        return
+    target, hit, rank, action = _parse(_SPEC)
+    if name != target or (rank is not None and rank != _rank()):
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != hit:
+        return
+    if action == "raise":
+        raise RuntimeError(f"failpoint {name} (hit {hit}) raised on purpose")
+    if action == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), getattr(signal, action) if action.startswith("SIG") else signal.SIGKILL)
