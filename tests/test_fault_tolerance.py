@@ -261,12 +261,16 @@ SINGLE_PROCESS_KILLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(data) -> Path:
-    out_dir = data["root"] / "uninterrupted"
-    p = litgpt(*pretrain_args(data, out_dir, 6, "--train.keep_last", "2"))
+def finished_run(data: dict, name: str, steps: int, *extra) -> Path:
+    out_dir = data["root"] / name
+    p = litgpt(*pretrain_args(data, out_dir, steps, *extra))
     assert p.returncode == 0, p.stdout + p.stderr
     return out_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data) -> Path:
+    return finished_run(data, "uninterrupted", 6, "--train.keep_last", "2")
 
 
 @pytest.mark.slow
@@ -300,10 +304,7 @@ FULL_KILLS = ["save:weights@1/0", "step:end@1/1"]
 
 @pytest.fixture(scope="module")
 def uninterrupted_two(data) -> Path:
-    out_dir = data["root"] / "uninterrupted-two"
-    p = litgpt(*pretrain_args(data, out_dir, 4, "--devices", "2"))
-    assert p.returncode == 0, p.stdout + p.stderr
-    return out_dir
+    return finished_run(data, "uninterrupted-two", 4, "--devices", "2")
 
 
 @pytest.mark.slow
