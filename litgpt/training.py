@@ -607,6 +607,7 @@ def publish_final(run: Run, last_step: Path) -> None:
         TRAINING_STATE_FILE,
         consolidated_weights,
         publish_dir,
+        read_manifest,
         save_state_dict,
         write_manifest,
     )
@@ -621,7 +622,9 @@ def publish_final(run: Run, last_step: Path) -> None:
                         shutil.copy2(file, folder / file.name)
             if (last_step / SHARDED_DIR).is_dir():
                 save_state_dict(consolidated_weights(last_step), folder / run.weights_file)
-            write_manifest(folder, {**checkpoint_info(run), "state_dict_type": "full"})
+            # The linked files were hashed for the step's manifest already: only a consolidated file is new.
+            step_digests = {name: entry["sha256"] for name, entry in read_manifest(last_step)["files"].items()}
+            write_manifest(folder, {**checkpoint_info(run), "state_dict_type": "full"}, step_digests)
             failpoint("final:written")
     run.fabric.barrier()
 
