@@ -249,9 +249,11 @@ class Case:
     ref: Optional[Command]
 
 
-def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precision: str, total_steps: int) -> list[Case]:
+def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precision: str, total_steps: int,
+                python_ours: str = sys.executable) -> list[Case]:
+    """The cases' commands and input files; `python_ours` is the interpreter that runs our `litgpt`."""
     common_train = ["--train.log_interval", "1", "--devices", "1", "--precision", precision, "--logger_name", "csv"]
-    ours_python = [sys.executable, "-m", "litgpt"]
+    ours_python = [python_ours, "-m", "litgpt"]
     ref_python = [str(python_ref), "-m", "litgpt"] if python_ref is not None else None
     cases = []
     for name in names:

@@ -87,7 +87,8 @@ def main(
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
             (16-true without bf16 support), 32-true on the CPU.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
-        compile: Compile the model with torch.compile (slow to start, faster per token on GPUs).
+        compile: Compile the one-token decoding step with torch.compile: the first reply pays the compilation
+            (seconds to a minute), later tokens run faster, on the CPU as on GPUs.
         multiline: Read messages of several lines, each ended by a line holding only !submit.
         quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
             (needs `pip install 'litgpt[quantize]'`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -44,6 +45,21 @@ def sample(
     reaches `top_p` (nucleus sampling), and a token is drawn from what is left with `generator`.
     """
     check_sampling_args(temperature, top_k, top_p)
+    return pick(logits, temperature, top_k, top_p, exponential_noise(logits, temperature, generator))
+
+
+def exponential_noise(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]):
+    """Exp(1) draws shaped like `logits` for `pick` (None for greedy decoding, which draws nothing)."""
+    if temperature == 0:
+        return None
+    noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32).exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a 0 would divide a dropped token's 0 into NaN
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
+         noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """`sample` with its randomness given: argmax of probs / noise with Exp(1) noise takes token i with probability
+    probs[i] (the exponential race), in a few elementwise ops that compile with the decoding step."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -60,10 +76,14 @@ def sample(
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    flat = probs.reshape(-1, vocab)
-    tokens = torch.multinomial(flat, num_samples=1, generator=generator)
-    return tokens.reshape(logits.shape[:-1])
+    return (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
+
+
+def decode_step(model: "GPT", token: torch.Tensor, position: torch.Tensor, temperature: float,
+                top_k: Optional[int], top_p: float, noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """Feed one token (a 0-d tensor) at `position` (1,) and pick the next: the loop body `--compile` compiles."""
+    logits = model(token.view(1, 1), input_pos=position)[0, -1]
+    return pick(logits, temperature, top_k, top_p, noise)
 
 
 # ---- generation -------------------------------------------------------------------------------------------------------
@@ -79,7 +99,13 @@ def check_prompt_length(prompt_length: int, block_size: int) -> None:
 
 
 def prepare_kv_cache(model: "GPT", length: int) -> None:
-    """Make sure the model has a batch-1 KV cache of at least `length` positions (reusing the one it has)."""
+    """Make sure the model has a batch-1 KV cache of at least `length` positions (reusing the one it has).
+
+    With a compiled decoding step the cache grows in powers of two, so prompts of other lengths mostly reuse the
+    compiled graph (its shapes are the cache's) instead of compiling another one.
+    """
+    if hasattr(model, "compiled_decode_step"):
+        length = min(model.config.block_size, 1 << (length - 1).bit_length())
     param = model.lm_head.weight
     cache = model.transformer.h[0].attn.kv_cache
     if (
@@ -140,15 +166,16 @@ def _generate(
 ) -> Iterator[int]:
     if new_tokens == 0:
         return
-    prompt = prompt.clone()  # an inference tensor like every later input (one compiled graph fits both)
     T = prompt.numel()
     device = prompt.device
     # The last new token is never fed back, so T + new_tokens - 1 positions suffice.
     prepare_kv_cache(model, T + new_tokens - 1)
     logits = model(prompt[None], input_pos=torch.arange(T, device=device))[0, -1]
+    token = sample(logits, temperature, top_k, top_p, generator)
+    step_fn = getattr(model, "compiled_decode_step", None) or functools.partial(decode_step, model)
+    positions = torch.arange(T, T + new_tokens, device=device)
     pending: list[int] = []  # tokens held back: they could be the start of a stop sequence
     for step in range(new_tokens):
-        token = sample(logits, temperature, top_k, top_p, generator)
         pending.append(int(token))
         stopped = next((s for s in stops if pending[-len(s):] == s), None)
         if stopped is not None:
@@ -158,8 +185,8 @@ def _generate(
         yield from pending[: len(pending) - keep]
         pending = pending[len(pending) - keep :]
         if step + 1 < new_tokens:
-            position = torch.tensor([T + step], device=device)
-            logits = model(token.view(1, 1), input_pos=position)[0, -1]
+            noise = exponential_noise(logits, temperature, generator)
+            token = step_fn(token, positions[step : step + 1], temperature, top_k, top_p, noise)
     yield from pending
 
 
@@ -257,7 +284,9 @@ def load_model_and_tokenizer(
     model.eval()
     model.requires_grad_(False)
     if compile:
-        model.forward = torch.compile(model.forward)
+        # Only the one-token step: its shapes never change (the whole KV cache is attended, masked), so it compiles
+        # once; prompts of every length run eagerly instead of compiling a graph per length.
+        model.compiled_decode_step = torch.compile(functools.partial(decode_step, model), dynamic=False)
     return model, tokenizer
 
 
@@ -297,7 +326,8 @@ def main(
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
             (16-true without bf16 support), 32-true on the CPU.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
-        compile: Compile the model with torch.compile (slow to start, faster per token on GPUs).
+        compile: Compile the one-token decoding step with torch.compile: the first sample pays the compilation
+            (seconds to a minute), later tokens run faster, on the CPU as on GPUs.
         quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
             (needs `pip install 'litgpt[quantize]'`).
     """

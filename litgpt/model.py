@@ -68,7 +68,9 @@ class GPT(nn.Module):
         """Logits for token ids `idx` (B, T).
 
         Without `input_pos` the sequence starts at position 0 and no cache is used (training, scoring). With it,
-        `input_pos` (T,) gives the positions of `idx` and every layer reads and writes its KV cache.
+        `input_pos` (T,) gives the positions of `idx` and every layer reads and writes its KV cache. Queries then
+        attend to the whole cache through a mask that hides the positions not written yet: the shapes do not depend
+        on the position, so decoding needs no host-device sync and one compiled graph serves every step.
         """
         c = self.config
         T = idx.size(1)
@@ -78,8 +80,11 @@ class GPT(nn.Module):
             positions = None
             kv_length = T
         else:
+            cache = self.transformer.h[0].attn.kv_cache
+            if cache is None:
+                raise RuntimeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first.")
             positions = input_pos
-            kv_length = int(input_pos[-1]) + 1
+            kv_length = cache.k.size(2)
 
         x = self.transformer.wte(idx)
         if c.scale_embeddings:
@@ -102,7 +107,7 @@ class GPT(nn.Module):
             sliding = c.is_sliding_layer(i)
             rope = ropes[c.rope_local_base is not None and sliding]
             mask = masks[c.sliding_window_size if sliding else None]
-            x = block(x, rope, mask, positions, kv_length)
+            x = block(x, rope, mask, positions)
 
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)
@@ -156,10 +161,9 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: Optional[torch.Tensor],
         input_pos: Optional[torch.Tensor] = None,
-        kv_length: Optional[int] = None,
     ) -> torch.Tensor:
         x_normed = self.norm_1(x)
-        attention_out = self.post_attention_norm(self.attn(x_normed, rope, mask, input_pos, kv_length))
+        attention_out = self.post_attention_norm(self.attn(x_normed, rope, mask, input_pos))
         if self.config.parallel_residual:
             mlp_in = x_normed if self.norm_2 is None else self.norm_2(x)
             return x + attention_out + self.post_mlp_norm(self.mlp(mlp_in))
@@ -186,7 +190,6 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: Optional[torch.Tensor],
         input_pos: Optional[torch.Tensor] = None,
-        kv_length: Optional[int] = None,
     ) -> torch.Tensor:
         c = self.config
         B, T, _ = x.shape
@@ -203,9 +206,7 @@ class CausalSelfAttention(nn.Module):
         k = apply_rope(k, cos, sin)
 
         if input_pos is not None:
-            if self.kv_cache is None:
-                raise RuntimeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first.")
-            k, v = self.kv_cache.update(input_pos, k, v, kv_length)
+            k, v = self.kv_cache.update(input_pos, k, v)
 
         y = self.attend(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
@@ -244,10 +245,11 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_length: int):
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k and v (B, ng, T, hs) at `input_pos` (T,); returns the whole cache."""
         self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
         self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
-        return self.k[:, :, :kv_length], self.v[:, :, :kv_length]
+        return self.k, self.v
 
 
 def attention_mask(

@@ -40,7 +40,7 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 42,
     profile: bool = False,
-    compiler: Literal["none", "torch", "thunder"] = "none",
+    compiler: Literal["auto", "none", "torch", "thunder"] = "auto",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
 ) -> None:
     """Pretrain a model.
@@ -63,8 +63,10 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
-        compiler: none (eager), torch (torch.compile of each transformer block) or thunder (the Thunder extension,
-            extensions/thunder, which takes over the run; `pip install -e '.[thunder]'`).
+        compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), torch (torch.compile of each
+            transformer block: about a third more tokens/s on an H100; on a CPU it costs a minute of compilation
+            and gains little, see benchmarks/README.md) or thunder (the Thunder extension, extensions/thunder,
+            which takes over the run; `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
     """
@@ -87,7 +89,8 @@ def setup(
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     fabric.launch(
         main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-        seed, profile, hyperparameters, precision or default_precision(), compiler == "torch",
+        seed, profile, hyperparameters, precision or default_precision(),
+        compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda"),
     )
 
 

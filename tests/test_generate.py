@@ -256,6 +256,26 @@ def test_load_model_and_tokenizer(lit_checkpoint):
     assert model16.lm_head.weight.dtype == torch.bfloat16
 
 
+def test_compiled_decoding_equals_eager_and_compiles_once(lit_checkpoint):
+    """--compile compiles the one-token step once per sampling setting: later positions and prompts of other lengths
+    reuse the graph (the whole cache, sized in powers of two, is attended with a mask), and the tokens equal eager
+    decoding's, greedy and with seeded sampling."""
+    from torch._dynamo.utils import counters
+
+    from litgpt.generate import load_model_and_tokenizer
+
+    eager, _ = load_model_and_tokenizer(lit_checkpoint, precision="32-true", device="cpu")
+    compiled, _ = load_model_and_tokenizer(lit_checkpoint, precision="32-true", device="cpu", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    for prompt in ([5, 6, 7], [9, 10, 11, 12, 13]):  # 14 and 16 positions: both in a 16-position cache
+        assert list(generate(compiled, prompt, 12, temperature=0)) == list(generate(eager, prompt, 12, temperature=0))
+        runs = [list(generate(m, prompt, 12, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(7)))
+                for m in (compiled, eager)]
+        assert runs[0] == runs[1]
+    assert counters["stats"]["unique_graphs"] == 2  # greedy, and top-k sampling
+
+
 def test_tied_embeddings_stay_tied(tmp_path):
     from litgpt.generate import load_model_and_tokenizer
 
