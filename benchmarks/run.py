@@ -46,7 +46,8 @@ REPO = harness.REPO
 STEPS = {"32-true": (5, 25), "bf16-mixed": (1, 3)}  # (warm-up, measured) steps per precision on the CPU
 TRAINING_CPU = ["pretrain-5m-32-true", "lora-5m-32-true", "pretrain-5m-bf16-mixed", "lora-5m-bf16-mixed",
                 "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP", "pretrain-5m-2proc-NO_SHARD",
-                "pretrain-5m-2proc-HYBRID_SHARD", "pretrain-100m-1proc", "pretrain-100m-2proc"]
+                "pretrain-5m-2proc-HYBRID_SHARD", "pretrain-100m-1proc", "pretrain-100m-1proc-1thread",
+                "pretrain-100m-2proc"]
 GENERATION_CPU = ["generate-5m-32-true", "generate-5m-bf16-true", "generate-5m-bf16-true-compiled"]
 SUITES = {
     "cpu": TRAINING_CPU + GENERATION_CPU + ["help"],
@@ -146,7 +147,7 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
             model_args = {k: getattr(config, k) for k in config.__dataclass_fields__}
             cases[name] = (harness.Case(name, "Llama-3.2-1B shape, seq 2048, micro batch 4, global batch 32, "
                                         "bf16-mixed, 1 GPU", 32 * 2048, command, None), warmup, total,
-                           {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16"})
+                           {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16", "processes": 1})
             continue
         kind, _, rest = name.partition("-5m-") if "-5m-" in name else name.partition("-100m-")
         precision = rest if rest in STEPS else "32-true"
@@ -179,10 +180,13 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
             if "100m" not in name:
                 ours.argv += ["--train.global_batch_size", "4"]
             case.description += f"; 2 processes, {strategy}, micro batch 2 each (same global batch)"
+        if name.endswith("1thread"):
+            case.description += "; 1 thread: one process on one core, the unit the 2-process run has per rank"
         if precision == "bf16-mixed" and "bf16" not in case.description:
             case.description += "; bf16-mixed"
         cases[name] = (case, warmup, total, {"model": model, "seq": harness.MODEL["block_size"], "lora": kind == "lora",
-                                             "dtype": "bfloat16" if precision == "bf16-mixed" else "float32"})
+                                             "dtype": "bfloat16" if precision == "bf16-mixed" else "float32",
+                                             "processes": processes})
     return cases
 
 
@@ -311,7 +315,10 @@ def main() -> None:
                         continue
                     harness.wait_until_idle(0.15, args.wait_idle)
                     log = work / "logs" / f"{stamp}-{name}-{command.toolkit}-{repeat}.log"
-                    run = harness.run_command(command, case, warmup, total, args.threads, work, log, 3600)
+                    # the machine's threads split between the processes, as each would have its own device
+                    threads = 1 if name.endswith("1thread") else max(1, args.threads // facts["processes"])
+                    run = harness.run_command(command, case, warmup, total, threads, work, log, 3600)
+                    run["threads_per_process"] = threads
                     if "tokens_per_sec" in run:
                         run["value"] = run["tokens_per_sec"]
                         run["mfu_vs_measured_peak"] = round(fpt * run["value"] / peaks[facts["dtype"]], 4)

@@ -45,28 +45,31 @@ def sample(
     reaches `top_p` (nucleus sampling), and a token is drawn from what is left with `generator`.
     """
     check_sampling_args(temperature, top_k, top_p)
-    return pick(logits, temperature, top_k, top_p, exponential_noise(logits, temperature, generator))
+    return pick(logits, temperature, top_k, top_p, exponential_noise(logits, temperature, top_k, generator))
 
 
-def exponential_noise(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]):
-    """Exp(1) draws shaped like `logits` for `pick` (None for greedy decoding, which draws nothing)."""
+def exponential_noise(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                      generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
+    """Exp(1) draws for `pick`, one per candidate token (the top_k, or the whole vocabulary); None for greedy
+    decoding, which draws nothing."""
     if temperature == 0:
         return None
-    noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32).exponential_(generator=generator)
+    shape = (*logits.shape[:-1], min(top_k or logits.size(-1), logits.size(-1)))
+    noise = torch.empty(shape, device=logits.device, dtype=torch.float32).exponential_(generator=generator)
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a 0 would divide a dropped token's 0 into NaN
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
          noise: Optional[torch.Tensor]) -> torch.Tensor:
     """`sample` with its randomness given: argmax of probs / noise with Exp(1) noise takes token i with probability
-    probs[i] (the exponential race), in a few elementwise ops that compile with the decoding step."""
+    probs[i] (the exponential race), in a few elementwise ops that compile with the decoding step. With top_k only
+    the k candidates are ranked, renormalized and drawn from."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    vocab = logits.size(-1)
-    if top_k is not None and top_k < vocab:
-        values, indices = torch.topk(logits, top_k, dim=-1)
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+    candidates = None
+    if top_k is not None and top_k < logits.size(-1):
+        logits, candidates = torch.topk(logits, top_k, dim=-1)
     if top_p < 1.0:
         probs = torch.softmax(logits, dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -76,7 +79,8 @@ def pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: 
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
+    choice = (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
+    return choice if candidates is None else candidates.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
 def decode_step(model: "GPT", token: torch.Tensor, position: torch.Tensor, temperature: float,
@@ -185,8 +189,9 @@ def _generate(
         yield from pending[: len(pending) - keep]
         pending = pending[len(pending) - keep :]
         if step + 1 < new_tokens:
-            noise = exponential_noise(logits, temperature, generator)
-            token = step_fn(token, positions[step : step + 1], temperature, top_k, top_p, noise)
+            noise = exponential_noise(logits, temperature, top_k, generator)
+            # A CUDA graph's output lives in memory its next replay overwrites: keep a copy of the token.
+            token = step_fn(token, positions[step : step + 1], temperature, top_k, top_p, noise).clone()
     yield from pending
 
 
@@ -286,7 +291,9 @@ def load_model_and_tokenizer(
     if compile:
         # Only the one-token step: its shapes never change (the whole KV cache is attended, masked), so it compiles
         # once; prompts of every length run eagerly instead of compiling a graph per length.
-        model.compiled_decode_step = torch.compile(functools.partial(decode_step, model), dynamic=False)
+        # On CUDA the step is also captured as a CUDA graph ("reduce-overhead"): one launch per token.
+        mode = "reduce-overhead" if target.type == "cuda" else None
+        model.compiled_decode_step = torch.compile(functools.partial(decode_step, model), dynamic=False, mode=mode)
     return model, tokenizer
 
 

@@ -18,6 +18,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
+from litgpt.pretrain import EVAL_DEFAULTS, TRAIN_DEFAULTS
 from litgpt.pretrain import setup as core_setup
 
 
@@ -47,17 +48,8 @@ def setup(
     initial_checkpoint_dir: Optional[Path] = None,
     resume: Union[bool, Literal["auto"], Path] = False,
     data: Optional[DataModule] = None,
-    train: TrainArgs = TrainArgs(
-        save_interval=1000,
-        log_interval=1,
-        global_batch_size=512,
-        micro_batch_size=4,
-        max_tokens=int(3e12),
-        max_norm=1.0,
-        min_lr=4e-5,
-        lr_warmup_steps=2000,
-    ),
-    eval: EvalArgs = EvalArgs(interval=1000, max_iters=100),
+    train: TrainArgs = TRAIN_DEFAULTS,
+    eval: EvalArgs = EVAL_DEFAULTS,
     optimizer: Union[str, dict] = "AdamW",
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
