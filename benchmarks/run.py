@@ -13,7 +13,8 @@ Training cases are measured by `train.py`'s harness: tokens/s over the steps aft
 times of the per-step log lines), peak RSS of the training process (rank 0 with several processes), or the
 `peak_memory_mb` of metrics.json on a GPU. MFU = training FLOPs per token (6N plus the attention term, PaLM's count,
 with the frozen weights' gradient third left out for LoRA) x tokens/s / the peak FLOP/s of a large matmul measured
-here in the run's compute dtype (fp32 for 32-true, bf16 for bf16-mixed); on GPUs also against the datasheet peak.
+here in the run's compute dtype (fp32 for 32-true; for bf16-mixed the faster of bf16 and fp32, as a CPU without bf16
+matrix units multiplies bf16 slower than fp32); on GPUs also against the datasheet peak.
 
 Generation cases: tokens/s of samples 2..N of one `generate --num_samples N` (each toolkit prints its own per-sample
 figure; sample 1, which pays any compilation, is kept as "cold"). `help`: the wall time of the `litgpt --help`
@@ -94,6 +95,12 @@ def matmul_peaks(python: str, device: str, env: dict) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"the matmul peak measurement failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def hardware_peak(peaks: dict, dtype: str) -> float:
+    """The FLOP/s limit of a run in `dtype`. A CPU without bf16 matrix units (no AVX512-BF16/AMX) multiplies bf16
+    slower than fp32, so its limit for bf16-mixed is the faster of the two."""
+    return max(peaks["bfloat16"], peaks["float32"]) if dtype == "bfloat16" else peaks["float32"]
 
 
 def flops_per_token(model_args: dict, seq_length: int, lora: bool) -> float:
@@ -321,7 +328,7 @@ def main() -> None:
                     run["threads_per_process"] = threads
                     if "tokens_per_sec" in run:
                         run["value"] = run["tokens_per_sec"]
-                        run["mfu_vs_measured_peak"] = round(fpt * run["value"] / peaks[facts["dtype"]], 4)
+                        run["mfu_vs_measured_peak"] = round(fpt * run["value"] / hardware_peak(peaks, facts["dtype"]), 4)
                         if device == "cuda":
                             metrics = json.loads((command.out_dir / "metrics.json").read_text())
                             run["peak_memory_mb"] = metrics["peak_memory_mb"]
