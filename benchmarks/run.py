@@ -49,7 +49,8 @@ TRAINING_CPU = ["pretrain-5m-32-true", "lora-5m-32-true", "pretrain-5m-bf16-mixe
                 "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP", "pretrain-5m-2proc-NO_SHARD",
                 "pretrain-5m-2proc-HYBRID_SHARD", "pretrain-100m-1proc", "pretrain-100m-1proc-1thread",
                 "pretrain-100m-2proc"]
-GENERATION_CPU = ["generate-5m-32-true", "generate-5m-bf16-true", "generate-5m-bf16-true-compiled"]
+GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "generate-5m-bf16-true",
+                  "generate-5m-bf16-true-compiled"]
 SUITES = {
     "cpu": TRAINING_CPU + GENERATION_CPU + ["help"],
     "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled"],
@@ -104,10 +105,11 @@ def hardware_peak(peaks: dict, dtype: str) -> float:
 
 
 def flops_per_token(model_args: dict, seq_length: int, lora: bool) -> float:
-    """Training FLOPs per token of the model; for LoRA (r 8 on query and value) only the adapters get weight
-    gradients."""
+    """Training FLOPs per token of the model; for LoRA (r 8 on query and value, as the LoRA
+    cases run) only the adapters get weight gradients, counted on the LoRA model itself built on the meta device."""
     from litgpt.checkpoint import meta_device
     from litgpt.config import Config
+    from litgpt.lora import LoRASettings, add_lora, lora_parameter_count
     from litgpt.model import GPT
     from litgpt.training import flops_per_token as count
 
@@ -115,9 +117,10 @@ def flops_per_token(model_args: dict, seq_length: int, lora: bool) -> float:
     if not lora:
         return count(config, seq_length)
     with meta_device():
-        total = sum(p.numel() for p in GPT(config).parameters())
-    adapters = config.n_layer * 8 * (2 * config.n_embd + (config.n_head + config.n_query_groups) * config.head_size)
-    return count(config, seq_length, adapters / total)
+        model = GPT(config)
+        add_lora(model, LoRASettings(r=8, query=True, key=False, value=True, projection=False, mlp=False, head=False))
+    adapters = lora_parameter_count(model)
+    return count(config, seq_length, adapters / sum(p.numel() for p in model.parameters()))
 
 
 # ---- cases ----------------------------------------------------------------------------------------------------------------

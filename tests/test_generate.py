@@ -275,6 +275,15 @@ def test_compiled_decoding_equals_eager_and_compiles_once(lit_checkpoint):
         assert runs[0] == runs[1]
     assert counters["stats"]["unique_graphs"] == 2  # greedy, and top-k sampling
 
+    # Within a generation only the first step runs all guards: a new top_k, and a prompt that needs a larger cache,
+    # must still compile new graphs, not reuse the old ones.
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # 21 positions: a 32-position cache
+    for settings in (dict(temperature=1.0, top_k=5), dict(temperature=0)):
+        runs = [list(generate(m, prompt, 12, **settings, generator=torch.Generator().manual_seed(3)))
+                for m in (compiled, eager)]
+        assert runs[0] == runs[1]
+    assert counters["stats"]["unique_graphs"] == 4
+
 
 def test_tied_embeddings_stay_tied(tmp_path):
     from litgpt.generate import load_model_and_tokenizer
