@@ -257,9 +257,9 @@ def test_load_model_and_tokenizer(lit_checkpoint):
 
 
 def test_compiled_decoding_equals_eager_and_compiles_once(lit_checkpoint):
-    """--compile compiles the one-token step once per sampling setting: later positions and prompts of other lengths
-    reuse the graph (the whole cache, sized in powers of two, is attended with a mask), and the tokens equal eager
-    decoding's, greedy and with seeded sampling."""
+    """--compile compiles the one-token step once per sampling setting and cache size: later positions and prompts of
+    other lengths reuse the graph (the whole cache, sized in powers of two, is attended with a mask), and the tokens
+    equal eager decoding's, greedy and with seeded sampling."""
     from torch._dynamo.utils import counters
 
     from litgpt.generate import load_model_and_tokenizer
