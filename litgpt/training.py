@@ -369,7 +369,8 @@ def run_metrics(run: Run, val_loss: Optional[float], seq_length: int, trainable_
         peak, source = GPU_PEAK_FLOPS[device_name], "datasheet, dense bf16"
     else:
         dtype = torch.float32 if run.precision.startswith("32") else torch.bfloat16
-        peak, source = measured_matmul_flops(device, dtype), f"measured: 2048^3 {dtype} matmul on this device"
+        peak, side = measured_matmul_flops(device, dtype)
+        source = f"measured: {side}^3 {dtype} matmul on this device"
     return {
         "steps": state.step,
         "tokens": state.tokens,
@@ -406,20 +407,36 @@ def per_rank_peak_memory_mb(fabric) -> list[float]:
 GPU_PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
-    """The FLOP/s a large square matmul reaches on `device`: the hardware limit that MFU is measured against."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # warm-up
-    runs, start = 0, time.perf_counter()
-    while runs < 2 or time.perf_counter() - start < seconds:
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048,
+                          seconds: float = 0.5) -> tuple[float, int]:
+    """The FLOP/s a large square matmul reaches on `device` (the hardware limit that MFU is measured against), and
+    the side of the matrices it was measured with.
+
+    The side doubles from 256 up to `size` while the next one would still take under `seconds` per matmul: a dtype
+    the device only emulates (bf16 on a CPU without AVX512-BF16 or AMX, where one 2048^3 matmul takes about a minute)
+    is measured at a smaller size instead of stalling the end of the run for minutes.
+    """
+
+    def matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+        start = time.perf_counter()
         a @ b
-        runs += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if runs >= 2 and time.perf_counter() - start > 5 * seconds:
-            break  # a very slow dtype on this device (e.g. bf16 on a CPU without it): two runs say enough
-    return 2 * size**3 * runs / (time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    side = 256
+    while True:
+        a = torch.randn(side, side, device=device, dtype=dtype)
+        b = torch.randn(side, side, device=device, dtype=dtype)
+        matmul_seconds(a, b)  # warm-up: library initialization and kernel selection
+        if side >= size or 8 * matmul_seconds(a, b) > seconds:
+            break
+        side *= 2
+    runs, start = 0, time.perf_counter()
+    while runs < 2 or time.perf_counter() - start < seconds:
+        matmul_seconds(a, b)
+        runs += 1
+    return 2 * side**3 * runs / (time.perf_counter() - start), side
 
 
 def cpu_name() -> str:

@@ -88,6 +88,18 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
+def test_matmul_peak_grows_the_matrices_only_while_they_stay_quick():
+    """MFU's measured peak: a dtype the device multiplies slowly is measured on smaller matrices (bf16 on this CPU
+    would otherwise spend minutes on 2048^3 matmuls at the end of every run); the FLOP/s are those of the side used."""
+    from litgpt.training import measured_matmul_flops
+
+    cpu = torch.device("cpu")
+    flops, side = measured_matmul_flops(cpu, torch.float32, size=2048, seconds=1e-9)  # no matmul is quick enough
+    assert side == 256 and flops > 0
+    flops, side = measured_matmul_flops(cpu, torch.float32, size=512, seconds=60)  # every size is
+    assert side == 512 and flops > 0
+
+
 def test_loss_falls_and_outputs_are_complete(tmp_path, text_folder):
     pretrain(tmp_path / "run", text_folder, max_steps=40, save_interval=20, lr_warmup_steps=5)
     out = tmp_path / "run"
