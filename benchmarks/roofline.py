@@ -105,14 +105,15 @@ def linear_weight_bytes(model) -> int:
 
 
 def training(steps: int) -> dict:
-    from litgpt.training import flops_per_token, loss_fn
+    from litgpt.train.loss import cross_entropy
+    from litgpt.train.metrics import flops_per_token
 
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
     batch = torch.randint(0, MODEL["padded_vocab_size"], (TRAIN_BATCH, TRAIN_SEQ + 1))
 
     def step() -> None:
-        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

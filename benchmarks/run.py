@@ -107,11 +107,11 @@ def hardware_peak(peaks: dict, dtype: str) -> float:
 def flops_per_token(model_args: dict, seq_length: int, lora: bool) -> float:
     """Training FLOPs per token of the model; for LoRA (r 8 on query and value, as the LoRA
     cases run) only the adapters get weight gradients, counted on the LoRA model itself built on the meta device."""
-    from litgpt.checkpoint import meta_device
+    from litgpt.checkpoint.model_files import meta_device
     from litgpt.config import Config
     from litgpt.lora import LoRASettings, add_lora, lora_parameter_count
     from litgpt.model import GPT
-    from litgpt.training import flops_per_token as count
+    from litgpt.train.metrics import flops_per_token as count
 
     config = Config(**model_args)
     if not lora:

@@ -89,7 +89,7 @@ def main() -> None:
 
     missing = [name for name in NAMED_TENSOR_METHODS if not hasattr(torch.Tensor, name)]
     thunder, _ = import_thunder()
-    from litgpt.training import cpu_name
+    from litgpt.train.metrics import cpu_name
 
     info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "thunder": thunder.__version__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -51,51 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     run_command(name, args)
 
 
-def launcher_rank() -> int:
-    from litgpt.ranks import launcher_rank
-
-    return launcher_rank()
-
-
-def print_error_once(text: str) -> None:
-    """Print an error; in a run of several processes, once per machine however many ranks hit it, with the rank.
-
-    The first rank to fail claims the message with an exclusive file; a claim older than a minute is from another run.
-    """
-    import hashlib
-    import os
-    import tempfile
-    import time
-
-    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1")
-    if world > 1:
-        rank = launcher_rank()
-        run_id = os.environ.get("MASTER_PORT", "") + os.environ.get("SLURM_JOB_ID", "")
-        digest = hashlib.sha1(f"{run_id}{text}".encode()).hexdigest()[:16]
-        claim = os.path.join(tempfile.gettempdir(), f"litgpt-error-{digest}")
-        try:
-            if time.time() - os.path.getmtime(claim) > 60:
-                os.unlink(claim)
-        except OSError:
-            pass
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return  # another rank of this run printed it
-        text = f"[rank {rank}] {text}"
-    print(text, file=sys.stderr)
-
-
-def distributed_is_up() -> bool:
-    distributed = sys.modules.get("torch.distributed")
-    return distributed is not None and distributed.is_available() and distributed.is_initialized()
-
-
 def exit_failed() -> None:
     """Exit with code 1. A process of a distributed run leaves at once: tearing down a process group whose peers
     are gone can abort the interpreter (SIGABRT) instead of exiting cleanly. The ranks it started (Fabric starts
     ranks 1.. as its children) go too, so that none is left waiting on a collective that will never come."""
     import os
+
+    from litgpt.distributed.runtime import distributed_is_up
 
     stop_child_processes()
     if distributed_is_up():
@@ -150,6 +112,8 @@ def peer_failure_message(prog: str, error: Exception) -> "str | None":
         return (f"{prog}: error: not every rank joined the run within --fsdp.timeout ({text}). Check that the "
                 "launcher starts --devices x --num_nodes processes and that MASTER_ADDR/MASTER_PORT reach rank 0; "
                 "a slow start-up needs a larger --fsdp.timeout.")
+    from litgpt.distributed.runtime import distributed_is_up
+
     if not distributed_is_up():
         return None
     if not any(marker in text for marker in PEER_FAILURE):
@@ -214,6 +178,7 @@ def run_cli(function, args: list[str], prog: str) -> None:
     """Parse `args` for `function` and call it; every failure the user can fix becomes one line and exit code 1."""
     from jsonargparse import CLI, ArgumentError
 
+    from litgpt.distributed.runtime import print_error_once
     from litgpt.errors import UserError
 
     try:
@@ -250,6 +215,8 @@ def run_cli(function, args: list[str], prog: str) -> None:
             print_error_once(peer_failure)
             exit_failed()
         if type(error).__name__ != "OutOfMemoryError":  # torch's, named so that this module need not import torch
+            from litgpt.distributed.runtime import distributed_is_up, launcher_rank
+
             if distributed_is_up():  # a bug: its traceback marked with the rank, then leave without waiting on peers
                 import traceback
 

@@ -136,29 +136,28 @@ def main(
             )
             continue
 
-        start = time.perf_counter()
-        decoder = IncrementalDecoder(tokenizer, prompt_ids=prompt_ids)
-        print(">> Reply: ", end="", flush=True)
-        reply_ids = []
-        tokens = generate(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            stop_sequences=stops,
-            generator=generator,
-        )
-        for token in tokens:
-            reply_ids.append(token)
-            print(decoder.step(token), end="", flush=True)
-        print(decoder.finish(), flush=True)
-        elapsed = time.perf_counter() - start
-        print(f"({len(reply_ids)} tokens in {elapsed:.02f} s, {len(reply_ids) / elapsed:.02f} tokens/s)", file=sys.stderr)
-
+        reply_ids = stream_reply(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, top_p, stops,
+                                 generator)
         reply = tokenizer.decode(reply_ids)
         if style.multi_turn:
             history.append(("assistant", reply.strip()))
         else:
             history.clear()
+
+
+def stream_reply(model, tokenizer, prompt_ids, max_new_tokens: int, temperature: float, top_k: Optional[int],
+                 top_p: float, stops, generator) -> list[int]:
+    """Generate a reply, printing its text as the tokens come; returns the reply's token ids."""
+    start = time.perf_counter()
+    decoder = IncrementalDecoder(tokenizer, prompt_ids=prompt_ids)
+    print(">> Reply: ", end="", flush=True)
+    reply_ids = []
+    tokens = generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_sequences=stops,
+                      generator=generator)
+    for token in tokens:
+        reply_ids.append(token)
+        print(decoder.step(token), end="", flush=True)
+    print(decoder.finish(), flush=True)
+    elapsed = time.perf_counter() - start
+    print(f"({len(reply_ids)} tokens in {elapsed:.02f} s, {len(reply_ids) / elapsed:.02f} tokens/s)", file=sys.stderr)
+    return reply_ids

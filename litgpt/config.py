@@ -185,6 +185,6 @@ class Config:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        from litgpt.checkpoint import atomic_write_text
+        from litgpt.io import atomic_write_text
 
         atomic_write_text(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))

@@ -18,16 +18,9 @@ def main(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
         checkpoint_dir: A step-XXXXXX folder of a run with --fsdp.state_dict_type sharded (it holds sharded/).
         out_dir: Where to write the weights with the config and tokenizer (default: into checkpoint_dir itself).
     """
-    from litgpt.checkpoint import (
-        CONFIG_FILE,
-        SHARDED_DIR,
-        TRAINING_STATE_FILE,
-        WEIGHTS_FILE,
-        consolidated_weights,
-        copy_tokenizer_files,
-        load_state_dict,
-        save_state_dict,
-    )
+    from litgpt.checkpoint.model_files import CONFIG_FILE, copy_tokenizer_files, WEIGHTS_FILE
+    from litgpt.checkpoint.store import consolidated_weights, SHARDED_DIR, TRAINING_STATE_FILE
+    from litgpt.io import load_state_dict, save_state_dict
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():

@@ -150,7 +150,7 @@ def _pick_weights(files: Iterable[str]) -> list[str]:
 
 def _wanted_files(files: list[str], repo_id: str, tokenizer_only: bool, where: str) -> list[str]:
     """The files to fetch out of `files`: config.json, the tokenizer files and (unless tokenizer_only) the weights."""
-    from litgpt.checkpoint import TOKENIZER_FILES  # generation_config.json and the tokenizer's own files
+    from litgpt.checkpoint.model_files import TOKENIZER_FILES
 
     names = set(files)
     small = [f for f in ("config.json", *TOKENIZER_FILES) if f in names]
@@ -247,7 +247,7 @@ def _copy_from_cache(repo_id: str, target: Path, tokenizer_only: bool, unreachab
             tokenizer_only,
             where=f"in the local Hugging Face cache ({snapshot}) and {why}",
         )
-        from litgpt.checkpoint import atomic_path
+        from litgpt.io import atomic_path
 
         for name in files:
             with atomic_path(target / name) as tmp:

@@ -29,7 +29,7 @@ def _rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    from litgpt.ranks import launcher_rank
+    from litgpt.distributed.runtime import launcher_rank
 
     return launcher_rank()
 

@@ -286,7 +286,8 @@ def load_model_and_tokenizer(
     loading needs no second copy of the weights. Every bad input (missing folder or files, a model_config.yaml that
     does not fit the weights, unknown device or precision) raises UserError.
     """
-    from litgpt.checkpoint import WEIGHTS_FILE, find_checkpoint_dir, load_model_weights, load_state_dict, meta_device
+    from litgpt.checkpoint.model_files import find_checkpoint_dir, load_model_weights, meta_device, WEIGHTS_FILE
+    from litgpt.io import load_state_dict
     from litgpt.config import Config
     from litgpt.model import GPT
     from litgpt.tokenizer import Tokenizer, check_vocab_fits

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from litgpt.checkpoint import assign_weights, check_weights_match
+from litgpt.checkpoint.model_files import assign_weights, check_weights_match
 from litgpt.errors import UserError
 
 if TYPE_CHECKING:

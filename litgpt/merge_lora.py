@@ -35,15 +35,14 @@ def merge_lora(
         precision: The dtype of the merged weights: 32-true, 16-true or bf16-true (also float32, float16,
             bfloat16). Default: the base checkpoint's dtype.
     """
-    from litgpt.checkpoint import (
+    from litgpt.checkpoint.model_files import (
         CONFIG_FILE,
+        find_checkpoint_dir,
+        meta_device,
         TOKENIZER_FILES,
         WEIGHTS_FILE,
-        find_checkpoint_dir,
-        load_state_dict,
-        meta_device,
-        save_state_dict,
     )
+    from litgpt.io import load_state_dict, save_state_dict
     from litgpt.config import Config
     from litgpt.lora import LoRASettings, add_lora, load_base_weights, load_lora_weights, plain_state_dict
     from litgpt.model import GPT

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal, Optional, Union
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
+
+if TYPE_CHECKING:
+    from litgpt.train.job import Job
+
+CORE_COMPILERS = ("auto", "none", "torch")
 
 # Pretraining's schedule defaults, shared with extensions/thunder/pretrain.py (the same command with another compiler).
 TRAIN_DEFAULTS = TrainArgs(
@@ -75,26 +81,43 @@ def setup(
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
     """
     arguments = dict(locals())
-    if compiler == "thunder":  # only now is the extension (and with it thunder) imported
-        from extensions.thunder.pretrain import setup as thunder_setup
+    if compiler not in CORE_COMPILERS:  # an extension, found by name (litgpt.registry) and imported only now
+        from litgpt.registry import load_compiler
 
-        return thunder_setup(**arguments)
+        return load_compiler(compiler)(**arguments)
 
-    from litgpt.launch import check_limits, load_logger, record_arguments
-    from litgpt.parallel import build_fabric
-    from litgpt.precision import default_precision
+    from litgpt.distributed.fabric import build_fabric
+    from litgpt.train.arguments import load_logger
+    from litgpt.train.job import launch
 
-    hyperparameters = record_arguments(setup, locals())
-    check_limits(train)
     fsdp = fsdp_for_strategy(strategy, fsdp)
-    config, data, tokenizer_dir = resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir)
-
-    logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
+    job = pretrain_job(arguments, record_arguments_of=setup)
+    logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    fabric.launch(
-        main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-        seed, profile, hyperparameters, precision or default_precision(),
-        compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda"),
+    job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")
+    launch(fabric, job)
+
+
+def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
+    """The pretraining job of `setup`'s arguments (also `--compiler thunder`'s, which records its own signature),
+    checked before anything heavy is imported."""
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE
+    from litgpt.precision import default_precision
+    from litgpt.train.arguments import check_limits, record_arguments
+    from litgpt.train.job import Job
+    from litgpt.train.recipe import Recipe
+
+    a = SimpleNamespace(**arguments)
+    hyperparameters = record_arguments(record_arguments_of, arguments)
+    check_limits(a.train)
+    config, data, tokenizer_dir = resolve_inputs(a.model_name, a.model_config, a.initial_checkpoint_dir, a.data,
+                                                 a.tokenizer_dir)
+    initial_weights = Path(a.initial_checkpoint_dir) / WEIGHTS_FILE if a.initial_checkpoint_dir else None
+    recipe = Recipe(name="pretrain", config=config, initialization="random", initial_weights=initial_weights)
+    return Job(
+        recipe=recipe, out_dir=Path(a.out_dir), data=data, tokenizer_dir=tokenizer_dir, train=a.train, eval=a.eval,
+        hyperparameters=hyperparameters, precision=a.precision or default_precision(), resume=a.resume,
+        optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout,
     )
 
 
@@ -112,12 +135,12 @@ def fsdp_for_strategy(strategy: str, fsdp: FSDPArgs) -> FSDPArgs:
 
 def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir):
     """The model config, the data module and the tokenizer folder a pretraining run uses, from its arguments."""
-    from litgpt.launch import default_tokenizer_dir
+    from litgpt.train.arguments import default_tokenizer_dir
 
     if model_config is not None and model_name is not None:
         raise UserError("Give either a model name or --model_config, not both.")
     if initial_checkpoint_dir is not None:
-        from litgpt.checkpoint import find_checkpoint_dir
+        from litgpt.checkpoint.model_files import find_checkpoint_dir
 
         find_checkpoint_dir(initial_checkpoint_dir)
     if model_config is not None:
@@ -133,24 +156,3 @@ def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, token
 
         data = Tiny()
     return config, data, default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
-
-
-def main(fabric, config, out_dir, initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-         seed, profile, hyperparameters, precision, compile_blocks=False) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
-    from litgpt.launch import train_model
-    from litgpt.model import GPT
-
-    def build_model():
-        with meta_device():
-            return GPT(config)
-
-    train_model(
-        fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
-        optimizer_spec=optimizer, tokenizer_dir=tokenizer_dir, seed=seed, profile=profile,
-        hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        initialize=lambda model: model.init_weights(),  # seeded by train_model
-        initial_weights=Path(initial_checkpoint_dir) / WEIGHTS_FILE if initial_checkpoint_dir else None,
-        weights_file=WEIGHTS_FILE,
-        compile_blocks=compile_blocks,
-    )

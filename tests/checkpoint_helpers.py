@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from litgpt.checkpoint import save_state_dict
+from litgpt.io import save_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TOKENIZER_DIR
 from litgpt.model import GPT

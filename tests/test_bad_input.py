@@ -24,7 +24,7 @@ import yaml
 from checkpoint_helpers import write_random_checkpoint
 from hf_models import save_hf_model
 
-from litgpt.checkpoint import save_state_dict
+from litgpt.io import save_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def write_checkpoint(folder: Path, prompt_style: str, tokenizer_style: str, block_size: int = 128) -> Path:
     from tokenizers import Tokenizer as Backend
 
-    from litgpt.checkpoint import save_state_dict
+    from litgpt.io import save_state_dict
     from tokenizer_helpers import make_tokenizer_folder
 
     make_tokenizer_folder(folder, tokenizer_style)

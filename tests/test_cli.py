@@ -41,7 +41,7 @@ def test_options_from_a_yaml_config(tmp_path):
     config.write_text(yaml.safe_dump({"checkpoint_dir": str(tmp_path / "hf"), "dtype": "bfloat16"}))
     result = run("convert_to_litgpt", "--config", str(config))
     assert result.returncode == 0, result.stderr
-    from litgpt.checkpoint import load_state_dict
+    from litgpt.io import load_state_dict
 
     state = load_state_dict(tmp_path / "hf" / "lit_model.pth")
     assert next(iter(state.values())).dtype.__repr__() == "torch.bfloat16"

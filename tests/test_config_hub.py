@@ -23,7 +23,8 @@ from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.configs import configs_by_name
 from litgpt.data.base import DataModule
-from litgpt.launch import build_optimizer, check_limits, check_seq_length
+from litgpt.train.arguments import check_limits, check_seq_length
+from litgpt.train.optimizer import build_optimizer
 from litgpt.precision import PRECISIONS
 from litgpt.quantize import QUANTIZE_MODES
 
@@ -290,7 +291,7 @@ def stand_in(tmp_path_factory) -> tuple[Path, Path]:
     The real recipes' weights cannot be downloaded here; this runs each recipe's own arguments (data module, LoRA
     settings, precision, optimizer, schedule) on a small model instead, through `litgpt finetune_*`.
     """
-    from litgpt.checkpoint import save_state_dict
+    from litgpt.io import save_state_dict
     from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
     from litgpt.model import GPT
 

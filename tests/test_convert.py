@@ -11,7 +11,8 @@ import torch
 import yaml
 from hf_models import FAMILY_CASES, build_hf_model, save_hf_model
 
-from litgpt.checkpoint import load_model_weights, load_state_dict
+from litgpt.checkpoint.model_files import load_model_weights
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint

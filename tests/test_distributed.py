@@ -15,11 +15,12 @@ import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
 
-from litgpt.checkpoint import load_state_dict
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError
-from litgpt.parallel import Topology, check_launcher
+from litgpt.distributed.fabric import check_launcher
+from litgpt.distributed.fsdp import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(

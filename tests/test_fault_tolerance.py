@@ -22,16 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from litgpt.checkpoint import (
-    MANIFEST_FILE,
+from litgpt.checkpoint.store import (
     check_free_space,
     check_writable,
-    load_state_dict,
+    MANIFEST_FILE,
     prune_checkpoints,
     resolve_resume,
     verify_checkpoint,
     write_manifest,
 )
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError

@@ -227,7 +227,7 @@ def write_lit_checkpoint(folder: Path, tokenizer_style: str = "llama", block_siz
     """A random litgpt checkpoint folder (lit_model.pth, model_config.yaml, tokenizer files)."""
     from tokenizers import Tokenizer as Backend
 
-    from litgpt.checkpoint import save_state_dict
+    from litgpt.io import save_state_dict
     from tokenizer_helpers import make_tokenizer_folder
 
     make_tokenizer_folder(folder, tokenizer_style)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from litgpt.checkpoint import load_model_weights, meta_device
+from litgpt.checkpoint.model_files import load_model_weights, meta_device
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import (

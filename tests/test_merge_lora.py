@@ -14,7 +14,8 @@ import yaml
 from tokenizer_helpers import make_tokenizer_folder
 
 from litgpt.__main__ import main as cli_main
-from litgpt.checkpoint import find_checkpoint_dir, load_model_weights, load_state_dict, save_state_dict
+from litgpt.checkpoint.model_files import find_checkpoint_dir, load_model_weights
+from litgpt.io import load_state_dict, save_state_dict
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings, add_lora, load_base_weights, lora_state_dict

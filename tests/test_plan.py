@@ -130,15 +130,15 @@ def _status_bytes(field: str) -> int:
 
 
 def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: None) -> None:
-    """A few real training steps as `fit` takes them: AdamW (fused), loss_fn, accumulation, zero_grad(None).
+    """A few real training steps as `fit` takes them: AdamW (fused), cross_entropy, accumulation, zero_grad(None).
 
     The model is created in its training dtype, as Fabric does; `built()` is called once it and the optimizer exist.
     """
-    from litgpt.launch import build_optimizer
+    from litgpt.train.optimizer import build_optimizer
     from litgpt.lora import add_lora, init_lora_weights, mark_only_lora_as_trainable
     from litgpt.model import GPT
-    from litgpt.parallel import apply_activation_checkpointing
-    from litgpt.training import loss_fn
+    from litgpt.distributed.parallelize import apply_activation_checkpointing
+    from litgpt.train.loss import cross_entropy
 
     torch.manual_seed(0)
     config = Config(**case["config"])
@@ -171,7 +171,7 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
                 model.set_requires_gradient_sync(micro == accumulation - 1)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
                 logits = model(x)
-            loss = loss_fn(logits, y)
+            loss = cross_entropy(logits, y)
             del logits
             (loss / accumulation).backward()
             del loss
@@ -277,7 +277,7 @@ def fsdp_wrap(model, precision: str, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from litgpt.args import FSDPArgs
-    from litgpt.parallel import shard_model
+    from litgpt.distributed.fsdp import shard_model
 
     mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("replicate", "shard"))
     shard_model(model, mesh, FSDPArgs(sharding_strategy="NO_SHARD"), precision, device)

@@ -18,7 +18,8 @@ import yaml
 from checkpoint_helpers import write_random_checkpoint
 from hf_models import save_hf_model
 
-from litgpt.checkpoint import MANIFEST_FILE, TRAINING_STATE_FILE, load_state_dict, read_manifest, write_manifest
+from litgpt.checkpoint.store import MANIFEST_FILE, read_manifest, TRAINING_STATE_FILE, write_manifest
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR
 

@@ -59,13 +59,13 @@ def sgd(parameters) -> torch.optim.Optimizer:
 
 def eager_losses() -> list[float]:
     """The reference: one process, the whole global batch at once, plain PyTorch."""
-    from litgpt.training import loss_fn
+    from litgpt.train.loss import cross_entropy
 
     model = tiny_model()
     optimizer = sgd(model.parameters())
     result = []
     for batch in global_batches():
-        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
@@ -137,18 +137,18 @@ def test_strategy_ddp_without_thunder_is_fsdp_no_shard():
 
 
 def test_compiler_torch_compiles_each_block_in_place_after_activation_checkpointing():
-    """prepare_model's order (torchtitan's): checkpointing wraps each block's forward, then the block is compiled
+    """parallelize's order (torchtitan's): checkpointing wraps each block's forward, then the block is compiled
     in place, so the parameter names (and checkpoints) stay those of the eager model."""
     from lightning.fabric import Fabric
 
-    from litgpt.checkpoint import meta_device
+    from litgpt.checkpoint.model_files import meta_device
     from litgpt.model import GPT
-    from litgpt.parallel import prepare_model
+    from litgpt.distributed.parallelize import parallelize
 
     with meta_device():
         model = GPT(Config(**TINY))
     fabric = Fabric(accelerator="cpu", devices=1)
-    model = prepare_model(fabric, model, "32-true", lambda m: m.init_weights(), activation_checkpointing=True,
+    model = parallelize(fabric, model, "32-true", lambda m: m.init_weights(), activation_checkpointing=True,
                           compile_blocks=True)
     for block in model.transformer.h:
         assert block._compiled_call_impl is not None  # nn.Module.compile(): compiled on the first call
@@ -200,7 +200,7 @@ def collectives(trace) -> dict[str, int]:
 def train_in_this_process(fabric, strategy) -> dict:
     """Called on every rank: set the tiny model up with `strategy`, train STEPS steps, report what happened."""
     from extensions.thunder.compat import import_thunder
-    from litgpt.training import loss_fn
+    from litgpt.train.loss import cross_entropy
 
     thunder, _ = import_thunder()
 
@@ -214,7 +214,7 @@ def train_in_this_process(fabric, strategy) -> dict:
         for micro in range(ACCUMULATION):
             sample = mine[micro * MICRO:(micro + 1) * MICRO]
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATION - 1):
-                loss = loss_fn(model(sample[:, :-1]), sample[:, 1:])
+                loss = cross_entropy(model(sample[:, :-1]), sample[:, 1:])
                 fabric.backward(loss / ACCUMULATION)
             step_loss += loss.detach() / ACCUMULATION
         fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
@@ -232,7 +232,7 @@ def train_in_this_process(fabric, strategy) -> dict:
 def check_checkpoints(fabric, trained: dict, folder: Path) -> dict:
     """Write full and sharded checkpoints of a trained run, read both back into a freshly set-up one."""
     from extensions.thunder.strategies import ThunderFSDPStrategy
-    from litgpt.checkpoint import save_state_dict
+    from litgpt.io import save_state_dict
     from litgpt.model import GPT
 
     shard_io, optimizer = trained["shard_io"], trained["optimizer"]
@@ -346,7 +346,9 @@ def test_what_bucketing_and_sharding_change_in_the_traces(two_process_results):
 
 @pytest.mark.slow
 def test_checkpoints_round_trip_and_load_in_the_plain_readers(two_process_results):
-    from litgpt.checkpoint import consolidated_weights, load_sharded, load_state_dict
+    from litgpt.checkpoint import load_sharded
+    from litgpt.checkpoint.store import consolidated_weights
+    from litgpt.io import load_state_dict
     from litgpt.model import GPT
 
     assert two_process_results["checkpoints"] == {"sharded": True, "full": True}

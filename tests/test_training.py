@@ -13,7 +13,7 @@ import yaml
 from checkpoint_helpers import write_random_checkpoint
 
 from litgpt.args import EvalArgs, TrainArgs
-from litgpt.checkpoint import load_state_dict
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.data import JSON, TextFiles
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
@@ -91,7 +91,7 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
 def test_matmul_peak_grows_the_matrices_only_while_they_stay_quick():
     """MFU's measured peak: a dtype the device multiplies slowly is measured on smaller matrices (bf16 on this CPU
     would otherwise spend minutes on 2048^3 matmuls at the end of every run); the FLOP/s are those of the side used."""
-    from litgpt.training import measured_matmul_flops
+    from litgpt.train.metrics import measured_matmul_flops
 
     cpu = torch.device("cpu")
     flops, side = measured_matmul_flops(cpu, torch.float32, size=2048, seconds=1e-9)  # no matmul is quick enough
@@ -197,7 +197,7 @@ def test_finetune_lowers_validation_loss(tmp_path, base_checkpoint, instructions
     from litgpt.data.base import MicroBatches
     from litgpt.generate import load_model_and_tokenizer
     from litgpt.prompts import PromptStyle
-    from litgpt.training import loss_fn
+    from litgpt.train.loss import cross_entropy
 
     def val_loss(checkpoint: Path) -> float:
         model, tokenizer = load_model_and_tokenizer(checkpoint, device="cpu")
@@ -206,7 +206,7 @@ def test_finetune_lowers_validation_loss(tmp_path, base_checkpoint, instructions
         data.prepare()
         batch = next(MicroBatches(data.val_dataset(), 8, seed=0, shuffle=False).iterate())[2]
         with torch.no_grad():
-            return loss_fn(model(batch["input_ids"]), batch["labels"]).item()
+            return cross_entropy(model(batch["input_ids"]), batch["labels"]).item()
 
     before = val_loss(base_checkpoint)
     finetune("full", tmp_path / "full", base_checkpoint, instructions, max_steps=30, save_interval=None)

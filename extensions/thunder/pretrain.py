@@ -1,7 +1,7 @@
 """Pretraining with the Thunder compiler: `python extensions/thunder/pretrain.py` (or `litgpt pretrain --compiler thunder`).
 
-The same arguments as `litgpt pretrain`, the same training loop (`litgpt.launch.train_model`, `litgpt.training.fit`)
-and the same checkpoints; only the Fabric strategy differs: the model is compiled with `thunder.jit` and, on several
+The same arguments as `litgpt pretrain`, the same recipe, loop (`litgpt.train.trainer.Trainer`) and checkpoint
+manager; only the Fabric strategy differs: the model is compiled with `thunder.jit` and, on several
 devices, sharded by Thunder's FSDP or replicated by its DDP. `--compiler torch|none` runs `litgpt pretrain` itself.
 """
 
@@ -75,28 +75,23 @@ def setup(
         return core_setup(**arguments)
 
     from extensions.thunder.compat import import_thunder
-    from litgpt.launch import check_limits, load_logger, record_arguments
-    from litgpt.parallel import build_fabric
-    from litgpt.precision import default_precision
-    from litgpt.pretrain import main, resolve_inputs
+    from litgpt.distributed.fabric import build_fabric
+    from litgpt.pretrain import pretrain_job
+    from litgpt.train.arguments import load_logger
+    from litgpt.train.job import launch
 
-    hyperparameters = record_arguments(setup, locals())
-    check_limits(train)
+    arguments = dict(locals())
     check_fsdp_args(fsdp)
     import_thunder()  # here, before any process starts: a missing thunder is one message, not one per process
+    job = pretrain_job(arguments, record_arguments_of=setup)
     if eval.max_new_tokens:
         print("Note: --compiler thunder does not sample text during training (--eval.max_new_tokens); "
               "run `litgpt generate` on a checkpoint instead.", file=sys.stderr)
-        eval = dataclasses.replace(eval, max_new_tokens=None)
-    config, data, tokenizer_dir = resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir)
-
-    logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
+        job.eval = dataclasses.replace(eval, max_new_tokens=None)
+    logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger],
                           strategy_for_world=lambda world: thunder_strategy(world, strategy, thunder, fsdp.timeout))
-    fabric.launch(
-        main, config, Path(out_dir), initial_checkpoint_dir, resume, data, train, eval, optimizer, tokenizer_dir,
-        seed, profile, hyperparameters, precision or default_precision(),
-    )
+    launch(fabric, job)
 
 
 def check_fsdp_args(fsdp: FSDPArgs) -> None:

@@ -22,7 +22,7 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
 from litgpt.errors import UserError
-from litgpt.parallel import _ReduceEveryMicroBatch
+from litgpt.distributed.fsdp import ReduceEveryMicroBatch
 
 SHARDING_STRATEGIES = ("ZERO3", "ZERO2")
 BUCKETING_STRATEGIES = ("BLOCK", "LAYER", "NONE")
@@ -91,10 +91,10 @@ class ThunderDDPStrategy(DDPStrategy):
         self.jit = jit
         self.executors = list(executors) if executors is not None else None
         self.bucket_size_in_mb = bucket_size_in_mb
-        self.shard_io: Optional[ThunderShards] = None  # set up with the module; litgpt's loop uses it
+        self.litgpt_checkpoint_io: Optional[ThunderShards] = None  # set up with the module, for litgpt's checkpoints
         # Thunder's traces carry the collectives; skipping them during accumulation needs a second trace per
         # micro-batch kind, so the gradients are reduced after every micro-batch.
-        self._backward_sync_control = _ReduceEveryMicroBatch()
+        self._backward_sync_control = ReduceEveryMicroBatch()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = compile_module(module, self.jit, self.executors, self.root_device, type(self).__name__)
@@ -103,7 +103,8 @@ class ThunderDDPStrategy(DDPStrategy):
         replicated = ddp(module, broadcast_from=0, bucket_size_in_mb=self.bucket_size_in_mb)
         # The transform gives the compiled module parameters of its own: those are the ones that train.
         full_shapes = {name: p.shape for name, p in replicated.named_parameters(remove_duplicate=False)}
-        self.shard_io = ThunderShards(replicated, full_shapes, "DDP", "full", self.options(), sharded=False)
+        self.litgpt_checkpoint_io = ThunderShards(replicated, full_shapes, "DDP", "full", self.options(),
+                                                  sharded=False)
         return replicated
 
     def options(self) -> dict:
@@ -143,8 +144,8 @@ class ThunderFSDPStrategy(DDPStrategy):
         super().__init__(timeout=as_timedelta(timeout), **kwargs)
         self.jit = jit
         self.executors = list(executors) if executors is not None else None
-        self._backward_sync_control = _ReduceEveryMicroBatch()  # a skipped reduce-scatter would need whole grads
-        self.shard_io: Optional[ThunderShards] = None  # set up with the module; litgpt's checkpoints use it
+        self._backward_sync_control = ReduceEveryMicroBatch()  # a skipped reduce-scatter would need whole grads
+        self.litgpt_checkpoint_io: Optional[ThunderShards] = None  # set up with the module, for litgpt's checkpoints
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         compiled = compile_module(module, self.jit, self.executors, self.root_device, type(self).__name__)
@@ -158,10 +159,10 @@ class ThunderFSDPStrategy(DDPStrategy):
             bucketing_strategy=FSDPBucketingStrategy[self.bucketing_strategy],
         )
         # The shards live in the compiled module; the original keeps meta tensors of the full shapes, which thunder
-        # traces. litgpt's loop takes the parameters to optimize and the checkpoint functions from `shard_io`.
-        self.shard_io = ThunderShards(sharded, full_shapes, self.sharding_strategy, self.state_dict_type,
-                                      self.options(), sharded=True)
-        self.shard_io.zero_padding()
+        # traces. litgpt takes the parameters to optimize and the checkpoint functions from `litgpt_checkpoint_io`.
+        self.litgpt_checkpoint_io = ThunderShards(sharded, full_shapes, self.sharding_strategy,
+                                                  self.state_dict_type, self.options(), sharded=True)
+        self.litgpt_checkpoint_io.zero_padding()
         return sharded
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
@@ -198,9 +199,10 @@ class ThunderShards:
     thunder splits every parameter along its first dimension into world-size chunks of ceil(rows / world) rows, the
     last ones padded. A full checkpoint gathers the chunks on rank 0; a sharded one writes each rank's rows as a
     DTensor piece with torch.distributed.checkpoint, so `litgpt consolidate`, `generate` and a resumed run of the
-    plain entry points (any world size) read it as one of their own. The methods stand in for the functions of
-    `litgpt.checkpoint` with the same names (litgpt's loop calls them when a strategy provides `shard_io`); their
-    `model` argument, the original module, holds meta tensors only, so they read the shards of `module` instead.
+    plain entry points (any world size) read it as one of their own. It implements
+    `litgpt.checkpoint.interface.CheckpointIO` (the strategy's `litgpt_checkpoint_io`, which litgpt's checkpoint
+    manager uses); the `model` argument of its methods, the original module, holds meta tensors only, so they read the
+    shards of `module` instead.
     """
 
     def __init__(self, module: nn.Module, full_shapes: dict, sharding_strategy: str, state_dict_type: str,
@@ -225,8 +227,8 @@ class ThunderShards:
         start = min(total, chunk * self.part)
         return start, max(0, min(chunk, total - start))
 
-    def parameters(self) -> list[nn.Parameter]:
-        """The shards: what the optimizer updates."""
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The shards: what the optimizer updates (`model`, the original module, holds meta tensors only)."""
         return list(self.module.parameters())
 
     def shards(self) -> dict[str, torch.Tensor]:
@@ -327,7 +329,7 @@ class ThunderShards:
         return self.named_optimizer_state(optimizer, lambda name, value: self.gathered(name, value).cpu())
 
     def copy_weights(self, model: nn.Module, state_dict: dict, source: str, select=lambda key: True, **names) -> None:
-        from litgpt.checkpoint import check_weights_match
+        from litgpt.checkpoint.model_files import check_weights_match
 
         targets = {name: value for name, value in self.shards().items() if select(name)}
         check_weights_match({name: self.full_shapes[name] for name in targets}, state_dict, source, **names)
@@ -348,7 +350,7 @@ class ThunderShards:
     def save_sharded(self, folder: Path, model: nn.Module, optimizer, select: Callable[[str], bool]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from litgpt.checkpoint import SHARDED_DIR
+        from litgpt.checkpoint.store import SHARDED_DIR
 
         dcp.save(self.sharded_layout(optimizer, select), checkpoint_id=Path(folder) / SHARDED_DIR)
 
@@ -357,13 +359,11 @@ class ThunderShards:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from litgpt.checkpoint import SHARDED_DIR
+        from litgpt.checkpoint.store import SHARDED_DIR
+        from litgpt.io import read_sharded_metadata
 
         path = Path(folder) / SHARDED_DIR
-        try:
-            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as error:
-            raise UserError(f"{str(path)!r} is not a readable sharded checkpoint: {str(error).splitlines()[0]}") from None
+        stored = read_sharded_metadata(path).state_dict_metadata  # refuses a planted pickle, as the core does
         params = self.shards()
         # A fresh optimizer has no state yet: hold what the checkpoint stores, laid out like the parameters.
         pieces = {name: {} for name in params}

@@ -9,7 +9,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from litgpt.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_state_dict, meta_device, save_state_dict
+from litgpt.checkpoint.model_files import CONFIG_FILE, meta_device, WEIGHTS_FILE
+from litgpt.io import load_state_dict, save_state_dict
 from litgpt.config import Config
 from litgpt.convert.families import config_from_hf, weight_rules
 from litgpt.errors import UserError

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from litgpt.checkpoint import TOKENIZER_FILES, WEIGHTS_FILE, find_checkpoint_dir, load_state_dict, meta_device
+from litgpt.checkpoint.model_files import find_checkpoint_dir, meta_device, TOKENIZER_FILES, WEIGHTS_FILE
+from litgpt.io import load_state_dict
 from litgpt.config import Config
 from litgpt.convert.families import config_to_hf, weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 import numpy as np
 import torch
 
-from litgpt.checkpoint import atomic_path
+from litgpt.io import atomic_path
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 

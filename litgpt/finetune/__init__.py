@@ -1,0 +1,44 @@
+"""Finetuning commands: `full` (every weight) and `lora` (adapters on a frozen, optionally quantized, base)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from litgpt.lora import LoRASettings
+    from litgpt.train.job import Job
+
+
+def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[LoRASettings]" = None,
+                 quantize: Optional[str] = None) -> "Job":
+    """The job of a finetuning command's arguments: the recipe starts from the checkpoint's weights, the data is laid
+    out in the checkpoint's prompt style, and the tokenizer is the checkpoint's."""
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
+    from litgpt.config import Config
+    from litgpt.precision import default_precision
+    from litgpt.prompts import PromptStyle
+    from litgpt.train.arguments import check_limits, record_arguments
+    from litgpt.train.job import Job
+    from litgpt.train.recipe import Recipe
+
+    hyperparameters = record_arguments(setup, arguments)
+    check_limits(arguments["train"])
+    checkpoint_dir = find_checkpoint_dir(Path(arguments["checkpoint_dir"]))
+    config = Config.from_checkpoint(checkpoint_dir)
+    data = arguments["data"]
+    if data is None:
+        from litgpt.data import Alpaca
+
+        data = Alpaca()
+    recipe = Recipe(name=name, config=config, initialization="checkpoint", initial_weights=checkpoint_dir / WEIGHTS_FILE,
+                    lora=lora, quantize=quantize)
+    return Job(
+        recipe=recipe, out_dir=Path(arguments["out_dir"]), data=data, tokenizer_dir=checkpoint_dir,
+        train=arguments["train"], eval=arguments["eval"], hyperparameters=hyperparameters,
+        precision=arguments["precision"] or default_precision(), resume=arguments["resume"],
+        optimizer=arguments["optimizer"], seed=arguments["seed"], profile=arguments["profile"],
+        timeout=arguments["fsdp"].timeout,
+        # LoRA lays the data out in the checkpoint's style by default; full finetuning in the data's own default.
+        prompt_style=PromptStyle.from_config(config) if lora else None,
+    )

@@ -52,42 +52,11 @@ def setup(
         seed: Seed of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
     """
-    from litgpt.checkpoint import find_checkpoint_dir
-    from litgpt.config import Config
-    from litgpt.launch import check_limits, load_logger, record_arguments
-    from litgpt.parallel import build_fabric
-    from litgpt.precision import default_precision
+    from litgpt.distributed.fabric import build_fabric
+    from litgpt.finetune import finetune_job
+    from litgpt.train.arguments import load_logger
+    from litgpt.train.job import launch
 
-    hyperparameters = record_arguments(setup, locals())
-    check_limits(train)
-    checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
-    config = Config.from_checkpoint(checkpoint_dir)
-    if data is None:
-        from litgpt.data import Alpaca
-
-        data = Alpaca()
-    logger = load_logger(logger_name, Path(out_dir), run_name=f"finetune-full-{config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    fabric.launch(
-        main, config, checkpoint_dir, Path(out_dir), resume, data, train, eval, optimizer, seed, profile,
-        hyperparameters, precision or default_precision(),
-    )
-
-
-def main(fabric, config, checkpoint_dir, out_dir, resume, data, train, eval, optimizer, seed, profile,
-         hyperparameters, precision) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
-    from litgpt.launch import train_model
-    from litgpt.model import GPT
-
-    def build_model():
-        with meta_device():
-            return GPT(config)
-
-    train_model(
-        fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
-        optimizer_spec=optimizer, tokenizer_dir=checkpoint_dir, seed=seed, profile=profile,
-        hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        initialize=lambda model: None,  # every weight comes from the checkpoint
-        initial_weights=checkpoint_dir / WEIGHTS_FILE, weights_file=WEIGHTS_FILE,
-    )
+    job = finetune_job(setup, dict(locals()), name="finetune_full")
+    logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-full-{job.recipe.config.name or 'model'}")
+    launch(build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp), job)

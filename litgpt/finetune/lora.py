@@ -76,15 +76,13 @@ def setup(
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
     """
-    from litgpt.checkpoint import find_checkpoint_dir
-    from litgpt.config import Config
-    from litgpt.launch import check_limits, load_logger, record_arguments
+    from litgpt.distributed.fabric import build_fabric
+    from litgpt.distributed.fsdp import FSDPStrategy
+    from litgpt.finetune import finetune_job
     from litgpt.lora import LoRASettings
-    from litgpt.parallel import FSDPStrategy, build_fabric
-    from litgpt.precision import default_precision
+    from litgpt.train.arguments import load_logger
+    from litgpt.train.job import launch
 
-    hyperparameters = record_arguments(setup, locals())
-    check_limits(train)
     settings = LoRASettings(
         r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
         projection=lora_projection, mlp=lora_mlp, head=lora_head,
@@ -93,56 +91,12 @@ def setup(
         from litgpt.quantize import check_quantize_mode
 
         check_quantize_mode(quantize)
-    checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
-    config = Config.from_checkpoint(checkpoint_dir)
-    if data is None:
-        from litgpt.data import Alpaca
-
-        data = Alpaca()
-    logger = load_logger(logger_name, Path(out_dir), run_name=f"finetune-lora-{config.name or 'model'}")
+    job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=settings, quantize=quantize)
+    logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-lora-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     if quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
         raise UserError(
             "--quantize (QLoRA) runs on one device: bitsandbytes' quantized weights cannot be sharded. Use --devices 1, "
             "or leave out --quantize and let FSDP shard the model over the devices."
         )
-    fabric.launch(
-        main, config, checkpoint_dir, Path(out_dir), settings, quantize, resume, data, train, eval, optimizer,
-        seed, profile, hyperparameters, precision or default_precision(),
-    )
-
-
-def main(fabric, config, checkpoint_dir, out_dir, settings, quantize, resume, data, train, eval, optimizer, seed,
-         profile, hyperparameters, precision) -> None:
-    from litgpt.checkpoint import WEIGHTS_FILE, meta_device
-    from litgpt.launch import train_model
-    from litgpt.lora import add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
-    from litgpt.merge_lora import LORA_WEIGHTS_FILE, merge_lora
-    from litgpt.model import GPT
-    from litgpt.prompts import PromptStyle
-
-    def build_model():
-        with meta_device():
-            model = GPT(config)
-        add_lora(model, settings)
-        mark_only_lora_as_trainable(model)
-        return model
-
-    def quantize_base(model):
-        from litgpt.quantize import quantize_frozen_base
-
-        quantize_frozen_base(model, quantize, fabric.device)
-
-    train_model(
-        fabric, config=config, out_dir=out_dir, resume=resume, data=data, train=train, eval=eval,
-        optimizer_spec=optimizer, tokenizer_dir=checkpoint_dir, seed=seed, profile=profile,
-        hyperparameters=hyperparameters, precision=precision, build_model=build_model,
-        initialize=init_lora_weights,  # the adapters; seeded by train_model
-        initial_weights=checkpoint_dir / WEIGHTS_FILE, initial_keys=lambda key: not is_lora_key(key),
-        checkpoint_keys=is_lora_key, weights_file=LORA_WEIGHTS_FILE,
-        after_load=quantize_base if quantize is not None else None,
-        prompt_style=PromptStyle.from_config(config),
-    )
-    if fabric.global_rank == 0:
-        merge_lora(out_dir / "final")
-    fabric.barrier()
+    launch(fabric, job)

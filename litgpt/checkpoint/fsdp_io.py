@@ -1,0 +1,95 @@
+"""`CheckpointIO` for a model on one device or sharded by FSDP2: whole tensors gathered from DTensors for full
+checkpoints, torch.distributed.checkpoint for sharded ones (resharded to any world size on load)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from litgpt.checkpoint.interface import KeySelector
+from litgpt.checkpoint.model_files import copy_weights
+from litgpt.checkpoint.store import SHARDED_DIR
+from litgpt.distributed.fsdp import gather_full
+from litgpt.distributed.runtime import is_rank_zero
+from litgpt.errors import UserError
+from litgpt.io import read_sharded_metadata
+
+
+class FSDPCheckpointIO:
+    """The core's implementation of `litgpt.checkpoint.interface.CheckpointIO`."""
+
+    def __init__(self, sharding_strategy: str = "none", state_dict_type: str = "full",
+                 options: "dict | None" = None) -> None:
+        self.sharding_strategy = sharding_strategy
+        self.state_dict_type = state_dict_type
+        self.options = options
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        return list(model.parameters())
+
+    def gather_weights(self, model: nn.Module, select: KeySelector) -> dict:
+        gathered = {}
+        for key, value in model.state_dict().items():
+            if select(key):
+                full = gather_full(value).detach()
+                if is_rank_zero():
+                    gathered[key] = full.cpu()
+        return gathered
+
+    def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer, options=options)
+
+    def copy_weights(self, model: nn.Module, state_dict: dict, source: str, select: KeySelector) -> None:
+        copy_weights(model, state_dict, source, select)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    @staticmethod
+    def sharded_state(model: nn.Module, optimizer, select: KeySelector) -> dict:
+        """This rank's shards of the selected weights and of the optimizer state, as torch.distributed.checkpoint
+        reads and writes them."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        weights = {key: value for key, value in get_model_state_dict(model).items() if select(key)}
+        return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+    def save_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.sharded_state(model, optimizer, select), checkpoint_id=Path(folder) / SHARDED_DIR)
+
+    def load_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = self.sharded_state(model, optimizer, select)
+        path = Path(folder) / SHARDED_DIR
+        read_sharded_metadata(path)  # refuses a planted pickle before dcp.load unpickles it
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except BaseException as error:  # DCP's CheckpointException (a BaseException) gathers every rank's failure
+            raise UserError(
+                f"Cannot load the sharded checkpoint {str(path)!r} into this model: {dcp_failure(error)}. Check that "
+                "the model config and the fine-tuning settings (e.g. lora_r) are those of the run that saved it."
+            ) from None
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def dcp_failure(error: BaseException) -> str:
+    """The first rank's cause of a torch.distributed.checkpoint failure, in one line."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        raise error
+    cause = next(iter(getattr(error, "failures", {}).values()), error)  # (exception, traceback) per rank
+    return " ".join(str(cause[0] if isinstance(cause, tuple) else cause).split())[:300]

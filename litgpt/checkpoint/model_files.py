@@ -1,0 +1,140 @@
+"""A model's checkpoint folder (lit_model.pth, model_config.yaml, the tokenizer) and loading its weights into a model."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from litgpt.errors import UserError
+
+WEIGHTS_FILE = "lit_model.pth"
+
+CONFIG_FILE = "model_config.yaml"
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
+    """Check that a folder holds a litgpt checkpoint and return it."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise UserError(
+            f"Checkpoint folder {str(checkpoint_dir)!r} does not exist. Download one with `litgpt download REPO_ID` "
+            "or convert one with `litgpt convert_to_litgpt HF_DIR`."
+        )
+    if not (checkpoint_dir / WEIGHTS_FILE).is_file():
+        hint = ""
+        if any(checkpoint_dir.glob("*.safetensors")) or any(checkpoint_dir.glob("pytorch_model*.bin")):
+            hint = f" It looks like a Hugging Face folder: run `litgpt convert_to_litgpt {checkpoint_dir}` first."
+        elif (checkpoint_dir / "sharded").is_dir():
+            hint = f" It is a sharded checkpoint: run `litgpt consolidate {checkpoint_dir}` to write one."
+        raise UserError(f"{str(checkpoint_dir)!r} has no {WEIGHTS_FILE}.{hint}")
+    if not (checkpoint_dir / CONFIG_FILE).is_file():
+        raise UserError(f"{str(checkpoint_dir)!r} has no {CONFIG_FILE}; it is needed to build the model.")
+    return checkpoint_dir
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(destination) / name)
+
+
+class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Skip random initializers on meta tensors, where they compute nothing.
+
+    The meta kernel of `normal_` (nn.Embedding's initializer) lives in Python and costs seconds of imports on first
+    use; building a model on the meta device does not need it.
+    """
+
+    SKIPPED = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.SKIPPED:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def meta_device() -> Iterator[None]:
+    """Create modules on the meta device (no memory, no initialization); materialize or `assign` weights later."""
+    with torch.device("meta"), _SkipInitOnMeta():
+        yield
+
+
+def check_weights_match(
+    expected: dict[str, torch.Size], state_dict: dict, source: str, subject: str = "The weights", fix: str = ""
+) -> None:
+    """Raise UserError naming the first missing, unexpected or misshapen key of `state_dict` against `expected`."""
+    fix = fix or "Check that model_config.yaml belongs to these weights."
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
+        raise UserError(f"{subject} in {source} do not match the model config: {', '.join(parts)}. {fix}")
+    for key, shape in expected.items():
+        if state_dict[key].shape != shape:
+            raise UserError(
+                f"{subject} in {source} do not match the model config: {key} has shape "
+                f"{tuple(state_dict[key].shape)}, the config expects {tuple(shape)}. {fix}"
+            )
+
+
+def retie_embeddings(model: torch.nn.Module) -> None:
+    """Share the output head with the embedding again (loading with `assign` replaces the two one by one)."""
+    if getattr(getattr(model, "config", None), "tie_embeddings", False):
+        model.lm_head.weight = model.transformer.wte.weight
+
+
+def copy_weights(
+    model: torch.nn.Module,
+    state_dict: dict,
+    source: str,
+    select: Callable[[str], bool] = lambda key: True,
+    subject: str = "The weights",
+    fix: str = "",
+) -> None:
+    """Copy a full `state_dict` (e.g. memory-mapped) into a materialized model's selected keys, sharded or not.
+
+    Each rank reads only the part of each tensor that it holds. Names the first missing, unexpected or misshapen key.
+    """
+    from litgpt.distributed.fsdp import copy_into_shard
+
+    targets = {key: value for key, value in model.state_dict().items() if select(key)}
+    check_weights_match({key: value.shape for key, value in targets.items()}, state_dict, source, subject, fix)
+    for key, target in targets.items():
+        copy_into_shard(target, state_dict[key])
+
+
+def assign_weights(model: torch.nn.Module, state_dict: dict, source: str, select: Callable[[str], bool]) -> None:
+    """Load the selected keys of `state_dict`; a meta-device model takes its (memory-mapped) tensors without a copy."""
+    expected = {key: value.shape for key, value in model.state_dict().items() if select(key)}
+    check_weights_match(expected, state_dict, source)
+    assign = any(value.is_meta for key, value in model.state_dict().items() if select(key))
+    model.load_state_dict(state_dict, strict=False, assign=assign)
+    retie_embeddings(model)
+
+
+def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
+    """Load `state_dict` into `model`, naming the first missing, unexpected or misshapen key on failure."""
+    check_weights_match({k: v.shape for k, v in model.state_dict().items()}, state_dict, source)
+    model.load_state_dict(state_dict, strict=True, assign=any(p.is_meta for p in model.parameters()))
+    retie_embeddings(model)

@@ -1,0 +1,191 @@
+"""FSDP2: the mesh (`Topology`), the Fabric strategy that applies `fully_shard` over it, and reading and writing the
+pieces of sharded tensors (DTensor) so that no process ever holds the whole model.
+
+Built on `torch.distributed.fsdp.fully_shard` (not Lightning's FSDP1 strategy), so it runs on CPU with gloo as well
+as on CUDA with NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import get_args
+
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+
+from litgpt.args import FSDPArgs, ShardingStrategy
+from litgpt.distributed.launcher import RankLauncher
+from litgpt.distributed.runtime import print_once
+from litgpt.errors import UserError
+
+SHARDING_STRATEGIES = get_args(ShardingStrategy)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the run's processes lay out: `devices` per node on `num_nodes` nodes, and the FSDP mesh over them.
+
+    The mesh has two dimensions, (replicate, shard): parameters are sharded over the `shard` dimension and
+    replicated over the other. HYBRID_SHARD: (num_nodes, devices); FULL_SHARD and SHARD_GRAD_OP: (1, world);
+    NO_SHARD: (world, 1). HYBRID_SHARD on one node is FULL_SHARD.
+    """
+
+    devices: int
+    num_nodes: int
+    sharding_strategy: str = "HYBRID_SHARD"
+
+    def __post_init__(self) -> None:
+        if self.sharding_strategy not in SHARDING_STRATEGIES:
+            raise UserError(
+                f"--fsdp.sharding_strategy {self.sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}."
+            )
+        if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes == 1:
+            print_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.",
+                       file=sys.stderr)
+            object.__setattr__(self, "sharding_strategy", "FULL_SHARD")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        if self.sharding_strategy == "HYBRID_SHARD":
+            return self.num_nodes, self.devices
+        if self.sharding_strategy == "NO_SHARD":
+            return self.world_size, 1
+        return 1, self.world_size
+
+    def device_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import torch.distributed as dist
+
+        if dist.get_world_size() != self.world_size:
+            raise UserError(
+                f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
+                f"{self.num_nodes} makes {self.world_size}."
+            )
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Fabric's model-parallel strategy with FSDP2: `fully_shard` on each Block, then on the root, over our mesh.
+
+    Built on `torch.distributed.fsdp.fully_shard` (not Lightning's FSDP1 strategy), so it runs on CPU with gloo as
+    well as on CUDA with NCCL.
+    """
+
+    def __init__(self, topology: Topology, fsdp: FSDPArgs, precision: str) -> None:
+        # Checkpoints are written by litgpt.checkpoint (full or sharded), not through Fabric's save/load.
+        super().__init__(parallelize_fn=self._parallelize, timeout=timedelta(seconds=fsdp.timeout))
+        self.topology = topology
+        self.fsdp = fsdp
+        self.training_precision = precision
+        if topology.mesh_shape[1] > 1:
+            # Skipping the gradient sync during accumulation would hold every gradient unsharded until the last
+            # micro-batch: the memory FSDP exists to save. Sharded strategies reduce-scatter after every micro-batch.
+            self._backward_sync_control = ReduceEveryMicroBatch()
+
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)  # not the parent's (data, tensor) mesh: ours is (replicate, shard)
+        self._setup_distributed()
+        self._device_mesh = self.topology.device_mesh(self.root_device.type)
+
+    def _configure_launcher(self) -> None:
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = RankLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:  # the parent reads a "data_parallel" mesh dimension we do not have
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
+        # `parallelize` shards before materializing; a model handed to `fabric.setup` unsharded is sharded here.
+        if not is_sharded(module):
+            shard_model(module, mesh, self.fsdp, self.training_precision, self.root_device)
+        return module
+
+
+class ReduceEveryMicroBatch(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        return contextlib.nullcontext()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: torch.device) -> None:
+    """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mixed = {"bf16-mixed": torch.bfloat16}.get(precision)
+    # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
+    mp_policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
+    # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward.
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+
+
+class FullTensorInit(torch.overrides.TorchFunctionMode):
+    """Random initializers on a sharded tensor (DTensor) draw the full tensor, as one process would, and keep this
+    rank's piece: the same weights for any world size, from the same seed."""
+
+    RANDOM_INIT = {
+        torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+        # nn.init's functions are override points of their own (called with `tensor=`); inside one the mode is off.
+        nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+        nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if func in self.RANDOM_INIT and isinstance(target, DTensor):
+            full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)
+            if args:
+                func(full, *args[1:], **kwargs)
+            else:
+                func(**{**kwargs, "tensor": full})
+            copy_into_shard(target, full)
+            return target
+        return func(*args, **kwargs)
+
+
+def copy_into_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the piece of `full` (e.g. a memory-mapped checkpoint tensor) that this rank holds of `target`.
+
+    Only that piece is read, so loading a full checkpoint into a sharded model never holds the whole model.
+    """
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if not isinstance(target, DTensor):
+            target.copy_(full)
+            return
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+        target.to_local().copy_(piece)
+
+
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (every rank must call this; collective for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,136 @@
+"""A training job: a recipe and the command's arguments, and everything from the first check to the trained model.
+
+Entry points parse their arguments, build a `Job` and hand it to `launch`; every process of the run then executes
+`run_job`: check the inputs, prepare the data, build the model the recipe describes, set it up on the devices,
+restore a checkpoint, and give it all to the `Trainer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.train.recipe import Recipe
+
+
+@dataclass
+class Job:
+    """A training run's inputs, as the entry point resolved them."""
+
+    recipe: Recipe
+    out_dir: Path
+    data: Any  # a litgpt.data.DataModule
+    tokenizer_dir: Path
+    train: TrainArgs
+    eval: EvalArgs
+    hyperparameters: dict  # the command's arguments, written to hyperparameters.yaml and run_args.json
+    precision: str
+    resume: Union[bool, str, Path] = False
+    optimizer: Union[str, dict] = "AdamW"
+    seed: int = 42
+    profile: bool = False
+    compile_blocks: bool = False  # torch.compile each transformer block (--compiler torch)
+    timeout: float = 600.0  # seconds a collective may wait for the other ranks
+    # Finetuning data lays samples out in a prompt style; pretraining data has none.
+    prompt_style: Optional[Any] = None
+
+
+def launch(fabric, job: Job) -> dict:
+    """Start the run's processes (or join those a launcher started) and run the job in each."""
+    return fabric.launch(run_job, job)
+
+
+def run_job(fabric, job: Job) -> dict:
+    """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
+    from litgpt.checkpoint.store import check_writable, resolve_resume
+    from litgpt.tokenizer import Tokenizer, check_vocab_fits
+    from litgpt.train.arguments import check_requeue, check_seq_length
+
+    check_writable(job.out_dir)
+    resume_dir = resolve_resume(job.out_dir, job.resume)
+    check_requeue(job.train)
+    max_seq_length = check_seq_length(job.train, job.recipe.config)
+    tokenizer = Tokenizer(job.tokenizer_dir)
+    check_vocab_fits(tokenizer, job.recipe.config, job.tokenizer_dir)
+    job.train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
+    fabric.seed_everything(job.seed)
+    train_data, val_data = prepare_data(fabric, job, tokenizer, max_seq_length)
+    style_used = getattr(job.data, "style", None)  # finetuning data records the prompt style it laid samples out in
+    if style_used is not None and style_used.name != job.recipe.config.prompt_style:
+        # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
+        config = dataclasses.replace(job.recipe.config, prompt_style=style_used.name)
+        job = dataclasses.replace(job, recipe=dataclasses.replace(job.recipe, config=config))
+    return train_recipe(fabric, job, tokenizer, train_data, val_data, resume_dir)
+
+
+def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
+    """Tokenize once and return (train, val) datasets: global rank 0 first, then the first process of every node (its
+    cache may be on a node-local disk), then the others, who find the cache."""
+    from litgpt.distributed.runtime import node_local_first
+
+    job.data.connect(tokenizer, max_seq_length, job.prompt_style)
+    with node_local_first(job.timeout):
+        job.data.prepare()
+    return job.data.train_dataset(), job.data.val_dataset()
+
+
+def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: Optional[Path]) -> dict:
+    from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
+    from litgpt.data.base import MicroBatches
+    from litgpt.distributed.runtime import print_once
+    from litgpt.train.arguments import write_run_args
+    from litgpt.train.optimizer import base_learning_rate, build_optimizer
+    from litgpt.train.trainer import Trainer, TrainState
+
+    recipe, train = job.recipe, job.train
+    model = recipe.build_model()
+    check_disk_space(job.out_dir, model, recipe.trains, train)
+    load_initial = resume_dir is None or not recipe.checkpoint_holds_every_weight
+    model = recipe.materialize(fabric, model, job.precision, train.activation_checkpointing, job.compile_blocks,
+                               load_initial)
+    model = fabric.setup(model)
+    io = checkpoint_io(fabric.strategy)  # after setup: a strategy that compiles the model knows its layout only now
+    checkpoints = CheckpointManager(
+        fabric, job.out_dir, io, keys=recipe.trains, weights_file=recipe.weights_file, config=recipe.config,
+        hyperparameters=job.hyperparameters, tokenizer_dir=job.tokenizer_dir, keep_last=train.keep_last,
+        precision=job.precision,
+    )
+    optimizer = fabric.setup_optimizers(build_optimizer(job.optimizer, io.parameters(model), fabric.device))
+    base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
+    state = TrainState()
+    if resume_dir is not None:
+        checkpoints.restore(resume_dir, model, optimizer, state)
+    if fabric.global_rank == 0:
+        Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+        write_run_args(job.out_dir, job.hyperparameters)
+    trainer = Trainer(
+        fabric, model, optimizer, job, tokenizer, checkpoints, state, base_lr,
+        train_data=MicroBatches(train_data, train.micro_batch_size, job.seed, fabric.global_rank, fabric.world_size),
+        val_data=val_data,
+    )
+    metrics = trainer.fit()
+    if "stopped_by" not in metrics:
+        if fabric.global_rank == 0:
+            recipe.finish(job.out_dir / "final")
+            print_once(f"Saved the final checkpoint to {job.out_dir / 'final'}")
+            print_once(f"Try it: litgpt generate {job.out_dir / 'final'} --prompt \"Once upon a time\"")
+        fabric.barrier()
+    return metrics
+
+
+def checkpoint_io(strategy):
+    """The strategy's `CheckpointIO`: its own (`strategy.litgpt_checkpoint_io`, e.g. Thunder's; Lightning's
+    `checkpoint_io` is another thing), else FSDP2's."""
+    from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
+    from litgpt.distributed.fsdp import FSDPStrategy
+
+    own = getattr(strategy, "litgpt_checkpoint_io", None)
+    if own is not None:
+        return own
+    if isinstance(strategy, FSDPStrategy):
+        options = dataclasses.asdict(strategy.fsdp)
+        return FSDPCheckpointIO(strategy.topology.sharding_strategy, strategy.fsdp.state_dict_type, options)
+    return FSDPCheckpointIO()

@@ -1,0 +1,63 @@
+"""The optimizer a run trains with, from a name or a class_path/init_args mapping, and its learning-rate schedule."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Iterable, Union
+
+import torch
+
+from litgpt.errors import UserError
+
+
+def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parameter], device: torch.device):
+    """An optimizer from a name ("AdamW") or {"class_path": ..., "init_args": {...}}; fused AdamW where supported."""
+    if isinstance(spec, str):
+        class_path, init_args = spec, {}
+    elif isinstance(spec, dict):
+        # No class_path: `--optimizer.lr 1e-4` alone changes the default optimizer, AdamW.
+        class_path, init_args = spec.get("class_path", "AdamW"), dict(spec.get("init_args") or {})
+        # `--optimizer.init_args.lr 0.01` on the command line reaches us flattened, as {"lr": "0.01"}.
+        flat = {key: value for key, value in spec.items() if key not in ("class_path", "init_args")}
+        init_args.update({key: flag_value(value) for key, value in flat.items()})
+    else:
+        raise UserError(f"--optimizer must be a name such as AdamW or a class_path/init_args mapping, got {spec!r}.")
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name or "torch.optim"), class_name)
+    except (ImportError, AttributeError):
+        raise UserError(f"--optimizer {class_path!r} is not an optimizer class (e.g. AdamW, torch.optim.SGD).") from None
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in init_args and device.type in ("cuda", "cpu"):
+        init_args["fused"] = True
+    try:
+        return cls([p for p in parameters if p.requires_grad], **init_args)
+    except TypeError as error:
+        raise UserError(f"--optimizer {class_path}: {error}") from None
+
+
+def flag_value(text):
+    """A command-line value as YAML reads it (`0.9`, `[0.9, 0.95]`, `true`), with `1e-3`-style floats too."""
+    import yaml
+
+    if not isinstance(text, str):
+        return text
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def base_learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr` at `total_steps`."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,136 @@
+"""What one kind of training is, as data: the model, its initial weights, what trains, what a checkpoint holds, the
+loss.
+
+pretrain, finetune_full and finetune_lora (with QLoRA as an option of the last) are three `Recipe` values; the job
+(`litgpt.train.job`), the trainer and the checkpoint manager read them and never ask which command runs. A new kind of
+training adds fields here and a case to the methods that read them, not a branch in the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+from torch import nn
+
+from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device
+from litgpt.config import Config
+from litgpt.io import load_state_dict
+from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
+from litgpt.merge_lora import LORA_WEIGHTS_FILE
+from litgpt.train.loss import LOSSES
+
+LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One kind of training.
+
+    Args:
+        name: the command it belongs to (pretrain, finetune_full, finetune_lora), for logs and run names.
+        config: the model's config.
+        initialization: "random" draws every weight from the model's initializer (pretraining); "checkpoint" takes
+            them from `initial_weights` (finetuning; LoRA adapters are drawn from theirs).
+        initial_weights: a lit_model.pth loaded over the initialization: every weight, or the frozen base with LoRA.
+        lora: train low-rank adapters on a frozen base instead of every weight; checkpoints hold the adapters alone.
+        quantize: QLoRA: the frozen base is stored quantized (bitsandbytes, one device).
+        loss: the name of the loss in `litgpt.train.loss.LOSSES`.
+    """
+
+    name: str
+    config: Config
+    initialization: Literal["random", "checkpoint"] = "random"
+    initial_weights: Optional[Path] = None
+    lora: Optional[LoRASettings] = None
+    quantize: Optional[str] = None
+    loss: str = "cross_entropy"
+
+    # ---- what trains and what a checkpoint holds --------------------------------------------------------------------
+    def trains(self, key: str) -> bool:
+        """Whether the weight `key` trains (and so is stored in checkpoints)."""
+        return self.lora is None or is_lora_key(key)
+
+    def is_initial_key(self, key: str) -> bool:
+        """Whether `initial_weights` provides the weight `key`: the whole model, or the frozen base under LoRA."""
+        return self.lora is None or not is_lora_key(key)
+
+    @property
+    def checkpoint_holds_every_weight(self) -> bool:
+        return self.lora is None
+
+    @property
+    def weights_file(self) -> str:
+        return WEIGHTS_FILE if self.lora is None else LORA_WEIGHTS_FILE
+
+    @property
+    def merges_adapters(self) -> bool:
+        """Whether final/ gets the adapters merged into the base, for `litgpt generate`."""
+        return self.lora is not None
+
+    def loss_function(self) -> LossFunction:
+        """loss(model, input_ids, labels): the training objective of one micro-batch."""
+        objective = LOSSES[self.loss]
+        return lambda model, input_ids, labels: objective(model(input_ids), labels)
+
+    # ---- the model --------------------------------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        """The model on the meta device, with requires_grad set on the parameters that train."""
+        from litgpt.model import GPT
+
+        with meta_device():
+            model = GPT(self.config)
+        if self.lora is not None:
+            add_lora(model, self.lora)
+            mark_only_lora_as_trainable(model)
+        return model
+
+    def initialize(self, model: nn.Module) -> None:
+        """Draw the weights that do not come from `initial_weights` (seeded by the caller)."""
+        if self.initialization == "random":
+            model.init_weights()
+        elif self.lora is not None:
+            init_lora_weights(model)
+
+    def materialize(self, fabric, model: nn.Module, precision: str, activation_checkpointing: bool,
+                    compile_blocks: bool, load_initial: bool) -> nn.Module:
+        """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
+        `load_initial` is False because a resumed checkpoint replaces every weight)."""
+        from litgpt.distributed.parallelize import parallelize
+
+        if self.quantize is not None:
+            return self._materialize_quantized(fabric, model, precision, activation_checkpointing)
+        model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
+        if self.initial_weights is not None and load_initial:
+            path = Path(self.initial_weights)
+            copy_weights(model, load_state_dict(path), str(path), self.is_initial_key)
+        return model
+
+    def _materialize_quantized(self, fabric, model: nn.Module, precision: str,
+                               activation_checkpointing: bool) -> nn.Module:
+        """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
+        the model is never whole in memory at its stored precision."""
+        from litgpt.distributed.parallelize import apply_activation_checkpointing
+        from litgpt.quantize import quantize_frozen_base
+
+        path = Path(self.initial_weights)
+        assign_weights(model, load_state_dict(path), str(path), self.is_initial_key)
+        with torch.no_grad():
+            self.initialize(model)
+        quantize_frozen_base(model, self.quantize, fabric.device)
+        if precision in ("32-true", "bf16-mixed"):  # float32 master copies of what stays unquantized
+            for param in model.parameters():
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    param.data = param.data.float()
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        return model
+
+    def finish(self, final_dir: Path) -> None:
+        """After the run published final/ (rank 0 only): what this kind of training adds to it."""
+        if self.merges_adapters:
+            from litgpt.merge_lora import merge_lora
+
+            merge_lora(final_dir)

@@ -1,0 +1,283 @@
+"""The training loop every recipe shares: accumulation, clipping, schedule, validation, logging, preemption.
+
+The `Trainer` holds the set-up model and optimizer, the data, the recipe's loss and the checkpoint manager; it knows
+nothing of which command runs or how the model is sharded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from litgpt.checkpoint.manager import CheckpointManager, unwrap
+from litgpt.checkpoint.store import step_checkpoints
+from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
+from litgpt.distributed.runtime import print_once
+from litgpt.errors import UserError
+from litgpt.failpoints import failpoint
+from litgpt.io import write_json
+from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
+from litgpt.train.job import Job
+from litgpt.train.loss import cross_entropy
+from litgpt.train.metrics import LogWindow, run_metrics
+from litgpt.train.optimizer import lr_at
+from litgpt.train.profiler import start_profiler, stop_profiler
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved with every checkpoint so a resumed run continues exactly."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    epoch_samples: int = 0  # samples of the current epoch consumed, all ranks together (any world size resumes)
+    tokens: int = 0  # tokens trained on, all ranks together
+    train_seconds: float = 0.0  # time spent in steps, over every session of the run
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient (--train.on_nonfinite skip)
+
+
+class Trainer:
+    def __init__(self, fabric, model, optimizer, job: Job, tokenizer, checkpoints: CheckpointManager,
+                 state: TrainState, base_lr: float, train_data: MicroBatches, val_data: SampleDataset) -> None:
+        self.fabric, self.model, self.optimizer = fabric, model, optimizer
+        self.job, self.train, self.eval = job, job.train, job.eval
+        self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
+        self.train_data, self.val_data = train_data, val_data
+        self.loss = job.recipe.loss_function()
+        self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
+        self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
+        self.seq_length = train_data.dataset[0]["input_ids"].numel()
+        self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train until the step limit, validating, logging and checkpointing on the way; returns the run's metrics."""
+        fabric, state = self.fabric, self.state
+        self.check_data()
+        batches = self.train_data.iterate(state.epoch, self.start_position())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
+        print_once(
+            f"Training {self.total_steps} steps from step {state.step}: global batch {self.train.global_batch_size} "
+            f"= {fabric.world_size} device(s) x micro batch {self.train.micro_batch_size} x {self.accumulation} "
+            f"accumulation, {trainable:,} trainable parameters."
+        )
+        if self.eval.initial_validation and state.step == 0:
+            print_once(f"step 0 | val loss {self.validate():.4f}")
+        fit_start = time.perf_counter()
+        profiler = start_profiler() if self.job.profile else None
+        progress = progress_bar(fabric.global_rank, self.total_steps, state.step)
+        window = LogWindow(fabric.device, state.tokens)
+        control = StepControl(self.job.timeout)
+        val_loss, stop_signal = None, 0
+        with StopSignals() as signals:
+            while state.step < self.total_steps and not stop_signal:
+                stop_signal = self.step(batches, window, control, signals.received, progress)
+                if profiler is not None:
+                    profiler.step()
+                progress.update(1)
+                failpoint("step:end")
+                if state.step % self.train.log_interval == 0 or state.step == self.total_steps:
+                    self.log(window, progress)
+                if not stop_signal:
+                    val_loss = self.after_step(progress, val_loss)
+        progress.close()
+        if profiler is not None:
+            stop_profiler(profiler, self.job.out_dir, fabric.global_rank)
+        if self.checkpoints.last_saved_step != state.step:
+            self.checkpoints.save(self.model, self.optimizer, state)
+        if stop_signal:
+            return self.stop_for_signal(signal.Signals(stop_signal).name)
+        self.checkpoints.publish_final(state)
+        metrics = run_metrics(fabric, state, self.job, self.checkpoints.io, val_loss, self.seq_length,
+                              trainable_fraction)
+        metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
+        fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
+        for logger in fabric.loggers:
+            logger.finalize("success")  # flush what the logger buffers
+        if fabric.global_rank == 0:
+            write_json(self.job.out_dir / "metrics.json", metrics)
+        return metrics
+
+    def check_data(self) -> None:
+        """Fail before training, not after it, when the data cannot make one step or one validation."""
+        if self.train_data.per_epoch < self.accumulation:
+            raise UserError(
+                f"The training set has {len(self.train_data.dataset)} samples, fewer than one global batch "
+                f"({self.train.global_batch_size}): add data or lower --train.global_batch_size."
+            )
+        self.validation_batches()
+
+    def start_position(self) -> int:
+        """The micro-step of the current epoch to continue from (a resumed run of another world size rounds down)."""
+        state, per_step = self.state, self.samples_per_micro_step
+        if state.epoch_samples % per_step:
+            print_once(
+                f"Warning: the checkpoint stopped {state.epoch_samples} samples into epoch {state.epoch}, which this "
+                f"world size cannot split evenly; continuing from sample {state.epoch_samples // per_step * per_step}."
+            )
+        return state.epoch_samples // per_step
+
+    def step(self, batches, window: "LogWindow", control: StepControl, received_signal: int, progress) -> int:
+        """One optimizer step over `accumulation` micro-batches; returns the stop signal any rank received (or 0)."""
+        fabric, state, model = self.fabric, self.state, self.model
+        step_start = time.perf_counter()
+        window.lr = lr_at(state.step, self.base_lr, self.train.lr_warmup_steps, self.total_steps, self.train.min_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = window.lr
+        step_loss = torch.zeros((), device=fabric.device)
+        for micro in range(self.accumulation):
+            epoch, index, batch = next(batches)
+            input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
+            with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
+                loss = self.loss(model, input_ids, labels)
+                fabric.backward(loss / self.accumulation)
+            step_loss += loss.detach() / self.accumulation
+            window.label_tokens += (labels != IGNORE_INDEX).sum()
+            last_of_epoch = index + 1 == self.train_data.per_epoch
+            state.epoch, state.epoch_samples = (
+                (epoch + 1, 0) if last_of_epoch else (epoch, (index + 1) * self.samples_per_micro_step))
+            state.tokens += input_ids.numel() * fabric.world_size
+        failpoint("step:backward")
+        loss_value, grad_norm = self.step_values(step_loss)  # the loop's one host-device sync per step
+        nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
+                                               received_signal)
+        if nonfinite and self.train.on_nonfinite == "stop":
+            raise UserError(self.nonfinite_message(grad_norm))
+        if nonfinite:
+            state.skipped_steps += 1
+            self.say(progress, f"step {state.step + 1}: skipped the update: the loss ({loss_value}) or the gradient "
+                               f"norm ({grad_norm}) is not finite on some rank.")
+        else:
+            self.optimizer.step()
+            window.add_update(step_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        seconds = time.perf_counter() - step_start
+        state.train_seconds += seconds
+        window.add_step(seconds)
+        return stop_signal
+
+    def step_values(self, step_loss: torch.Tensor) -> tuple[float, float]:
+        """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.train.max_norm is not None:
+            norm = self.fabric.clip_gradients(
+                self.model, self.optimizer, max_norm=self.train.max_norm, error_if_nonfinite=False)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.job.precision == "16-mixed":
+            norm = torch.zeros_like(norm)  # the grad scaler skips overflowing steps and lowers its scale by itself
+        return tuple(torch.stack([step_loss.float(), norm.float().to(step_loss.device)]).tolist())
+
+    def nonfinite_message(self, grad_norm: float) -> str:
+        """The same text on every rank (the gradient norm is global), so a run of many ranks prints it once."""
+        saved = step_checkpoints(self.job.out_dir)
+        kept = f"the newest checkpoint, {saved[-1]}, is as it was" if saved else "no checkpoint had been saved yet"
+        return (
+            f"Step {self.state.step + 1}: the loss or the gradient norm (here {grad_norm}) is not finite (NaN or "
+            f"inf); training stopped before this update ({kept}). Lower the learning rate, clip with "
+            "--train.max_norm 1.0, or pass --train.on_nonfinite skip to skip such steps and go on."
+        )
+
+    def log(self, window: "LogWindow", progress) -> None:
+        """Log and print the window of steps since the last log line, then start a new one."""
+        state = self.state
+        metrics = window.metrics(self.fabric, state.tokens, state.epoch)
+        self.fabric.log_dict(metrics, step=state.step)
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        self.say(progress,
+                 f"step {state.step}/{self.total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+                 f"{metrics['tokens_per_sec']:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB")
+        if window.label_tokens.item() == 0:
+            self.say(progress,
+                     f"Warning: no token of the last {window.steps} step(s) had a label, so nothing was learned: "
+                     "the prompts fill --train.max_seq_length. Raise it or shorten the prompts.")
+        window.reset(state.tokens)
+
+    def after_step(self, progress, val_loss: Optional[float]) -> Optional[float]:
+        """Validate (with a text sample) and save when their intervals come; returns the latest validation loss."""
+        step, last = self.state.step, self.state.step == self.total_steps
+        if (step % self.eval.interval == 0 and not last) or (last and self.eval.final_validation):
+            val_loss = self.validate()
+            self.fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
+            self.say(progress, f"step {step} | val loss {val_loss:.4f}")
+            if self.eval.max_new_tokens:
+                sample = self.sample_text()  # on every rank: a sharded model's forward is collective
+                self.say(progress, f"sample: {sample!r}")
+        if self.train.save_interval is not None and step % self.train.save_interval == 0 and not last:
+            self.checkpoints.save(self.model, self.optimizer, self.state)
+        return val_loss
+
+    def say(self, progress, text: str) -> None:
+        """A log line on rank 0, above the progress bar when one is shown."""
+        if self.fabric.global_rank == 0:
+            progress.write(text, file=sys.stdout)
+
+    def stop_for_signal(self, name: str) -> dict:
+        """After the checkpoint a stop signal asked for: say where it is and, with --train.requeue under Slurm,
+        requeue."""
+        folder = self.job.out_dir / f"step-{self.state.step:06d}"
+        for logger in self.fabric.loggers:
+            logger.finalize("success")
+        if self.fabric.global_rank == 0:
+            then = requeue_slurm_job() if self.train.requeue else "continue it with the same command and --resume auto"
+            print(f"Stopped by {name} after step {self.state.step}: saved {folder}; {then}.", flush=True)
+        return {"stopped_by": name, "steps": self.state.step, "checkpoint": str(folder)}
+
+    # ---- validation -------------------------------------------------------------------------------------------------
+    def validation_batches(self) -> MicroBatches:
+        """The validation set in a fixed order, in micro-batches no larger than it allows."""
+        world = self.fabric.world_size
+        if len(self.val_data) < world:
+            raise UserError(f"The validation set has {len(self.val_data)} samples, fewer than the {world} devices: "
+                            "add validation data.")
+        size = min(self.train.micro_batch_size, len(self.val_data) // world)
+        return MicroBatches(self.val_data, size, seed=0, rank=self.fabric.global_rank, world_size=world,
+                            shuffle=False)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """The mean cross-entropy over up to --eval.max_iters validation micro-batches, averaged over the ranks."""
+        model = self.model
+        model.eval()
+        batches = self.validation_batches()
+        losses = []
+        for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
+            logits = model(self.fabric.to_device(batch["input_ids"]))
+            losses.append(cross_entropy(logits, self.fabric.to_device(batch["labels"])))
+        loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
+        model.train()
+        return loss.item()
+
+    def sample_text(self) -> str:
+        """A short greedy continuation of the start of a validation sample, to watch the model learn."""
+        from litgpt.generate import generate
+
+        model = unwrap(self.model)
+        prompt = self.val_data[0]["input_ids"][:16]
+        model.eval()
+        tokens = list(generate(model, prompt, self.eval.max_new_tokens, temperature=0.0,
+                               stop_ids=self.tokenizer.stop_ids))
+        model.clear_kv_cache()
+        model.train()
+        return self.tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+
+
+def progress_bar(rank: int, total: int, initial: int):
+    from tqdm import tqdm
+
+    # Only on an interactive terminal: in log files (CI, Slurm) the log lines say it all.
+    show = rank == 0 and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, disable=not show, unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=1.0)
