@@ -457,7 +457,8 @@ def test_linear_forward_and_merge_equal_peft(bias):
     base = nn.Linear(32, 48, bias=bias)
     theirs = Plain(nn.Linear(32, 48, bias=bias))
     theirs.lin.load_state_dict(base.state_dict())
-    theirs = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["lin"]), theirs)
+    peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["lin"])
+    theirs = inject_adapter_in_model(peft_config, theirs)
     ours = LoRALinear(base, r=r, alpha=alpha, dropout=0.0)
     random_factors(ours)
     with torch.no_grad():
