@@ -362,3 +362,163 @@ def test_adding_twice_is_refused():
     assert isinstance(model.transformer.h[0].attn.qkv, LoRALinear)
     with pytest.raises(RuntimeError, match="already"):
         add_lora(model, LoRASettings())
+
+
+# ---- independent references: a hand computation and peft -----------------------------------------------------------
+# float32 results agree with the references to a few float32 ulps (eps = 1.19e-7) of the largest value compared:
+# measured on these layers, max |difference| / max |expected| is at most 2.5e-7 (largest absolute difference 4.8e-6,
+# with outputs up to ~19; 1e-7 against peft on a single layer, 1.3e-7 for the merged weights). The bound is 4x that
+# and orders of magnitude below the size of the updates (> 0.1), so a wrong scale, row or factor fails.
+F32_RELATIVE_TO_MAX = 1e-6
+
+
+def assert_f32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 `actual` equals `expected` (float32 or float64) up to float32 rounding of its largest value."""
+    expected = expected.detach().double()
+    atol = F32_RELATIVE_TO_MAX * expected.abs().max().item()
+    torch.testing.assert_close(actual.detach().double(), expected, atol=atol, rtol=0)
+
+
+def random_factors(layer: LoRALinear, seed: int = 2) -> None:
+    """Non-zero A and B for every part of `layer`, as training would leave them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if is_lora_key(name):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+
+
+def hand_forward(x, weight, bias, updates, scaling):
+    """W x + b + scaling * B A x in float64, where `updates` lists (row start, row stop, A, B)."""
+    x, out = x.double(), x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    for start, stop, a, b in updates:
+        out[..., start:stop] += scaling * ((x @ a.double().T) @ b.double().T)
+    return out
+
+
+def hand_merge(weight, updates, scaling):
+    """W + scaling * B A over the rows each update writes, in float64."""
+    merged = weight.detach().double().clone()
+    for start, stop, a, b in updates:
+        merged[start:stop] += scaling * (b.detach().double() @ a.detach().double())
+    return merged
+
+
+def qkv_rows(config: Config) -> dict[str, tuple[int, int]]:
+    """The fused projection stacks all query heads, then the key heads of each group, then the value heads."""
+    q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+
+
+@pytest.mark.parametrize("r, alpha", [(1, 1), (4, 16), (8, 4), (3, 7.5)])
+def test_scaling_is_alpha_over_r(r, alpha):
+    settings = LoRASettings(r=r, alpha=alpha, dropout=0.0, mlp=True)
+    assert settings.scaling == alpha / r
+    model = make_model("llama_gqa")
+    add_lora(model, settings)
+    for layer in (model.transformer.h[0].attn.qkv, model.transformer.h[1].mlp.proj):
+        assert layer.r == r and layer.scaling == alpha / r
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("r, alpha", [(4, 8), (2, 32), (3, 1.5)])
+def test_linear_forward_and_merge_equal_the_hand_computation(r, alpha, bias):
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40, bias=bias)
+    weight, bias_value = base.weight.detach().clone(), None if base.bias is None else base.bias.detach().clone()
+    layer = LoRALinear(base, r=r, alpha=alpha, dropout=0.0)
+    random_factors(layer)
+    a, b = layer.lora_A.detach(), layer.lora_B.detach()
+    x = torch.randn(3, 5, 24)
+    expected = hand_forward(x, weight, bias_value, [(0, 40, a, b)], alpha / r)
+    assert (expected - hand_forward(x, weight, bias_value, [], 1.0)).abs().max() > 0.1  # the update matters
+    assert_f32_close(layer(x), expected)
+    assert_f32_close(layer.merged_weight(), hand_merge(weight, [(0, 40, a, b)], alpha / r))
+    # Dropout acts in training only: in eval mode a layer with dropout computes the same.
+    with_dropout = LoRALinear(nn.Linear(24, 40, bias=bias), r=r, alpha=alpha, dropout=0.5)
+    with_dropout.load_state_dict(layer.state_dict())
+    assert_f32_close(with_dropout.eval()(x), expected)
+    assert not torch.allclose(with_dropout.train()(x).double(), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_forward_and_merge_equal_peft(bias):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    class Plain(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+    torch.manual_seed(0)
+    r, alpha = 4, 12
+    base = nn.Linear(32, 48, bias=bias)
+    theirs = Plain(nn.Linear(32, 48, bias=bias))
+    theirs.lin.load_state_dict(base.state_dict())
+    peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=["lin"])
+    theirs = inject_adapter_in_model(peft_config, theirs)
+    ours = LoRALinear(base, r=r, alpha=alpha, dropout=0.0)
+    random_factors(ours)
+    with torch.no_grad():
+        theirs.lin.lora_A["default"].weight.copy_(ours.lora_A)
+        theirs.lin.lora_B["default"].weight.copy_(ours.lora_B)
+    assert theirs.lin.scaling["default"] == ours.scaling == alpha / r
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        expected = theirs.lin(x)
+        assert (expected - theirs.lin.base_layer(x)).abs().max() > 0.1  # the update matters
+        assert_f32_close(ours(x), expected)
+        assert_f32_close(ours.merged_weight(), theirs.lin.base_layer.weight + theirs.lin.get_delta_weight("default"))
+
+
+@pytest.mark.parametrize("n_query_groups", [4, 2, 1])  # multi-head, grouped-query, multi-query
+@pytest.mark.parametrize("parts", [("q", "v"), ("q", "k", "v"), ("k",)])
+def test_fused_qkv_equals_peft_on_separate_projections_and_the_hand_merge(n_query_groups, parts):
+    """The fused q/k/v projection with per-part adapters computes what three separate q/k/v projections with peft's
+    LoRA on the same parts compute, and merges to W + alpha/r B A on each part's rows (the others unchanged)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    r, alpha = 4, 24
+    model = make_model("llama_gqa", n_query_groups=n_query_groups, n_layer=1)
+    config = model.config
+    base_weight, base_bias = model.transformer.h[0].attn.qkv.weight.detach().clone(), None
+    switches = {"query": "q" in parts, "key": "k" in parts, "value": "v" in parts}
+    add_lora(model, LoRASettings(r=r, alpha=alpha, dropout=0.0, **switches))
+    qkv = model.transformer.h[0].attn.qkv
+    random_factors(qkv)
+    rows = qkv_rows(config)
+    assert (rows["v"][1], rows["k"][1] - rows["k"][0]) == (config.qkv_size, n_query_groups * config.head_size)
+
+    class Separate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for part, (start, stop) in rows.items():
+                projection = nn.Linear(config.n_embd, stop - start, bias=False)
+                projection.weight.data.copy_(base_weight[start:stop])
+                setattr(self, f"{part}_proj", projection)
+
+    targets = [f"{part}_proj" for part in parts]
+    theirs = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets),
+                                     Separate())
+    updates = []
+    with torch.no_grad():
+        for part in parts:
+            a, b = getattr(qkv, f"lora_A_{part}"), getattr(qkv, f"lora_B_{part}")
+            getattr(theirs, f"{part}_proj").lora_A["default"].weight.copy_(a)
+            getattr(theirs, f"{part}_proj").lora_B["default"].weight.copy_(b)
+            updates.append((*rows[part], a.detach(), b.detach()))
+        x = torch.randn(2, 5, config.n_embd)
+        expected = torch.cat([getattr(theirs, f"{part}_proj")(x) for part in rows], dim=-1)
+        assert_f32_close(qkv(x), expected)
+        assert_f32_close(qkv(x), hand_forward(x, base_weight, base_bias, updates, alpha / r))
+
+    merged = hand_merge(base_weight, updates, alpha / r)
+    for part, (start, stop) in rows.items():
+        changed = (merged[start:stop] - base_weight[start:stop].double()).abs().max()
+        assert (changed > 1e-2) == (part in parts), part
+    assert_f32_close(qkv.merged_weight(), merged)
+    assert_f32_close(plain_state_dict(model)["transformer.h.0.attn.qkv.weight"], merged)
+    merge_lora_weights(model)
+    assert_f32_close(qkv.weight, merged)

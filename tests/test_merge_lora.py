@@ -88,6 +88,13 @@ def snapshot(*folders: Path) -> dict:
 
 
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+# Merged float32 logits equal the adapted model's up to float32 rounding: measured max abs difference 4.5e-7 (logits
+# up to ~0.7); the bound is ~4x that. The adapters move the logits by ~0.77, so a merge that did nothing would fail.
+FP32_ATOL = 2e-6
+# Merged bfloat16 weights (computed in float32 after the cast) against the float32 adapted model: measured max abs
+# logit difference 1.7e-3 (the bf16 rounding of the weights alone gives 1.7e-3 too; logits up to ~1.3); the bound is
+# ~3x that. These adapters move the logits by ~0.21, 40x the bound.
+BF16_ATOL = 5e-3
 
 
 @pytest.fixture
@@ -101,7 +108,7 @@ def test_merge_gives_a_plain_checkpoint_with_the_adapted_logits(tmp_path, base):
     merge_lora(run)
     merged = load_plain(run)
     expected = adapted(TOKENS)
-    torch.testing.assert_close(merged(TOKENS), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged(TOKENS), expected, atol=FP32_ATOL, rtol=0)
     assert (expected - load_plain(base)(TOKENS)).abs().max() > 1e-2  # the adapters changed the model
     state = load_state_dict(run / "lit_model.pth")
     assert not any("lora" in key for key in state) and state["lm_head.weight"].dtype == torch.float32
@@ -116,7 +123,7 @@ def test_merge_through_the_cli_in_a_subprocess(tmp_path, base):
     )
     assert result.returncode == 0, result.stderr
     assert "lit_model.pth" in result.stdout
-    torch.testing.assert_close(load_plain(run)(TOKENS), adapted(TOKENS), atol=1e-5, rtol=0)
+    torch.testing.assert_close(load_plain(run)(TOKENS), adapted(TOKENS), atol=FP32_ATOL, rtol=0)
 
 
 
@@ -131,7 +138,10 @@ def test_pretrained_checkpoint_dir_precision_and_tied_embeddings(tmp_path):
     # The tie survives: one tensor under both names.
     assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
     merged = load_plain(run).float()
-    torch.testing.assert_close(merged(TOKENS), adapted(TOKENS), atol=0.1, rtol=0.05)
+    expected = adapted(TOKENS)
+    torch.testing.assert_close(merged(TOKENS), expected, atol=BF16_ATOL, rtol=0)
+    # The merge did something: the base's logits are far outside that bound.
+    assert (expected - load_plain(base)(TOKENS)).abs().max() > 20 * BF16_ATOL
 
 
 def test_missing_config_and_tokenizer_are_taken_from_the_base(tmp_path, base):
@@ -141,7 +151,71 @@ def test_missing_config_and_tokenizer_are_taken_from_the_base(tmp_path, base):
         (run / name).unlink()
     merge_lora(run)
     assert (run / "model_config.yaml").is_file() and (run / "tokenizer.json").is_file()
-    torch.testing.assert_close(load_plain(run)(TOKENS), adapted(TOKENS), atol=1e-5, rtol=0)
+    torch.testing.assert_close(load_plain(run)(TOKENS), adapted(TOKENS), atol=FP32_ATOL, rtol=0)
+
+
+def hand_merged(base_state: dict, adapters: dict, config: Config, settings: LoRASettings) -> dict:
+    """W + (alpha / r) B A in float64 for every adapted weight, written from the LoRA definition: a plain adapter
+    `<layer>.lora_A`/`lora_B` updates all rows of `<layer>.weight`; the fused attn.qkv weight stacks the query rows
+    (n_head * head_size), then the key rows and the value rows (n_query_groups * head_size each), and
+    `lora_A_q`/`_k`/`_v` with their B update only their own block of rows."""
+    scaling = settings.alpha / settings.r
+    q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    blocks = {"": None, "_q": (0, q), "_k": (q, q + kv), "_v": (q + kv, q + 2 * kv)}
+    merged = {}
+    for key, a in adapters.items():
+        layer, _, name = key.rpartition(".")
+        if not name.startswith("lora_A"):
+            continue
+        suffix = name[len("lora_A"):]
+        b = adapters[f"{layer}.lora_B{suffix}"]
+        weight = merged.setdefault(f"{layer}.weight", base_state[f"{layer}.weight"].double().clone())
+        delta = scaling * (b.double() @ a.double())
+        rows = blocks[suffix]
+        if rows is None:
+            weight += delta
+        else:
+            assert delta.shape[0] == rows[1] - rows[0], key
+            weight[rows[0]:rows[1]] += delta
+    return merged
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-true"])
+@pytest.mark.parametrize("settings", [SETTINGS, LoRASettings(r=2, alpha=4, query=True, key=False, value=True)],
+                         ids=["all-layers", "query-value"])
+def test_merged_weights_equal_the_hand_merge(tmp_path, base, precision, settings):
+    """The written weights are W + alpha/r B A on the adapted rows (grouped-query qkv: 4 heads, 2 groups) and the
+    base weights everywhere else, in float32 up to rounding, in bfloat16 up to the cast of that result."""
+    run = tmp_path / "run"
+    make_run(run, base, settings)
+    merge_lora(run, precision=precision)
+    config = Config.from_checkpoint(run)
+    assert config.n_query_groups < config.n_head
+    base_state = load_state_dict(base / "lit_model.pth")
+    adapters = load_state_dict(run / "lit_model.pth.lora")
+    state = load_state_dict(run / "lit_model.pth")
+    expected = hand_merged(base_state, adapters, config, settings)
+    assert set(state) == set(base_state)
+    q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    for key, value in state.items():
+        if key not in expected:  # not adapted: the base weight as it was (cast)
+            assert torch.equal(value, base_state[key].to(value.dtype)), key
+            continue
+        if precision is None:
+            # float32 W + delta against float64: measured max abs difference 1.4e-8 (weights up to ~0.16); bound ~3.5x.
+            assert value.dtype == torch.float32
+            torch.testing.assert_close(value.double(), expected[key], atol=5e-8, rtol=0, msg=key)
+        else:
+            # The float32 result rounded to bfloat16 (8 significant bits): half a bf16 ulp, at most 2^-8 relative, plus
+            # the float32 rounding before it (2^-24): measured max relative difference 3.89e-3 (2^-8 = 3.906e-3).
+            assert value.dtype == torch.bfloat16
+            torch.testing.assert_close(value.double(), expected[key], atol=0, rtol=2 ** -8 + 2 ** -22, msg=key)
+        # A merge that does nothing fails: every adapted weight moved, by far more than the tolerance.
+        moved = (expected[key] - base_state[key].double()).abs()
+        if key.endswith("attn.qkv.weight") and not settings.key:
+            assert moved[:q].min() > 0 and moved[q:q + kv].max() == 0 and moved[q + kv:].min() > 0, key
+        assert moved.max() > 1e-2, key
+        assert (value.double() - base_state[key].double()).abs().max() > 1e-2, key
 
 
 # ---- errors: one line, exit code 1, nothing on disk changed ----------------------------------------------------------

@@ -97,14 +97,61 @@ def test_sequence_longer_than_block_size():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-def test_moe_routes_to_top_k_experts():
-    """With one expert per token and an identity-free router, a token's output is exactly its chosen expert's."""
+def _hf_moe_block(config: Config, moe):
+    """transformers' own sparse MoE block with the weights of litgpt's `moe` copied in: Mixtral's (which always
+    renormalizes the top-k router weights) or Qwen3-MoE's (norm_topk_prob off). Experts are fused tensors in
+    transformers 5: gate_up_proj[e] = [w1 (gate); w3 (up)] and down_proj[e] = w2, litgpt's fc_1, fc_2 and proj."""
+    if config.moe_renormalize:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        hf_config = MixtralConfig(
+            hidden_size=config.n_embd, intermediate_size=config.moe_intermediate_size, num_local_experts=config.n_expert,
+            num_experts_per_tok=config.n_expert_per_token, hidden_act="silu", router_jitter_noise=0.0,
+        )
+        block = MixtralSparseMoeBlock(hf_config)
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        hf_config = Qwen3MoeConfig(
+            hidden_size=config.n_embd, moe_intermediate_size=config.moe_intermediate_size, num_experts=config.n_expert,
+            num_experts_per_tok=config.n_expert_per_token, norm_topk_prob=False, hidden_act="silu",
+        )
+        block = Qwen3MoeSparseMoeBlock(hf_config)
+    with torch.no_grad():
+        block.gate.weight.copy_(moe.gate.weight)
+        for e, expert in enumerate(moe.experts):
+            block.experts.gate_up_proj[e].copy_(torch.cat([expert.fc_1.weight, expert.fc_2.weight]))
+            block.experts.down_proj[e].copy_(expert.proj.weight)
+    return block.eval()
+
+
+@pytest.mark.parametrize(
+    "n_expert, k, renormalize",
+    [(3, 1, True), (4, 2, True), (8, 3, True), (4, 2, False), (8, 3, False)],
+)
+def test_moe_equals_transformers(n_expert, k, renormalize):
+    """litgpt's LLaMAMoE (softmax over all experts, top-k, optionally renormalized) computes what transformers'
+    Mixtral / Qwen3-MoE blocks compute with the same weights, to float32 precision."""
     torch.manual_seed(0)
-    config = Config(**SMALL, mlp_class_name="LLaMAMoE", n_expert=3, n_expert_per_token=1, intermediate_size=32)
+    config = Config(**SMALL, mlp_class_name="LLaMAMoE", n_expert=n_expert, n_expert_per_token=k,
+                    moe_intermediate_size=32, moe_renormalize=renormalize)
     model = GPT(config)
     model.init_weights()
     moe = model.transformer.h[0].mlp
-    x = torch.randn(1, 5, 64)
-    chosen = moe.gate(x[0]).argmax(dim=-1)
-    expected = torch.stack([moe.experts[int(e)](x[0, i]) for i, e in enumerate(chosen)])
-    torch.testing.assert_close(moe(x)[0], expected)
+    with torch.no_grad():  # weights that give outputs of order one and a router that prefers different experts
+        for name, param in moe.named_parameters():
+            param.normal_(0, 0.5 if name == "gate.weight" else 0.2)
+    hf = _hf_moe_block(config, moe)
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        chosen = moe.gate(x.reshape(-1, 64)).topk(k, dim=-1).indices
+        assert set(chosen.flatten().tolist()) == set(range(n_expert))  # every expert gets tokens
+        expected = hf(x)
+        # float32 rounding only: measured max abs difference 1.9e-6 with outputs up to ~6, i.e. 3.1e-7 of the largest
+        # output (float32 eps 1.2e-7); the bound is 1e-6 of it, ~3x the measured difference.
+        torch.testing.assert_close(moe(x), expected, atol=1e-6 * expected.abs().max().item(), rtol=0)
+        if k > 1:  # the renormalization matters: the other convention is far off
+            other = _hf_moe_block(Config(**{**config.__dict__, "moe_renormalize": not renormalize}), moe)
+            assert (other(x) - expected).abs().max() > 0.1
