@@ -5,7 +5,7 @@
 
 Both measurements run our model in this process, in 32-true, on the 5M Llama shape of `run.py`:
 
-* Training: one pretrain step (micro batch 4 = global batch, seq 256): forward, the cross-entropy of `litgpt.training`,
+* Training: one pretrain step (micro batch 4 = global batch, seq 256): forward, the cross-entropy of `litgpt.train.loss`,
   backward, gradient-norm clipping and fused AdamW. torch.profiler splits the step's CPU time into the matrix
   multiplications (aten::mm/addmm/bmm), the attention kernels, and everything else. The matmuls' FLOP rate is set
   beside the 2048^3 matmul peak measured here. **Bound**: tokens per step / (matmul + attention time), the tokens/s of

@@ -564,7 +564,7 @@ def _parameter_layout(config: Config, lora, quantize: Optional[str]) -> _Layout:
     """Every parameter of the model as it trains (with its adapters), by FSDP unit: the root and each block."""
     import torch.nn as nn
 
-    from litgpt.checkpoint import meta_device
+    from litgpt.checkpoint.model_files import meta_device
     from litgpt.lora import add_lora, is_lora_key
     from litgpt.model import GPT
 

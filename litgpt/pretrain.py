@@ -86,12 +86,13 @@ def setup(
 
         return load_compiler(compiler)(**arguments)
 
-    from litgpt.distributed.fabric import build_fabric
+    fsdp = fsdp_for_strategy(strategy, fsdp)
+    job = pretrain_job(arguments, record_arguments_of=setup)
+
+    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
     from litgpt.train.arguments import load_logger
     from litgpt.train.job import launch
 
-    fsdp = fsdp_for_strategy(strategy, fsdp)
-    job = pretrain_job(arguments, record_arguments_of=setup)
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")

@@ -315,7 +315,7 @@ class ThunderShards:
         piece[:count].copy_(full[start:start + count])
         return piece
 
-    # -- what litgpt.checkpoint's functions of the same names do for FSDP2
+    # -- litgpt.checkpoint.interface.CheckpointIO (FSDP2's is litgpt.checkpoint.fsdp_io.FSDPCheckpointIO)
     def gather_weights(self, model: nn.Module, select: Callable[[str], bool]) -> dict:
         weights = {}
         for name, value in self.shards().items():

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from litgpt.checkpoint.interface import KeySelector
 from litgpt.checkpoint.model_files import copy_weights
 from litgpt.checkpoint.store import SHARDED_DIR
-from litgpt.distributed.fsdp import gather_full
+from litgpt.distributed.dtensor import gather_full
 from litgpt.distributed.runtime import is_rank_zero
 from litgpt.errors import UserError
 from litgpt.io import read_sharded_metadata
@@ -38,7 +46,6 @@ class FSDPCheckpointIO:
         return gathered
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(model, optimizer, options=options)
@@ -47,7 +54,6 @@ class FSDPCheckpointIO:
         copy_weights(model, state_dict, source, select)
 
     def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
@@ -55,23 +61,15 @@ class FSDPCheckpointIO:
     def sharded_state(model: nn.Module, optimizer, select: KeySelector) -> dict:
         """This rank's shards of the selected weights and of the optimizer state, as torch.distributed.checkpoint
         reads and writes them."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         weights = {key: value for key, value in get_model_state_dict(model).items() if select(key)}
         return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
     def save_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
-        import torch.distributed.checkpoint as dcp
 
         dcp.save(self.sharded_state(model, optimizer, select), checkpoint_id=Path(folder) / SHARDED_DIR)
 
     def load_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
         state = self.sharded_state(model, optimizer, select)
         path = Path(folder) / SHARDED_DIR

@@ -116,7 +116,7 @@ def copy_weights(
 
     Each rank reads only the part of each tensor that it holds. Names the first missing, unexpected or misshapen key.
     """
-    from litgpt.distributed.fsdp import copy_into_shard
+    from litgpt.distributed.dtensor import copy_into_shard  # torch.distributed.tensor: only loads that shard need it
 
     targets = {key: value for key, value in model.state_dict().items() if select(key)}
     check_weights_match({key: value.shape for key, value in targets.items()}, state_dict, source, subject, fix)

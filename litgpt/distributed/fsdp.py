@@ -14,9 +14,12 @@ from datetime import timedelta
 from typing import get_args
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from litgpt.args import FSDPArgs, ShardingStrategy
 from litgpt.distributed.launcher import RankLauncher
@@ -62,10 +65,6 @@ class Topology:
         return 1, self.world_size
 
     def device_mesh(self, device_type: str):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        import torch.distributed as dist
-
         if dist.get_world_size() != self.world_size:
             raise UserError(
                 f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
@@ -118,15 +117,11 @@ class ReduceEveryMicroBatch(_BackwardSyncControl):
 
 
 def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(module, FSDPModule)
 
 
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: torch.device) -> None:
     """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     mixed = {"bf16-mixed": torch.bfloat16}.get(precision)
     # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
     mp_policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
@@ -137,55 +132,3 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
     # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
-
-
-class FullTensorInit(torch.overrides.TorchFunctionMode):
-    """Random initializers on a sharded tensor (DTensor) draw the full tensor, as one process would, and keep this
-    rank's piece: the same weights for any world size, from the same seed."""
-
-    RANDOM_INIT = {
-        torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_, torch.Tensor.random_,
-        # nn.init's functions are override points of their own (called with `tensor=`); inside one the mode is off.
-        nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-        nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
-    }
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")
-        if func in self.RANDOM_INIT and isinstance(target, DTensor):
-            full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)
-            if args:
-                func(full, *args[1:], **kwargs)
-            else:
-                func(**{**kwargs, "tensor": full})
-            copy_into_shard(target, full)
-            return target
-        return func(*args, **kwargs)
-
-
-def copy_into_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the piece of `full` (e.g. a memory-mapped checkpoint tensor) that this rank holds of `target`.
-
-    Only that piece is read, so loading a full checkpoint into a sharded model never holds the whole model.
-    """
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        if not isinstance(target, DTensor):
-            target.copy_(full)
-            return
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
-        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
-        target.to_local().copy_(piece)
-
-
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a shard (every rank must call this; collective for a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

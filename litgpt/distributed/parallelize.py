@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from litgpt.distributed.fsdp import FSDPStrategy, FullTensorInit, shard_model
+from litgpt.distributed.dtensor import FullTensorInit
+from litgpt.distributed.fsdp import FSDPStrategy, shard_model
 from litgpt.precision import PRECISION_DTYPES
 
 

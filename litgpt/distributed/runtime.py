@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import sys
 import tempfile
 import time
-import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional, TextIO
 

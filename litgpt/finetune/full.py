@@ -52,11 +52,13 @@ def setup(
         seed: Seed of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
     """
-    from litgpt.distributed.fabric import build_fabric
     from litgpt.finetune import finetune_job
+
+    job = finetune_job(setup, dict(locals()), name="finetune_full")
+
+    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
     from litgpt.train.arguments import load_logger
     from litgpt.train.job import launch
 
-    job = finetune_job(setup, dict(locals()), name="finetune_full")
     logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-full-{job.recipe.config.name or 'model'}")
     launch(build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp), job)

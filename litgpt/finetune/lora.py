@@ -76,12 +76,8 @@ def setup(
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
     """
-    from litgpt.distributed.fabric import build_fabric
-    from litgpt.distributed.fsdp import FSDPStrategy
     from litgpt.finetune import finetune_job
     from litgpt.lora import LoRASettings
-    from litgpt.train.arguments import load_logger
-    from litgpt.train.job import launch
 
     settings = LoRASettings(
         r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
@@ -92,6 +88,12 @@ def setup(
 
         check_quantize_mode(quantize)
     job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=settings, quantize=quantize)
+
+    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
+    from litgpt.train.arguments import load_logger
+    from litgpt.distributed.fsdp import FSDPStrategy
+    from litgpt.train.job import launch
+
     logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-lora-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     if quantize is not None and isinstance(fabric.strategy, FSDPStrategy):

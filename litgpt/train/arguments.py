@@ -11,7 +11,10 @@ from typing import Any, Callable, Optional
 
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
+from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
+from litgpt.io import atomic_write_text
+from litgpt.preemption import slurm_job_id
 
 
 def plain(value: Any) -> Any:
@@ -39,8 +42,6 @@ def record_arguments(function: Callable, arguments: dict) -> dict:
 
 
 def write_run_args(out_dir: Path, hyperparameters: dict) -> None:
-    from litgpt.io import atomic_write_text
-
     record = {"command": [Path(sys.argv[0]).name, *sys.argv[1:]], "arguments": hyperparameters}
     atomic_write_text(Path(out_dir) / "run_args.json", json.dumps(record, indent=2, default=str) + "\n")
 
@@ -67,9 +68,6 @@ def check_limits(train: TrainArgs) -> None:
 
 
 def check_requeue(train: TrainArgs) -> None:
-    from litgpt.distributed.runtime import print_once
-    from litgpt.preemption import slurm_job_id
-
     if train.requeue and slurm_job_id() is None:
         print_once("Note: --train.requeue acts only in a Slurm job; here a stop signal saves and stops the run.")
 

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from litgpt.args import EvalArgs, TrainArgs
+from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
+from litgpt.checkpoint.store import check_writable, resolve_resume
+from litgpt.data.base import MicroBatches
+from litgpt.distributed.runtime import node_local_first, print_once
+from litgpt.tokenizer import Tokenizer, check_vocab_fits
+from litgpt.train.arguments import check_requeue, check_seq_length, write_run_args
+from litgpt.train.optimizer import base_learning_rate, build_optimizer
 from litgpt.train.recipe import Recipe
+from litgpt.train.trainer import Trainer, TrainState
 
 
 @dataclass
@@ -45,10 +53,6 @@ def launch(fabric, job: Job) -> dict:
 
 def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
-    from litgpt.checkpoint.store import check_writable, resolve_resume
-    from litgpt.tokenizer import Tokenizer, check_vocab_fits
-    from litgpt.train.arguments import check_requeue, check_seq_length
-
     check_writable(job.out_dir)
     resume_dir = resolve_resume(job.out_dir, job.resume)
     check_requeue(job.train)
@@ -69,7 +73,6 @@ def run_job(fabric, job: Job) -> dict:
 def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
     """Tokenize once and return (train, val) datasets: global rank 0 first, then the first process of every node (its
     cache may be on a node-local disk), then the others, who find the cache."""
-    from litgpt.distributed.runtime import node_local_first
 
     job.data.connect(tokenizer, max_seq_length, job.prompt_style)
     with node_local_first(job.timeout):
@@ -78,12 +81,6 @@ def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
 
 
 def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: Optional[Path]) -> dict:
-    from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
-    from litgpt.data.base import MicroBatches
-    from litgpt.distributed.runtime import print_once
-    from litgpt.train.arguments import write_run_args
-    from litgpt.train.optimizer import base_learning_rate, build_optimizer
-    from litgpt.train.trainer import Trainer, TrainState
 
     recipe, train = job.recipe, job.train
     model = recipe.build_model()
@@ -124,6 +121,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
 def checkpoint_io(strategy):
     """The strategy's `CheckpointIO`: its own (`strategy.litgpt_checkpoint_io`, e.g. Thunder's; Lightning's
     `checkpoint_io` is another thing), else FSDP2's."""
+    # Imported here: they load Lightning, which the entry points import only after checking their arguments.
     from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
     from litgpt.distributed.fsdp import FSDPStrategy
 

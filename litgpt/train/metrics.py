@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from litgpt.checkpoint.model_files import meta_device
 from litgpt.config import Config
 from litgpt.distributed.runtime import every_rank
+from litgpt.model import GPT
 
 
 class LogWindow:
@@ -67,9 +69,6 @@ def flops_per_token(config: Config, seq_length: int, trainable_fraction: float =
 
 
 def _parameter_shapes(config: Config):
-    from litgpt.checkpoint.model_files import meta_device
-    from litgpt.model import GPT
-
     with meta_device():
         return list(GPT(config).named_parameters())
 

@@ -12,9 +12,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
 from litgpt.checkpoint.store import step_checkpoints
@@ -22,13 +24,16 @@ from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
+from litgpt.generate import generate
 from litgpt.io import write_json
 from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
-from litgpt.train.job import Job
 from litgpt.train.loss import cross_entropy
 from litgpt.train.metrics import LogWindow, run_metrics
 from litgpt.train.optimizer import lr_at
 from litgpt.train.profiler import start_profiler, stop_profiler
+
+if TYPE_CHECKING:
+    from litgpt.train.job import Job
 
 
 @dataclass
@@ -44,7 +49,7 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, fabric, model, optimizer, job: Job, tokenizer, checkpoints: CheckpointManager,
+    def __init__(self, fabric, model, optimizer, job: "Job", tokenizer, checkpoints: CheckpointManager,
                  state: TrainState, base_lr: float, train_data: MicroBatches, val_data: SampleDataset) -> None:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.job, self.train, self.eval = job, job.train, job.eval
@@ -167,8 +172,6 @@ class Trainer:
 
     def step_values(self, step_loss: torch.Tensor) -> tuple[float, float]:
         """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm)."""
-        from torch.distributed.tensor import DTensor
-
         if self.train.max_norm is not None:
             norm = self.fabric.clip_gradients(
                 self.model, self.optimizer, max_norm=self.train.max_norm, error_if_nonfinite=False)
@@ -262,8 +265,6 @@ class Trainer:
 
     def sample_text(self) -> str:
         """A short greedy continuation of the start of a validation sample, to watch the model learn."""
-        from litgpt.generate import generate
-
         model = unwrap(self.model)
         prompt = self.val_data[0]["input_ids"][:16]
         model.eval()
@@ -275,8 +276,6 @@ class Trainer:
 
 
 def progress_bar(rank: int, total: int, initial: int):
-    from tqdm import tqdm
-
     # Only on an interactive terminal: in log files (CI, Slurm) the log lines say it all.
     show = rank == 0 and sys.stderr.isatty()
     return tqdm(total=total, initial=initial, disable=not show, unit="step", dynamic_ncols=True, file=sys.stderr,

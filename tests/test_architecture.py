@@ -1,0 +1,148 @@
+"""The layering the training core promises: the core never imports an extension, which it finds by name; the config
+stays light; the distributed runtime reads every launcher's ranks and orders work on node-local disks; the three
+training commands are three recipes of one job."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from litgpt.config import Config
+from litgpt.distributed import runtime
+from litgpt.errors import UserError
+from litgpt.lora import LoRASettings
+from litgpt.train.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_module_of_the_core_imports_an_extension():
+    offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "litgpt").rglob("*.py")
+                 if any(name == "extensions" or name.startswith("extensions.") for name in imported_modules(path))]
+    assert offenders == []
+
+
+def test_the_training_modules_load_without_the_extension_or_torch_for_the_config():
+    code = (
+        "import sys\n"
+        "import litgpt.config\n"
+        "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules), 'litgpt.config imported torch'\n"
+        "import litgpt.pretrain, litgpt.finetune.full, litgpt.finetune.lora, litgpt.train.job, litgpt.train.trainer\n"
+        "import litgpt.checkpoint.manager, litgpt.distributed.fabric, litgpt.plan\n"
+        "assert not any(m == 'extensions' or m.startswith('extensions.') for m in sys.modules)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_compiler_is_found_by_name_and_a_missing_one_says_how_to_install_it():
+    from extensions.thunder.pretrain import setup as thunder_setup
+    from litgpt.registry import load_compiler
+
+    assert load_compiler("thunder") is thunder_setup
+    with pytest.raises(UserError, match=r"pip install 'litgpt\[tvm\]'"):
+        load_compiler("tvm")
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        # torchrun on the second node of 2 x 4
+        ({"RANK": "6", "LOCAL_RANK": "2", "GROUP_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, (6, 2, 1, 8)),
+        # srun on the second node of 2 x 2
+        ({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4"}, (3, 1, 1, 4)),
+        # Fabric's own launcher sets NODE_RANK and LOCAL_RANK
+        ({"NODE_RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, (1, 1, 0, 2)),
+        # one plain process
+        ({}, (0, 0, 0, 1)),
+    ],
+)
+def test_ranks_come_from_every_launcher(monkeypatch, environ, expected):
+    for name in {*runtime.GLOBAL_RANK_VARIABLES, *runtime.LOCAL_RANK_VARIABLES, *runtime.NODE_RANK_VARIABLES,
+                 "WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"}:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert (runtime.global_rank(), runtime.local_rank(), runtime.node_rank(), runtime.world_size()) == expected
+
+
+def node_local_worker(rank: int, world: int, per_node: int, port: int, log: str) -> None:
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    })
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        with runtime.node_local_first(timeout_seconds=60):
+            with open(log, "a") as f:
+                f.write(f"{rank} enter {time.monotonic()}\n")
+            time.sleep(0.3)
+            with open(log, "a") as f:
+                f.write(f"{rank} leave {time.monotonic()}\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_node_local_first_runs_rank_zero_then_each_nodes_first_then_the_rest(tmp_path):
+    """Four real processes as two nodes of two: rank 0 alone, then rank 2 (node 1's first), then ranks 1 and 3."""
+    log = tmp_path / "order.txt"
+    port = 29500 + os.getpid() % 1000
+    mp.start_processes(node_local_worker, args=(4, 2, port, str(log)), nprocs=4, join=True, start_method="spawn")
+    events = {}
+    for line in log.read_text().splitlines():
+        rank, what, when = line.split()
+        events[(int(rank), what)] = float(when)
+    assert events[(0, "leave")] < events[(2, "enter")]
+    assert events[(2, "leave")] < min(events[(1, "enter")], events[(3, "enter")])
+
+
+def test_the_recipes_say_what_trains_and_what_a_checkpoint_holds():
+    config = Config(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32, padded_vocab_size=32)
+    full = Recipe(name="finetune_full", config=config, initialization="checkpoint")
+    lora = Recipe(name="finetune_lora", config=config, initialization="checkpoint",
+                  lora=LoRASettings(r=2, alpha=4, dropout=0.0, query=True, key=False, value=True, projection=False,
+                                    mlp=False, head=False))
+    full_model, lora_model = full.build_model(), lora.build_model()
+    assert all(p.is_meta and p.requires_grad for p in full_model.parameters())
+    trainable = {name for name, p in lora_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert {key for key in lora_model.state_dict() if lora.trains(key)} == trainable
+    assert all(full.trains(key) for key in full_model.state_dict())
+    # The base file provides exactly the weights that do not train under LoRA.
+    assert {key for key in lora_model.state_dict() if lora.is_initial_key(key)} == \
+        set(lora_model.state_dict()) - trainable
+    assert (full.weights_file, lora.weights_file) == ("lit_model.pth", "lit_model.pth.lora")
+    assert full.checkpoint_holds_every_weight and not lora.checkpoint_holds_every_weight
+
+
+def test_the_recipe_loss_is_the_mean_cross_entropy_over_labelled_positions():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 6, 0, 1]])
+    model = lambda input_ids: logits  # noqa: E731 - the loss only calls the model
+    loss = Recipe(name="pretrain", config=Config()).loss_function()(model, None, labels)
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    picked = [-log_probs[b, t, labels[b, t]] for b in range(2) for t in range(5) if labels[b, t] != -100]
+    assert torch.allclose(loss.double(), torch.stack(picked).mean(), atol=1e-6)
