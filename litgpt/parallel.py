@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from litgpt.args import FSDPArgs, ShardingStrategy
 from litgpt.errors import UserError
-from litgpt.precision import PRECISION_DTYPES, PRECISIONS, cpu_has_fast_bf16, default_precision
+from litgpt.precision import PRECISION_DTYPES, check_precision, cpu_has_fast_bf16, default_precision
 from litgpt.ranks import launcher_rank
 
 SHARDING_STRATEGIES = get_args(ShardingStrategy)
@@ -49,11 +49,8 @@ def build_fabric(
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     precision = precision or default_precision()
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if on_cpu and precision == "16-mixed":
-        raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
+    check_precision(precision, on_cpu)
     if num_nodes < 1:
         raise UserError(f"--num_nodes must be at least 1, got {num_nodes}.")
     devices = resolve_devices(devices, on_cpu)
@@ -74,8 +71,7 @@ def build_fabric(
     elif devices * num_nodes > 1:
         fsdp = fsdp or FSDPArgs()
         topology = Topology(devices, num_nodes, fsdp.sharding_strategy)
-        if precision == "16-mixed":
-            raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
+        check_precision(precision, on_cpu, fsdp=True)
         strategy = FSDPStrategy(topology, fsdp, precision)
     try:
         return Fabric(
@@ -119,6 +115,12 @@ def slurm_tasks_per_node(environ) -> Optional[int]:
     return counts.pop() if len(counts) == 1 else None
 
 
+def check_sharding_strategy(strategy: str, option: str = "--fsdp.sharding_strategy") -> None:
+    """UserError unless `strategy` is one of the FSDP sharding strategies; `option` names the flag that set it."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise UserError(f"{option} {strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}.")
+
+
 @dataclass(frozen=True)
 class Topology:
     """How the run's processes lay out: `devices` per node on `num_nodes` nodes, and the FSDP mesh over them.
@@ -133,10 +135,7 @@ class Topology:
     sharding_strategy: str = "HYBRID_SHARD"
 
     def __post_init__(self) -> None:
-        if self.sharding_strategy not in SHARDING_STRATEGIES:
-            raise UserError(
-                f"--fsdp.sharding_strategy {self.sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}."
-            )
+        check_sharding_strategy(self.sharding_strategy)
         if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes == 1:
             say_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.")
             object.__setattr__(self, "sharding_strategy", "FULL_SHARD")
