@@ -10,8 +10,9 @@ on the meta device, wraps it as the training commands do (`litgpt.lora.add_lora`
 `mark_only_lora_as_trainable`), gives it fake parameters (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes,
 dtypes and strides, no memory) and runs one forward pass under `torch.autograd.graph.saved_tensors_hooks`. The hooks
 see every tensor autograd keeps for the backward pass; each distinct storage counts once (views share theirs), and
-parameters (and FSDP's gathered copies of them) are not activations. Forward hooks on the blocks say which block
-saved what, and what each block received as its input.
+a saved parameter is not an activation (under FSDP the run's parameters stand for the gathered ones, a row of their
+own). Forward hooks on the blocks say which block saved what, and what each block received as its input. The result
+is kept per model config and settings for the rest of the process.
 
 What is counted, per device:
 
@@ -36,15 +37,15 @@ What is counted, per device:
   activations while it is recomputed (a work buffer).
 - logits and loss: `loss_fn` upcasts the logits to float32; at the start of the backward pass the log-softmax
   output, its gradient and the logits' gradient (3 x tokens x vocab x 4 bytes) are alive together.
-- work buffers: what one block's backward pass allocates on top (activation gradients, its weight gradients,
-  FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
+- work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
+  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
 
 The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how the plan
 adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `_math_attention`):
 
-- 16-bit compute is run in bfloat16 (float16 has the same sizes). 16-mixed on one device runs under CPU autocast;
-  its op lists agree with CUDA's for every op of the model (matmuls and attention in 16 bits, norms and softmax in
-  float32).
+- 16-bit compute is run in bfloat16 (float16 has the same sizes). A -mixed precision on one device runs under the
+  CPU's autocast, whose op lists are taken for CUDA's: for the ops of this model they agree (linear layers, matmuls
+  and attention in 16 bits; norms and float32 softmax as they are).
 - --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul saves
   what a frozen float linear saves: the weight (not an activation), never its input.
 - mixture of experts: routing depends on the data, which fake tensors do not have. Each expert gets an even share of
