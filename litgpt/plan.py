@@ -1,15 +1,26 @@
 """`litgpt plan`: the memory one training step needs on each device, worked out before anything is allocated.
 
 `estimate(config, ...)` returns a `MemoryPlan` (bytes per device, with the peak and where in the step it falls);
-`main` is the command, which prints it as a table or as JSON. Nothing is allocated: the model is built on the meta
-device only to count and shape its parameters.
+`main` is the command, which prints it as a table or as JSON. Its options go through the training commands' own
+checks (`litgpt.precision.check_precision`, `litgpt.distributed.topology.check_sharding_strategy` and `Topology`,
+`litgpt.quantize.check_quantize_mode`).
+
+Nothing is allocated: the model is measured, not re-described. `saved_activation_bytes` builds `litgpt.model.GPT`
+on the meta device, wraps it as the training commands do (`litgpt.lora.add_lora` and
+`mark_only_lora_as_trainable`), gives it fake parameters (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes,
+dtypes and strides, no memory) and runs one forward pass under `torch.autograd.graph.saved_tensors_hooks`. The hooks
+see every tensor autograd keeps for the backward pass; each distinct storage counts once (views share theirs), and
+a saved parameter is not an activation (under FSDP the run's parameters stand for the gathered ones, a row of their
+own). Forward hooks on the blocks say which block saved what, and what each block received as its input. The result
+is kept per model config and settings for the rest of the process.
 
 What is counted, per device:
 
 - parameters: the resident (sharded) copy. Trainable ones in the master dtype (float32 for 32-true and the -mixed
   precisions, 16 bits for the -true ones). Frozen LoRA base weights too, since the training entry points cast the
-  whole model to the master dtype; with --quantize the blocks' linear weights are stored in 4 or 8 bits instead
-  (after the whole base was loaded in the master dtype: that moment is planned too).
+  whole model to the master dtype; with --quantize the blocks' linear weights (`litgpt.quantize.quantize_targets`)
+  are stored in 4 or 8 bits instead (after the whole base was loaded in the master dtype: that moment is planned
+  too).
 - gradients: one per trainable parameter, in the master dtype, sharded like it. With gradient accumulation the
   earlier micro-batches' gradients are held while the next one runs forward (sharded: the sharded strategies
   reduce-scatter after every micro-batch).
@@ -17,18 +28,38 @@ What is counted, per device:
 - gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
   compute dtype before it runs: two blocks at a time (one running, one prefetched) and, in the backward pass, the
   root (embedding, final norm, head) throughout; with SHARD_GRAD_OP every unit stays gathered from its forward until
-  its backward.
-  On a single device (no FSDP) with a -mixed precision, autocast's 16-bit copies of the linear weights, which
-  autograd keeps for the backward pass, take this row instead.
-- activations: what autograd saves in the forward pass of `litgpt.model.GPT`, tensor by tensor (see `_Tape`);
-  with activation checkpointing only each block's input, and one block's activations while it is recomputed.
-  Attention is O(sequence) (flash / memory-efficient kernels, and the CPU's flash kernel), except on CUDA in
-  float32 with grouped keys (n_query_groups < n_head), which no fused kernel takes: the math path keeps the
-  (batch, heads, seq, seq) softmax, as does soft-capped attention (Gemma 2) everywhere.
+  its backward. The shard group comes from `litgpt.distributed.topology.Topology`, as in training.
+  On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
+  autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
+  instead of the activations.
+- activations: what the hooks saw, per block and for the rest of the model (the embedding's indices, the final norm,
+  the head's input). With activation checkpointing only each block's input (as the hooks saw it), plus one block's
+  activations while it is recomputed (a work buffer).
 - logits and loss: `loss_fn` upcasts the logits to float32; at the start of the backward pass the log-softmax
   output, its gradient and the logits' gradient (3 x tokens x vocab x 4 bytes) are alive together.
-- work buffers: what one block's backward pass allocates on top (activation gradients, its weight gradients,
-  FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
+- work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
+  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
+
+The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how the plan
+adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `_math_attention`):
+
+- 16-bit compute is run in bfloat16 (float16 has the same sizes). A -mixed precision on one device runs under the
+  CPU's autocast, whose op lists are taken for CUDA's: for the ops of this model they agree (linear layers, matmuls
+  and attention in 16 bits; norms and float32 softmax as they are).
+- --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul saves
+  what a frozen float linear saves: the weight (not an activation), never its input.
+- mixture of experts: routing depends on the data, which fake tensors do not have. Each expert gets an even share of
+  the k x tokens routed rows (the total is what the memory follows); `torch.where`'s `nonzero` returns that share.
+- --device cuda, where kernels differ from the CPU's:
+  - attention: in float32 with grouped keys (n_query_groups < n_head) no fused CUDA kernel applies, and the fake run
+    selects PyTorch's math path (`sdpa_kernel(SDPBackend.MATH)`), which keeps the (batch, heads, seq, seq) softmax.
+    Otherwise the CPU's flash kernel saves what CUDA's flash and memory-efficient kernels save (q, k, v, output,
+    log-sum-exp), except that the memory-efficient kernel (float32, or a mask such as a sliding window) lays its
+    output out as (batch, seq, heads, head size), which changes whether the projection's reshape copies it; the
+    kernels' 16-byte random-number state and the memory-efficient kernel's padding of the log-sum-exp to 32 rows
+    are left out. Soft-capped attention (Gemma 2) is the model's own matmuls and softmax, on every device.
+  - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
+  - LayerNorm keeps its mean and reciprocal deviation in float32 on CUDA, in the input's dtype on the CPU.
 
 The peak is the largest of three moments: the start of the backward pass (all activations and the loss tensors
 alive), the backward pass of the last block (its work buffers on top of the activations), and the optimizer step
@@ -39,18 +70,21 @@ size and its size at the peak.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional, get_args
+from typing import Optional
 
-from litgpt.args import ShardingStrategy
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from litgpt.config import Config
 from litgpt.errors import UserError
-from litgpt.precision import PRECISIONS
-from litgpt.quantize import QUANTIZE_MODES
 
 METHODS = ("full", "lora")
-SHARDING_STRATEGIES = get_args(ShardingStrategy)
 PLAN_DEVICES = ("cuda", "cpu")
 GiB = 2**30
 
@@ -227,6 +261,59 @@ def resolve_config(model_name: Optional[str], model_config: Optional[Config]) ->
 
 
 # ---- the estimate --------------------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """The settings of the planned run, checked, and what follows from them (sizes in bytes per element)."""
+
+    config: Config
+    method: str
+    precision: str
+    sharding_strategy: str
+    device: str
+    devices: int
+    num_nodes: int
+    micro_batch_size: int
+    seq_length: int
+    lora: object
+    quantize: Optional[str]
+    activation_checkpointing: bool
+    cpu_offload: bool
+    accumulate_gradients: bool
+    shard: int  # the shard group: how many devices one copy of the state is split over
+
+    @property
+    def world(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def fsdp(self) -> bool:
+        return self.world > 1
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def master(self) -> int:  # stored parameters, gradients, optimizer state
+        return 4 if self.precision == "32-true" or self.mixed else 2
+
+    @property
+    def compute(self) -> int:  # what the math runs in
+        return 4 if self.precision == "32-true" else 2
+
+    @property
+    def autocast(self) -> bool:  # single device: Fabric's autocast over float32 weights
+        return self.mixed and not self.fsdp
+
+    @property
+    def param_compute(self) -> int:  # the dtype a module sees its weights in
+        return self.compute if self.fsdp else self.master
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_length
+
+
 def estimate(
     config: Config,
     *,
@@ -246,12 +333,69 @@ def estimate(
     device_memory_gb: float = 80.0,
 ) -> MemoryPlan:
     """The per-device memory of one training step; `lora` is a `LoRASettings` (default settings when None)."""
-    from litgpt.lora import LoRASettings
+    run = _check_run(
+        config, method=method, precision=precision, sharding_strategy=sharding_strategy, devices=devices,
+        num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
+        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
+    )
+    layout = _parameter_layout(config, run.lora, run.quantize)
+    saved = saved_activation_bytes(
+        config, micro_batch_size=run.micro_batch_size, seq_length=run.seq_length, precision=run.precision,
+        fsdp=run.fsdp, device=run.device, lora=run.lora,
+    )
+    state = _resident_state(run, layout)
+    activations = _activation_rows(run, saved)
+    gathered = _gathered_params(run, layout, saved)
+    backward = _block_backward(run, layout)
+    moments = _moments(run, state, activations, gathered, backward)
+    peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
+    at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
+    largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
+    peak = sum(at_peak.values())
+    overhead = _overhead(peak, run.device)
+    total = peak + overhead
+    device_memory = int(device_memory_gb * GiB)
+    # The training commands load the whole base onto the device in the master dtype, then quantize it there.
+    loading = layout.total_params * run.master if run.quantize else 0
+    needed = max(total, loading + _overhead(loading, run.device) if loading else 0)
+    details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
+    return MemoryPlan(
+        model_name=config.name or "model_config", method=run.method, precision=run.precision,
+        sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
+        devices=run.devices, num_nodes=run.num_nodes, micro_batch_size=run.micro_batch_size,
+        seq_length=run.seq_length, activation_checkpointing=run.activation_checkpointing,
+        cpu_offload=run.cpu_offload, accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
+        lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
+        shard_group_size=run.shard, replicate_groups=run.world // run.shard, fsdp=run.fsdp,
+        total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=config.n_layer,
+        **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=total,
+        device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
+        host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
+        attention=backward["attention"], row_details=details, notes=notes,
+    )
 
-    method, precision, sharding_strategy, device = _check_choices(method, precision, sharding_strategy, device)
+
+def _check_run(config: Config, *, method, precision, sharding_strategy, devices, num_nodes, micro_batch_size,
+               seq_length, lora, quantize, activation_checkpointing, cpu_offload, accumulate_gradients, device,
+               device_memory_gb) -> _Run:
+    """The options checked (by the training commands' own validators where they have one) and completed."""
+    from litgpt.lora import LoRASettings
+    from litgpt.distributed.topology import check_sharding_strategy
+    from litgpt.precision import check_precision
+    from litgpt.quantize import check_quantize_mode
+
+    if method not in METHODS:
+        raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
+    if device not in PLAN_DEVICES:
+        raise UserError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}.")
+    strategy = str(sharding_strategy).upper()
+    check_sharding_strategy(strategy, option="--sharding_strategy")
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"--{name} must be a whole number >= 1, got {value!r}.")
+    world = devices * num_nodes
+    check_precision(precision, on_cpu=device == "cpu", fsdp=world > 1)
     seq_length = config.block_size if seq_length is None else seq_length
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
         raise UserError(f"--seq_length must be a whole number >= 1, got {seq_length!r}.")
@@ -262,10 +406,8 @@ def estimate(
         )
     if not (isinstance(device_memory_gb, (int, float)) and device_memory_gb > 0):
         raise UserError(f"--device_memory_gb must be a number > 0, got {device_memory_gb!r}.")
-    world = devices * num_nodes
     if quantize is not None:
-        if quantize not in QUANTIZE_MODES:
-            raise UserError(f"Unknown quantization {quantize!r}; use one of {', '.join(QUANTIZE_MODES)}.")
+        check_quantize_mode(quantize)
         if method != "lora":
             raise UserError("--quantize stores frozen base weights: it needs --method lora.")
         if world > 1:
@@ -275,207 +417,205 @@ def estimate(
             )
     if cpu_offload and world == 1:
         raise UserError("--cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
-    if precision == "16-mixed" and device == "cpu":
-        raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
-    if precision == "16-mixed" and world > 1:
-        raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
-    if method == "lora" and lora is None:
-        lora = LoRASettings()
-    if method == "full":
-        lora = None
+    if method == "lora":
+        lora = lora if lora is not None else LoRASettings()
+    return _Run(
+        config=config, method=method, precision=precision, sharding_strategy=strategy, device=device,
+        devices=devices, num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length,
+        lora=lora if method == "lora" else None, quantize=quantize,
+        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        accumulate_gradients=accumulate_gradients, shard=_shard_group(devices, num_nodes, strategy),
+    )
 
-    fsdp = world > 1
-    if not fsdp:
-        shard = 1
-    elif sharding_strategy == "NO_SHARD":
-        shard = 1
-    elif sharding_strategy == "HYBRID_SHARD":
-        shard = devices
-    else:
-        shard = world
-    mixed = precision.endswith("-mixed")
-    master = 4 if precision == "32-true" or mixed else 2  # stored parameters, gradients, optimizer state
-    compute = 4 if precision == "32-true" else 2  # what the math runs in
-    autocast = mixed and not fsdp  # single device: Fabric's autocast over float32 weights
-    param_compute = master if not fsdp else compute  # the dtype a module sees its weights in
 
-    layout = _parameter_layout(config, lora, quantize)
-    n_tokens = micro_batch_size * seq_length
-    notes: list[str] = []
-    dtype_name = {4: "float32", 2: "16-bit"}
+def _shard_group(devices: int, num_nodes: int, strategy: str) -> int:
+    """The devices one copy of the sharded state spans: the shard dimension of training's FSDP mesh."""
+    if devices * num_nodes == 1:
+        return 1
+    from litgpt.distributed.topology import Topology
 
-    # ---- resident state ----------------------------------------------------------------------------------------
+    with contextlib.redirect_stderr(io.StringIO()):  # Topology's note on HYBRID_SHARD: the plan has its own
+        return Topology(devices, num_nodes, strategy).mesh_shape[1]
+
+
+def _resident_state(run: _Run, layout: "_Layout") -> dict:
+    """Parameters, gradients and optimizer state as they stay on the device (or, offloaded, in host memory)."""
+
     def stored_bytes(p: "_Param") -> int:
         if p.quantized:
-            return _quantized_bytes(p.shape, quantize)
-        return _shard_numel(p.shape, shard) * master
+            return _quantized_bytes(p.shape, run.quantize)
+        return _shard_numel(p.shape, run.shard) * run.master
 
     parameters = sum(stored_bytes(p) for p in layout.params)
     trainable = [p for p in layout.params if p.trainable]
-    gradients_sharded = sum(_shard_numel(p.shape, shard) for p in trainable) * master
-    optimizer_state = 2 * gradients_sharded + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
-    unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
-    reduce_bytes = master  # FSDP's reduce dtype: float32 for -mixed (and 32-true), 16 bits for -true
-    # Sharded strategies reduce-scatter after every micro-batch, so accumulation holds sharded gradients (NO_SHARD
-    # holds them unsharded, which is the same size there).
-    gradients_held = gradients_sharded if accumulate_gradients else 0
-
-    # ---- activations -------------------------------------------------------------------------------------------
-    saved = saved_activation_bytes(
-        config, micro_batch_size=micro_batch_size, seq_length=seq_length, precision=precision, fsdp=fsdp,
-        device=device, lora=lora,
+    gradients = sum(_shard_numel(p.shape, run.shard) for p in trainable) * run.master
+    optimizer_state = 2 * gradients + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
+    state = dict(
+        parameters=parameters, gradients=gradients, optimizer_state=optimizer_state, host_per_node=0,
+        # Sharded strategies reduce-scatter after every micro-batch, so accumulation holds sharded gradients
+        # (NO_SHARD holds them unsharded, which is the same size there).
+        gradients_held=gradients if run.accumulate_gradients else 0,
+        resident=dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state),
     )
-    per_layer, root_activations = saved.per_layer, saved.root
-    if activation_checkpointing:
-        # Each checkpointed block keeps only its input; the backward pass recomputes one block at a time.
-        activations = root_activations + n_tokens * config.n_embd * param_compute * config.n_layer
-        recompute = max(per_layer)
-    else:
-        activations = root_activations + sum(per_layer)
-        recompute = 0
-    logits_loss = 3 * n_tokens * config.padded_vocab_size * 4
+    if run.cpu_offload:
+        state["host_per_node"] = run.devices * (parameters + gradients + optimizer_state)
+        state["resident"] = dict(parameters=0, gradients=0, optimizer_state=0)
+    return state
 
-    # ---- gathered parameters -----------------------------------------------------------------------------------
-    block_bytes = sorted(unsharded(ps) * compute for ps in layout.blocks)
-    root_bytes = unsharded(layout.root) * compute
-    if fsdp:
+
+def _activation_rows(run: _Run, saved: "SavedActivations") -> dict:
+    """The activations held at the start of the backward pass, and the loss' float32 tensors."""
+    if run.activation_checkpointing:
+        # Each checkpointed block keeps only its input; the backward pass recomputes one block at a time.
+        activations = saved.root + sum(saved.block_inputs)
+        recompute = max(saved.per_layer, default=0)
+    else:
+        activations = saved.root + sum(saved.per_layer)
+        recompute = 0
+    logits_loss = 3 * run.tokens * run.config.padded_vocab_size * 4
+    return dict(
+        activations=activations, root=saved.root, recompute=recompute, logits_loss=logits_loss,
+        largest_layer=max(saved.per_layer, default=0),
+    )
+
+
+def _gathered_params(run: _Run, layout: "_Layout", saved: "SavedActivations") -> dict:
+    """FSDP's gathered units, or on one device autocast's 16-bit weight copies, at each moment of the step."""
+    unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    block_bytes = sorted(unsharded(ps) * run.compute for ps in layout.blocks)
+    root_bytes = unsharded(layout.root) * run.compute
+    gathered = dict(root=root_bytes if run.fsdp else 0, forward_end=0)
+    if run.fsdp:
         # `shard_model` keeps the root (embeddings, final norm, head) gathered from its forward to its backward, which
         # starts with the head. A block is gathered for its forward and again for its backward, the next one
         # prefetched (a shard group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
         # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
-        gathered_backward = root_bytes + sum(block_bytes[-(2 if shard > 1 else 1):])
-        if sharding_strategy == "SHARD_GRAD_OP" and shard > 1:
-            gathered_start = root_bytes + sum(block_bytes)
-            gathered_detail = "every block + root, from forward to backward"
+        gathered["backward"] = root_bytes + sum(block_bytes[-(2 if run.shard > 1 else 1):])
+        if run.sharding_strategy == "SHARD_GRAD_OP" and run.shard > 1:
+            gathered.update(start=root_bytes + sum(block_bytes), detail="every block + root, from forward to backward")
         else:
-            gathered_start = root_bytes
-            gathered_detail = "root + 2 blocks at a time, compute dtype"
-    elif autocast:
-        # Autocast's 16-bit copies of the linear weights, saved for the backward pass; with checkpointing only the
-        # head's and the recomputed block's are saved, but the cached copies of trainable weights last until the
-        # forward pass ends.
-        gathered_start = gathered_backward = saved.weight_copies
-        if activation_checkpointing:
+            gathered.update(start=root_bytes, detail="root + 2 blocks at a time, compute dtype")
+    elif run.autocast:
+        # Autocast's 16-bit copies of the weights that autograd saved; with checkpointing only the head's and the
+        # recomputed block's are saved, but the cached copies of trainable weights last until the forward pass ends.
+        gathered.update(start=saved.weight_copies, backward=saved.weight_copies)
+        gathered["detail"] = "autocast's 16-bit copies of the linear weights"
+        if run.activation_checkpointing:
             head_copies = saved.weight_copies - sum(saved.layer_weight_copies)
-            gathered_start = head_copies
-            gathered_backward = head_copies + max(saved.layer_weight_copies)
-            gathered_forward_end = max(saved.cached_weight_copies, head_copies)
-        gathered_detail = "autocast's 16-bit copies of the linear weights"
+            gathered["start"] = head_copies
+            gathered["backward"] = head_copies + max(saved.layer_weight_copies, default=0)
+            gathered["forward_end"] = max(saved.cached_weight_copies, head_copies)
     else:
-        gathered_start = gathered_backward = 0
-        gathered_detail = "none on a single device"
+        gathered.update(start=0, backward=0, detail="none on a single device")
+    return gathered
 
-    # ---- one block's backward pass -------------------------------------------------------------------------------
-    grad_itemsize = compute if (autocast or fsdp) else param_compute
+
+def _block_backward(run: _Run, layout: "_Layout") -> dict:
+    """What the backward pass of one block allocates on top of the activations, and the root's gradients."""
+    config = run.config
+    unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    grad_itemsize = run.compute if (run.autocast or run.fsdp) else run.param_compute
     widest = max(config.qkv_size, _mlp_width(config), config.n_embd)
-    activation_grads = 3 * n_tokens * widest * grad_itemsize + 2 * n_tokens * config.n_embd * param_compute
-    math_attention = (
-        device == "cuda" and precision == "32-true" and config.n_query_groups != config.n_head
-        and config.attention_logit_softcapping is None
-    )
+    activation_grads = 3 * run.tokens * widest * grad_itemsize + 2 * run.tokens * config.n_embd * run.param_compute
+    math_attention = _math_attention(config, run.device, run.precision)
     if config.attention_logit_softcapping is not None:
         attention = "soft-capped attention, materialized"
     elif math_attention:
         attention = "math attention: no fused float32 kernel takes grouped keys"
     else:
-        attention = "flash attention" if device == "cuda" else "CPU flash attention"
+        attention = "flash attention" if run.device == "cuda" else "CPU flash attention"
     if math_attention or config.attention_logit_softcapping is not None:
         # The attention weights' gradient and the scores' gradient: (B, H, T, T) each.
-        activation_grads += 2 * micro_batch_size * config.n_head * seq_length**2 * compute
+        activation_grads += 2 * run.micro_batch_size * config.n_head * run.seq_length**2 * run.compute
     top_trainable = unsharded(_top_block_trainable(layout))
-    if fsdp:
+    reduce_bytes = run.master  # FSDP's reduce dtype: float32 for -mixed (and 32-true), 16 bits for -true
+    if run.fsdp:
         # The block's unsharded gradients in the compute dtype, and the reduce-scatter input in the reduce dtype.
-        weight_grads = top_trainable * (compute + reduce_bytes)
+        weight_grads = top_trainable * (run.compute + reduce_bytes)
     else:
-        weight_grads = 0 if accumulate_gradients else top_trainable * master
-    dequantized = max(layout.quantized_numel, default=0) * param_compute if quantize else 0
-    buffers = recompute + activation_grads + weight_grads + dequantized
-    root_trainable = [p for p in layout.root if p.trainable]
-    if fsdp:
-        root_grads = unsharded(root_trainable) * compute  # the root reduces its gradients after the whole backward
-    elif not accumulate_gradients:
-        root_grads = unsharded(root_trainable) * master
+        weight_grads = 0 if run.accumulate_gradients else top_trainable * run.master
+    dequantized = max(layout.quantized_numel, default=0) * run.param_compute if run.quantize else 0
+    root_trainable = unsharded([p for p in layout.root if p.trainable])
+    if run.fsdp:
+        root_grads = root_trainable * run.compute  # the root reduces its gradients after the whole backward
     else:
-        root_grads = 0
+        root_grads = 0 if run.accumulate_gradients else root_trainable * run.master
+    return dict(
+        activation_grads=activation_grads, weight_grads=weight_grads, dequantized=dequantized, root_grads=root_grads,
+        attention=attention, math_attention=math_attention,
+    )
 
-    # ---- CPU offload ---------------------------------------------------------------------------------------------
-    host_per_node = 0
-    resident_parameters, resident_gradients, resident_optimizer = parameters, gradients_sharded, optimizer_state
-    if cpu_offload:
-        host_per_node = devices * (parameters + gradients_sharded + optimizer_state)
-        resident_parameters = resident_gradients = resident_optimizer = 0
 
-    # ---- the moments of a step -------------------------------------------------------------------------------------
+def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward: dict) -> dict[str, dict]:
+    """Every row's size at each moment of the step that can be the peak."""
+    held = state["gradients_held"]
+    buffers = activations["recompute"] + backward["activation_grads"] + backward["weight_grads"]
+    buffers += backward["dequantized"]
+    root_grads = backward["root_grads"]
     moments = {}
-    if autocast and activation_checkpointing:
+    if run.autocast and run.activation_checkpointing:
         moments["end of the forward pass"] = dict(
-            gradients=gradients_held, gathered_params=gathered_forward_end, activations=activations,
-            logits_loss=n_tokens * config.padded_vocab_size * compute, buffers=dequantized,
+            gradients=held, gathered_params=gathered["forward_end"], activations=activations["activations"],
+            logits_loss=run.tokens * run.config.padded_vocab_size * run.compute, buffers=backward["dequantized"],
         )
-    moments.update({
-        "start of the backward pass": dict(
-            gradients=gradients_held, gathered_params=gathered_start, activations=activations,
-            logits_loss=logits_loss, buffers=dequantized,
-        ),
-        "backward pass of the last block": dict(
-            gradients=gradients_held + root_grads, gathered_params=gathered_backward,
-            activations=activations - root_activations, buffers=buffers,
-        ),
-        # Under FSDP the root's parameters stay gathered and its gradients unsharded until the backward pass ends.
-        "optimizer step": dict(
-            gradients=resident_gradients + (root_grads if fsdp else 0), gathered_params=root_bytes if fsdp else 0
-        ),
-    })
+    moments["start of the backward pass"] = dict(
+        gradients=held, gathered_params=gathered["start"], activations=activations["activations"],
+        logits_loss=activations["logits_loss"], buffers=backward["dequantized"],
+    )
+    moments["backward pass of the last block"] = dict(
+        gradients=held + root_grads, gathered_params=gathered["backward"],
+        activations=activations["activations"] - activations["root"], buffers=buffers,
+    )
+    # Under FSDP the root's parameters stay gathered and its gradients unsharded until the backward pass ends.
+    moments["optimizer step"] = dict(
+        gradients=state["resident"]["gradients"] + (root_grads if run.fsdp else 0), gathered_params=gathered["root"]
+    )
     for moment in moments.values():
-        moment.update(parameters=resident_parameters, optimizer_state=resident_optimizer)
-    peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
-    at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
-    largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
-    peak = sum(at_peak.values())
-    overhead = _overhead(peak, device)
-    total = peak + overhead
-    device_memory = int(device_memory_gb * GiB)
-    loading = 0
-    if quantize:
-        # The training commands load the whole base onto the device in the master dtype, then quantize it there.
-        loading = sum(math.prod(p.shape) for p in layout.params) * master
-        notes.append(
-            f"--quantize: the base is loaded onto the device in {dtype_name[master]} before it is quantized: "
-            f"{_fmt(loading)} (+ overhead) at that moment, before training starts."
+        moment.update(
+            parameters=state["resident"]["parameters"], optimizer_state=state["resident"]["optimizer_state"]
         )
-    needed = max(total, loading + _overhead(loading, device) if loading else 0)
+    return moments
 
-    # ---- what the table says -------------------------------------------------------------------------------------
-    placement = f"1/{shard} shard" if shard > 1 else ("replicated" if fsdp else "one device")
-    if cpu_offload:
+
+def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gathered: dict, backward: dict,
+              loading: int) -> tuple[dict[str, str], list[str]]:
+    """The table's detail column and the notes under it."""
+    dtype_name = {4: "float32", 2: "16-bit"}
+    master, config = dtype_name[run.master], run.config
+    placement = f"1/{run.shard} shard" if run.shard > 1 else ("replicated" if run.fsdp else "one device")
+    if run.cpu_offload:
         placement = "in CPU memory"
     details = {
-        "parameters": f"{placement}, {dtype_name[master]}" + (f", blocks' linears {quantize}" if quantize else ""),
-        "gradients": f"{placement}, {dtype_name[master]}"
-        + (" (+ the root's unsharded in the backward pass)" if fsdp and root_grads else ""),
-        "optimizer_state": f"2 moments, {placement}, {dtype_name[master]}",
-        "gathered_params": gathered_detail,
-        "activations": (
-            f"{config.n_layer} block inputs + head" if activation_checkpointing
-            else f"{config.n_layer} blocks x {_fmt(max(per_layer))} + head"
-        ),
-        "logits_loss": f"3 x {n_tokens:,} tokens x {config.padded_vocab_size:,} vocab x 4 B",
-        "buffers": ("1 block recomputed + " if activation_checkpointing else "")
-        + "1 block's backward" + (" + 1 dequantized weight" if quantize else ""),
+        "parameters": f"{placement}, {master}" + (f", blocks' linears {run.quantize}" if run.quantize else ""),
+        "gradients": f"{placement}, {master}"
+        + (" (+ the root's unsharded in the backward pass)" if run.fsdp and backward["root_grads"] else ""),
+        "optimizer_state": f"2 moments, {placement}, {master}",
+        "gathered_params": gathered["detail"],
+        "activations": f"{config.n_layer} block inputs + head" if run.activation_checkpointing
+        else f"{config.n_layer} blocks x {_fmt(activations['largest_layer'])} + head",
+        "logits_loss": f"3 x {run.tokens:,} tokens x {config.padded_vocab_size:,} vocab x 4 B",
+        "buffers": ("1 block recomputed + " if run.activation_checkpointing else "")
+        + "1 block's backward" + (" + 1 dequantized weight" if run.quantize else ""),
     }
-    if method == "lora" and quantize is None:
+    notes = []
+    if loading:
         notes.append(
-            f"The frozen base weights are stored in {dtype_name[master]} (the training commands cast the whole model "
+            f"--quantize: the base is loaded onto the device in {master} before it is quantized: "
+            f"{_fmt(loading)} (+ overhead) at that moment, before training starts."
+        )
+    if run.method == "lora" and run.quantize is None:
+        notes.append(
+            f"The frozen base weights are stored in {master} (the training commands cast the whole model "
             "to the master dtype); --quantize on one device stores the blocks' linear weights in 4 or 8 bits."
         )
-    if fsdp and sharding_strategy == "HYBRID_SHARD" and num_nodes == 1:
+    if run.fsdp and run.sharding_strategy == "HYBRID_SHARD" and run.num_nodes == 1:
         notes.append("HYBRID_SHARD on one node shards over its devices, as FULL_SHARD does.")
-    if cpu_offload:
+    if run.cpu_offload:
         notes.append(
-            f"CPU offload: the sharded parameters, gradients and optimizer state take {_fmt(host_per_node)} of host "
-            f"memory per node ({devices} device(s)); the optimizer step runs on the CPU."
+            f"CPU offload: the sharded parameters, gradients and optimizer state take {_fmt(state['host_per_node'])} "
+            f"of host memory per node ({run.devices} device(s)); the optimizer step runs on the CPU."
         )
-    if device == "cuda":
+    if run.device == "cuda":
         notes.append(
             f"Overhead assumed: {_fmt(CUDA_CONTEXT_BYTES)} for the CUDA context and library workspaces, plus "
             f"{CUDA_FRAGMENTATION:.0%} of the peak for the caching allocator's fragmentation."
@@ -483,48 +623,19 @@ def estimate(
     else:
         notes.append(f"Overhead assumed: {_fmt(CPU_RUNTIME_BYTES)}, the resident size of Python and torch themselves.")
     if config.mlp_class_name == "LLaMAMoE":
-        notes.append("Mixture of experts: every token's k experts' activations are counted, whatever the routing.")
-    if math_attention:
+        notes.append("Mixture of experts: the routed rows are spread evenly over the experts (k per token).")
+    if backward["math_attention"]:
         notes.append(
             "No fused CUDA attention kernel takes float32 with grouped keys: the math path keeps a (batch, heads, seq, "
             "seq) softmax per layer; a 16-bit precision runs flash attention instead."
         )
-
-    return MemoryPlan(
-        model_name=config.name or "model_config", method=method, precision=precision,
-        sharding_strategy=sharding_strategy if fsdp else "none (1 device)", device=device, devices=devices,
-        num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length,
-        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
-        accumulate_gradients=accumulate_gradients, quantize=quantize, lora_r=lora.r if lora else None,
-        lora_targets=_lora_targets(lora), world_size=world, shard_group_size=shard, replicate_groups=world // shard,
-        fsdp=fsdp, total_params=layout.total_params, trainable_params=layout.trainable_params,
-        n_layer=config.n_layer, parameters=largest["parameters"], gradients=largest["gradients"],
-        optimizer_state=largest["optimizer_state"], gathered_params=largest["gathered_params"],
-        activations=largest["activations"], logits_loss=largest["logits_loss"], buffers=largest["buffers"],
-        at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=total,
-        device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
-        host_memory_per_node=host_per_node, activations_per_layer=max(per_layer), attention=attention,
-        row_details=details, notes=notes,
-    )
+    return details, notes
 
 
 def _overhead(peak: int, device: str) -> int:
     if device == "cuda":
         return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * peak)
     return CPU_RUNTIME_BYTES
-
-
-def _check_choices(method: str, precision: str, strategy: str, device: str) -> tuple[str, str, str, str]:
-    if method not in METHODS:
-        raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
-    normalized = str(strategy).upper()
-    if normalized not in SHARDING_STRATEGIES:
-        raise UserError(f"--sharding_strategy {strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}.")
-    if device not in PLAN_DEVICES:
-        raise UserError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}.")
-    return method, precision, normalized, device
 
 
 def _lora_targets(lora) -> list[str]:
@@ -562,21 +673,16 @@ class _Layout:
 
 def _parameter_layout(config: Config, lora, quantize: Optional[str]) -> _Layout:
     """Every parameter of the model as it trains (with its adapters), by FSDP unit: the root and each block."""
-    import torch.nn as nn
-
     from litgpt.checkpoint.model_files import meta_device
     from litgpt.lora import add_lora, is_lora_key
     from litgpt.model import GPT
+    from litgpt.quantize import quantize_targets
 
     with meta_device():
         model = GPT(config)
     if lora is not None:
         add_lora(model, lora)
-    quantized = set()
-    if quantize:  # as litgpt.quantize.quantize_frozen_base: every linear of the blocks but a router
-        for name, module in model.transformer.h.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith("mlp.gate"):
-                quantized.add(id(module.weight))
+    quantized = {id(layer.weight) for _, _, layer in quantize_targets(model)} if quantize else set()
     root: list[_Param] = []
     blocks: list[list[_Param]] = [[] for _ in range(config.n_layer)]
     quantized_numel = []
@@ -620,28 +726,17 @@ def _mlp_width(config: Config) -> int:
     return config.intermediate_size
 
 
-# ---- activations ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _T:
-    """A tensor of the symbolic forward pass: views share their storage's key."""
-
-    key: int
-    numel: int
-    itemsize: int
-    storage_bytes: int
-    requires_grad: bool
-    fresh: bool = False  # laid out contiguously by a cat (CPU attention then returns a contiguous output)
-
-
+# ---- activations: the real model on fake tensors -------------------------------------------------------------------
 @dataclass
 class SavedActivations:
     """Bytes autograd saves in the forward pass of `litgpt.model.GPT` (the loss' own tensors not included).
 
-    `per_layer`: one entry per block; `root`: the embedding's indices, the rotary tables, the final norm, the head's
-    input and a final soft-capping. With autocast (a -mixed precision on one device) `weight_copies` are its 16-bit
-    copies of the weights that autograd saves (`layer_weight_copies` per block, the rest the head's), and
-    `cached_weight_copies` those of the trainable weights, which autocast's cache holds until the forward pass ends
-    even where checkpointing saves nothing.
+    `per_layer`: one entry per block (a storage first saved in a block counts there); `root`: the rest (the
+    embedding's indices, the final norm, the head's input, a final soft-capping). `block_inputs`: the storage of each
+    block's input, what activation checkpointing keeps. With autocast (a -mixed precision on one device)
+    `weight_copies` are its 16-bit copies of the weights that autograd saves (`layer_weight_copies` per block, the
+    rest the head's), and `cached_weight_copies` those of the trainable weights, which autocast's cache holds until
+    the forward pass ends even where checkpointing saves nothing.
     """
 
     per_layer: list[int]
@@ -649,269 +744,14 @@ class SavedActivations:
     weight_copies: int = 0
     layer_weight_copies: list[int] = field(default_factory=list)
     cached_weight_copies: int = 0
+    block_inputs: list[int] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(self.per_layer) + self.root + self.weight_copies
 
 
-class _Tape:
-    """Walks `litgpt.model.GPT`'s forward pass and records, per op, the tensors autograd saves for the backward.
-
-    The rules follow PyTorch's derivative formulas: a linear layer saves its input only when its weight trains, and
-    its weight (a parameter, or autocast's copy of it) only when its input needs a gradient; an elementwise product
-    saves each operand for the other's gradient; RMSNorm saves its float32 input and the reciprocal RMS, and its
-    normalized input when its weight trains; flash / memory-efficient attention saves q, k, v, the output and the
-    log-sum-exp. A saved view keeps its whole storage alive, and a storage saved twice counts once.
-    """
-
-    def __init__(self, config: Config, *, tokens: int, batch: int, seq: int, param_compute: int, compute: int,
-                 autocast: bool, device: str, full: bool, lora) -> None:
-        self.c = config
-        self.tokens, self.batch, self.seq = tokens, batch, seq
-        self.param_compute, self.compute, self.autocast = param_compute, compute, autocast
-        self.device, self.full, self.lora = device, full, lora
-        self.saved: dict[int, int] = {}
-        self.weight_copies = 0
-        self.cached_weight_copies = 0
-        self._next = 0
-        self.rope_keys: dict[bool, tuple[int, int]] = {}
-
-    # ---- primitives ----
-    def new(self, numel: int, itemsize: int, requires_grad: bool, fresh: bool = False) -> _T:
-        self._next += 1
-        return _T(self._next, numel, itemsize, numel * itemsize, requires_grad, fresh)
-
-    def save(self, t: _T) -> None:
-        self.saved.setdefault(t.key, t.storage_bytes)
-
-    def save_new(self, numel: int, itemsize: int) -> None:
-        self.save(self.new(numel, itemsize, False))
-
-    def cast(self, t: _T, itemsize: int) -> _T:
-        return t if t.itemsize == itemsize else self.new(t.numel, itemsize, t.requires_grad, t.fresh)
-
-    def autocast_input(self, t: _T) -> _T:
-        """What autocast hands a matmul: a new 16-bit copy of a float32 activation (per call: never cached)."""
-        return self.cast(t, self.compute) if self.autocast else t
-
-    def view(self, t: _T, numel: int) -> _T:
-        return _T(t.key, numel, t.itemsize, t.storage_bytes, t.requires_grad, t.fresh)
-
-    def total(self) -> int:
-        return sum(self.saved.values())
-
-    # ---- layers ----
-    def norm(self, x: _T, size: int, trainable: bool) -> _T:
-        rows = x.numel // size
-        requires_grad = x.requires_grad or trainable
-        if self.c.norm_class_name == "LayerNorm":
-            xc = self.cast(x, 4) if self.autocast else x
-            if requires_grad:
-                self.save(xc)
-                stats = 4 if self.device == "cuda" else xc.itemsize  # mean and rstd
-                self.save_new(rows, stats)
-                self.save_new(rows, stats)
-            return self.new(x.numel, xc.itemsize, requires_grad)
-        xf = self.cast(x, 4)  # x.float()
-        if x.requires_grad:
-            self.save(xf)
-            self.save_new(rows, 4)  # rsqrt(mean(x^2) + eps)
-        normed = self.new(x.numel, 4, x.requires_grad)
-        if self.c.norm_unit_offset:  # (normed * (1 + weight.float())).to(dtype)
-            if trainable:
-                self.save(normed)
-            if x.requires_grad:
-                self.save_new(size, 4)
-            return self.cast(self.new(x.numel, 4, requires_grad), x.itemsize)
-        y = self.cast(normed, x.itemsize)  # normed.to(dtype)
-        if trainable:
-            self.save(y)
-        return self.new(x.numel, max(self.param_compute, y.itemsize), requires_grad)
-
-    def linear(self, x: _T, in_features: int, out_features: int, trainable: bool, lora_parts: int = 0,
-               lora_rows: int = 0) -> _T:
-        rows = x.numel // in_features
-        out_itemsize = self.compute if self.autocast else max(x.itemsize, self.param_compute)
-        if trainable:
-            self.save(self.autocast_input(x))
-        if self.autocast and x.requires_grad:
-            self.weight_copies += in_features * out_features * self.compute
-        if self.autocast and trainable:
-            self.cached_weight_copies += in_features * out_features * self.compute
-        out = self.new(rows * out_features, out_itemsize, x.requires_grad or trainable or lora_parts > 0)
-        if not lora_parts:
-            return out
-        # dropout(x).to(A's dtype) @ A^T (A of every part stacked), * scaling, @ B^T (laid out over the rows)
-        r = self.lora.r * lora_parts
-        adapter_itemsize = self.compute if self.autocast else self.param_compute
-        h = x
-        if self.lora.dropout > 0:
-            if x.requires_grad:  # the mask: a bool on CUDA, the scaled noise in the input's dtype on the CPU
-                self.save_new(x.numel, 1 if self.device == "cuda" else x.itemsize)
-            h = self.new(x.numel, x.itemsize, x.requires_grad)
-        h = self.cast(h, self.param_compute)
-        self.save(self.autocast_input(h))
-        if h.requires_grad and (lora_parts > 1 or self.autocast):
-            self.save_new(r * in_features, adapter_itemsize)  # A concatenated, or autocast's copy
-        self.save_new(rows * r, adapter_itemsize)  # (h @ A^T) * scaling
-        if lora_parts > 1 or lora_rows != out_features or self.autocast:
-            self.save_new(out_features * r, adapter_itemsize)  # B laid out over the rows, or autocast's copy
-        return self.new(out.numel, out.itemsize, True)
-
-    def attention(self, x: _T, layer_idx: int) -> _T:
-        c = self.c
-        q_rows, kv_rows = c.n_head * c.head_size, c.n_query_groups * c.head_size
-        lora = self.lora
-        parts = [p for p in ("query", "key", "value") if lora is not None and getattr(lora, p)]
-        lora_rows = sum(q_rows if p == "query" else kv_rows for p in parts)
-        qkv = self.linear(x, c.n_embd, c.qkv_size, self.full, len(parts), lora_rows)
-        q = self.view(qkv, self.tokens * q_rows)
-        k = self.view(qkv, self.tokens * kv_rows)
-        v = self.view(qkv, self.tokens * kv_rows)
-        if c.norm_qk:
-            q = self.norm(q, c.head_size, self.full)
-            k = self.norm(k, c.head_size, self.full)
-        local = c.rope_local_base is not None and c.is_sliding_layer(layer_idx)
-        q, k = self.rope(q, local), self.rope(k, local)
-        if c.attention_logit_softcapping is not None:
-            y = self.softcapped_attention(q, k, v)
-        else:
-            y = self.sdpa(q, k, v, masked=c.is_sliding_layer(layer_idx))
-        proj_lora = 1 if lora is not None and lora.projection else 0
-        return self.linear(y, q_rows, c.n_embd, self.full, proj_lora, c.n_embd)
-
-    def rope(self, x: _T, local: bool) -> _T:
-        c = self.c
-        if c.rope_n_elem == 0:
-            return x
-        if x.requires_grad:  # rotated * cos + rotate_half(rotated) * sin saves cos and sin, shared by the layers
-            if local not in self.rope_keys:
-                self.rope_keys[local] = (self.new(0, 1, False).key, self.new(0, 1, False).key)
-            size = self.seq * c.rope_n_elem * self.param_compute
-            for key in self.rope_keys[local]:
-                self.saved.setdefault(key, size)
-        partial = c.rope_n_elem < c.head_size  # torch.cat((rotated, passed)): a contiguous new tensor
-        return self.new(x.numel, max(x.itemsize, self.param_compute), x.requires_grad, fresh=partial)
-
-    def sdpa(self, q: _T, k: _T, v: _T, masked: bool) -> _T:
-        c = self.c
-        q, k, v = (self.autocast_input(t) for t in (q, k, v))
-        requires_grad = q.requires_grad or k.requires_grad or v.requires_grad
-        if self.math_attention(q.itemsize):
-            # No fused CUDA kernel takes float32 with grouped keys: the math path repeats k and v per head, scales
-            # q and k, and keeps the softmax of the scores; its (B, H, T, hs) output is copied for the projection.
-            if requires_grad:
-                for numel in (q.numel, q.numel, q.numel, self.batch * c.n_head * self.seq * self.seq):
-                    self.save_new(numel, q.itemsize)
-            return self.new(q.numel, q.itemsize, requires_grad)
-        out = self.new(q.numel, q.itemsize, requires_grad)
-        if requires_grad:
-            for t in (q, k, v, out):
-                self.save(t)
-            self.save_new(self.batch * c.n_head * self.seq, 4)  # log-sum-exp per query
-            if self.device == "cuda":
-                self.save_new(2, 8)  # the dropout RNG's seed and offset
-            if masked:  # the boolean window mask becomes an additive float mask, per call
-                self.save_new(self.seq * self.seq, q.itemsize)
-        # CPU flash and CUDA flash attention lay their output out like q, CUDA's memory-efficient kernel (float32,
-        # or a mask) as (B, T, H, hs): after a partial rotary embedding q is contiguous, and the projection's
-        # y.transpose(1, 2).reshape(...) copies the output.
-        efficient = self.device == "cuda" and (q.itemsize == 4 or masked)
-        if q.fresh and not efficient:
-            return self.new(out.numel, out.itemsize, requires_grad)
-        return out
-
-    def math_attention(self, itemsize: int) -> bool:
-        return self.device == "cuda" and itemsize == 4 and self.c.n_query_groups != self.c.n_head
-
-    def softcapped_attention(self, q: _T, k: _T, v: _T) -> _T:
-        c = self.c
-        q, k, v = (self.autocast_input(t) for t in (q, k, v))
-        if c.n_query_groups != c.n_head:
-            k = self.new(q.numel, k.itemsize, k.requires_grad)  # repeat_interleave
-            v = self.new(q.numel, v.itemsize, v.requires_grad)
-        scores = self.batch * c.n_head * self.seq * self.seq
-        self.save(q)
-        self.save(k)
-        self.save_new(scores, q.itemsize)  # tanh's output
-        self.save_new(self.seq * self.seq, 1)  # the boolean mask of masked_fill
-        weights = self.new(scores, 4, True)  # softmax in float32
-        self.save(weights)
-        self.save(self.cast(weights, q.itemsize))
-        self.save(v)
-        return self.new(q.numel, q.itemsize, True)  # made contiguous for the projection
-
-    def mlp(self, x: _T, intermediate: Optional[int] = None) -> _T:
-        c = self.c
-        lora_mlp = 1 if self.lora is not None and self.lora.mlp else 0
-        size = intermediate or c.intermediate_size
-        if c.mlp_class_name == "LLaMAMoE" and intermediate is None:
-            return self.moe(x)
-        if c.mlp_class_name == "GptNeoxMLP":
-            a = self.linear(x, c.n_embd, size, self.full, lora_mlp, size)
-            if a.requires_grad:
-                self.save(a)  # gelu's input
-            g = self.new(a.numel, a.itemsize, a.requires_grad)
-            return self.linear(g, size, c.n_embd, self.full, lora_mlp, c.n_embd)
-        a = self.linear(x, c.n_embd, size, self.full, lora_mlp, size)
-        b = self.linear(x, c.n_embd, size, self.full, lora_mlp, size)
-        if a.requires_grad:
-            self.save(a)  # silu's / gelu's input
-        s = self.new(a.numel, a.itemsize, a.requires_grad)
-        if b.requires_grad:
-            self.save(s)
-        if s.requires_grad:
-            self.save(b)
-        p = self.new(a.numel, max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
-        return self.linear(p, size, c.n_embd, self.full, lora_mlp, c.n_embd)
-
-    def moe(self, x: _T) -> _T:
-        """Router, then each token through its k experts: k x tokens rows over all experts, however spread."""
-        c = self.c
-        rows, k = x.numel // c.n_embd, c.n_expert_per_token
-        logits = self.linear(x, c.n_embd, c.n_expert, self.full)
-        routed = logits.requires_grad
-        if routed:
-            self.save_new(rows * c.n_expert, 4)  # softmax output
-            self.save_new(rows * k, 8)  # top-k indices
-            if c.moe_renormalize:
-                self.save_new(rows * k, 4)  # top-k weights
-                self.save_new(rows, 4)  # their sum
-        self.save_new(rows * k, 16)  # each expert's token and slot indices
-        picked = self.new(rows * k * c.n_embd, x.itemsize, x.requires_grad)  # x[token_idx]
-        copies, cached = self.weight_copies, self.cached_weight_copies
-        out = self.mlp(picked, intermediate=c.moe_intermediate_size)
-        self.weight_copies += (c.n_expert - 1) * (self.weight_copies - copies)  # every expert's weights
-        self.cached_weight_copies += (c.n_expert - 1) * (self.cached_weight_copies - cached)
-        if out.requires_grad:
-            self.save_new(rows * k, x.itemsize)  # the routing weight of each row
-        if routed:
-            self.save(out)  # for the routing weights' gradient
-        self.save_new(out.numel, max(out.itemsize, x.itemsize))  # the weighted rows, saved by index_add_
-        return self.new(x.numel, x.itemsize, True)
-
-    def add(self, *ts: _T) -> _T:
-        return self.new(ts[0].numel, max(t.itemsize for t in ts), any(t.requires_grad for t in ts))
-
-    def block(self, x: _T, layer_idx: int) -> _T:
-        c = self.c
-        d = c.n_embd
-        x_normed = self.norm(x, d, self.full)
-        attention_out = self.attention(x_normed, layer_idx)
-        if c.post_attention_norm:
-            attention_out = self.norm(attention_out, d, self.full)
-        if c.parallel_residual:
-            mlp_in = x_normed if self.c.shared_attention_norm else self.norm(x, d, self.full)
-            mlp_out = self.mlp(mlp_in)
-            if c.post_mlp_norm:
-                mlp_out = self.norm(mlp_out, d, self.full)
-            return self.add(x, attention_out, mlp_out)
-        x = self.add(x, attention_out)
-        mlp_out = self.mlp(self.norm(x, d, self.full))
-        if c.post_mlp_norm:
-            mlp_out = self.norm(mlp_out, d, self.full)
-        return self.add(x, mlp_out)
+_MEASURED: dict[tuple, SavedActivations] = {}
 
 
 def saved_activation_bytes(
@@ -924,43 +764,184 @@ def saved_activation_bytes(
     device: str = "cuda",
     lora=None,
 ) -> SavedActivations:
-    """What autograd saves in one forward pass of `litgpt.model.GPT` training with these settings.
+    """What autograd saves in one forward pass of `litgpt.model.GPT` training with these settings, measured by
+    running the model on fake tensors (see the module docstring).
 
     `lora` (a `LoRASettings`) makes only the adapters trainable, as `litgpt finetune_lora` does. With a -mixed
     precision a single device runs under autocast over float32 weights, FSDP in 16 bits throughout.
     """
-    mixed = precision.endswith("-mixed")
-    compute = 4 if precision == "32-true" else 2
-    master = 4 if precision == "32-true" or mixed else 2
-    param_compute = compute if fsdp else master
-    full = lora is None
-    tokens = micro_batch_size * seq_length
-    tape = _Tape(
-        config, tokens=tokens, batch=micro_batch_size, seq=seq_length, param_compute=param_compute, compute=compute,
-        autocast=mixed and not fsdp, device=device, full=full, lora=lora,
+    key = (repr(config), micro_batch_size, seq_length, precision, fsdp, device, repr(lora))
+    if key not in _MEASURED:
+        if len(_MEASURED) >= 64:
+            _MEASURED.clear()
+        _MEASURED[key] = _measure(config, micro_batch_size, seq_length, precision, fsdp, device, lora)
+    return copy.deepcopy(_MEASURED[key])
+
+
+def _measure(config: Config, batch: int, seq: int, precision: str, fsdp: bool, device: str, lora) -> SavedActivations:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    autocast = precision.endswith("-mixed") and not fsdp
+    dtype = torch.float32 if precision == "32-true" or autocast else torch.bfloat16  # 16 bits: same sizes
+    fake = FakeTensorMode()
+    model = _fake_model(config, lora, dtype, fake)
+    tape = _SavedTensors(model, autocast)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake)
+        idx = torch.zeros((batch, seq), dtype=torch.long)
+        stack.enter_context(_Kernels(config, device, tape))
+        if device == "cuda":
+            stack.enter_context(_NativeDropout())
+        if _math_attention(config, device, precision):
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tape.pack, lambda tensor: tensor))
+        try:
+            model(idx)
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise UserError(f"The model config cannot run a forward pass of this size: {first_line}") from None
+    return tape.result(config.n_layer)
+
+
+def _fake_model(config: Config, lora, dtype: torch.dtype, fake) -> torch.nn.Module:
+    """`GPT(config)` as the training commands build it (adapters added, only they trainable with LoRA), in `dtype`,
+    with fake parameters: built on the meta device, then every parameter (ties kept) made a fake CPU tensor."""
+    from litgpt.checkpoint.model_files import meta_device
+    from litgpt.lora import add_lora, mark_only_lora_as_trainable
+    from litgpt.model import GPT
+
+    with meta_device():
+        model = GPT(config)
+    if lora is not None:
+        add_lora(model, lora)
+        mark_only_lora_as_trainable(model)
+    fakes: dict[int, torch.nn.Parameter] = {}
+    with fake:
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in fakes:
+                    fresh = torch.empty(param.shape, dtype=dtype)
+                    fakes[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+                if param is not None:
+                    module._parameters[name] = fakes[id(param)]
+    return model
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (views share it), for as long as the storage lives."""
+    return tensor.untyped_storage()._cdata
+
+
+class _SavedTensors:
+    """The pack hook: counts every storage autograd saves once, by where it was first saved, parameters left out."""
+
+    def __init__(self, model: torch.nn.Module, autocast: bool) -> None:
+        self.params = {_storage(p) for p in model.parameters()}
+        self.trainable = {_storage(p) for p in model.parameters() if p.requires_grad}
+        self.autocast = autocast
+        self.copies: set[int] = set()  # storages of autocast's copies of parameters
+        self.cached = 0
+        self.where: object = "root"
+        self.saved: dict[object, int] = {}
+        self.saved_copies: dict[object, int] = {}
+        self.inputs: list[int] = []
+        self.seen: set[int] = set()
+        self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
+        for index, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(lambda module, args, index=index: self.enter(index, args[0]))
+            block.register_forward_hook(lambda module, args, out: setattr(self, "where", "root"))
+
+    def enter(self, index: int, x: torch.Tensor) -> None:
+        self.where = index
+        self.inputs.append(x.untyped_storage().nbytes())
+
+    def copied(self, source: torch.Tensor, copy: torch.Tensor) -> None:
+        """A cast (`_to_copy`) ran: under autocast, a 16-bit copy of a parameter is a weight copy."""
+        if self.autocast and isinstance(source, torch.Tensor) and _storage(source) in self.params:
+            self.copies.add(_storage(copy))
+            self.alive.append(copy)
+            if _storage(source) in self.trainable:  # autocast caches these until the forward pass ends
+                self.cached += copy.untyped_storage().nbytes()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage(tensor)
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.alive.append(tensor)
+            table = self.saved_copies if key in self.copies else self.saved
+            table[self.where] = table.get(self.where, 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    def result(self, n_layer: int) -> SavedActivations:
+        layer_copies = [self.saved_copies.get(i, 0) for i in range(n_layer)]
+        return SavedActivations(
+            per_layer=[self.saved.get(i, 0) for i in range(n_layer)], root=self.saved.get("root", 0),
+            weight_copies=sum(self.saved_copies.values()), layer_weight_copies=layer_copies,
+            cached_weight_copies=self.cached, block_inputs=self.inputs,
+        )
+
+
+def _math_attention(config: Config, device: str, precision: str) -> bool:
+    """On CUDA no fused attention kernel takes float32 with grouped keys: PyTorch runs its math path."""
+    return (
+        device == "cuda" and precision == "32-true" and config.n_query_groups != config.n_head
+        and config.attention_logit_softcapping is None
     )
-    d = config.n_embd
-    if full:
-        tape.save_new(tokens, 8)  # the embedding's indices
-    x = tape.new(tokens * d, param_compute, full)
-    if config.scale_embeddings:
-        if x.requires_grad:
-            tape.save_new(1, x.itemsize)  # the scale, a 0-dim tensor
-        x = tape.new(x.numel, x.itemsize, x.requires_grad)
-    per_layer, layer_copies = [], []
-    for i in range(config.n_layer):
-        before, copies_before = tape.total(), tape.weight_copies
-        x = tape.block(x, i)
-        per_layer.append(tape.total() - before)
-        layer_copies.append(tape.weight_copies - copies_before)
-    head_lora = 1 if lora is not None and lora.head else 0
-    x = tape.norm(x, d, full)
-    logits = tape.linear(x, d, config.padded_vocab_size, full, head_lora, config.padded_vocab_size)
-    if config.final_logit_softcapping is not None and logits.requires_grad:
-        tape.save_new(logits.numel, logits.itemsize)  # tanh's output
-    return SavedActivations(
-        per_layer, tape.total() - sum(per_layer), tape.weight_copies, layer_copies, tape.cached_weight_copies
-    )
+
+
+class _Kernels(TorchDispatchMode):
+    """Below autograd in the fake run: notes autocast's weight copies, routes a mixture of experts evenly (fake
+    tensors hold no data to route by) and, for --device cuda, gives kernels' results CUDA's dtypes and layouts."""
+
+    def __init__(self, config: Config, device: str, tape: _SavedTensors) -> None:
+        super().__init__()
+        self.n_expert = max(config.n_expert, 1)
+        self.cuda = device == "cuda"
+        self.tape = tape
+        self.routed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        kwargs = kwargs or {}
+        if func is aten.nonzero.default:
+            return self.route(args[0])
+        out = func(*args, **kwargs)
+        if func is aten._to_copy.default:
+            self.tape.copied(args[0], out)
+        elif self.cuda and func is aten.native_layer_norm.default:
+            out = (out[0], out[1].float(), out[2].float())  # CUDA keeps mean and rstd in float32
+        elif self.cuda and func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            if args[0].dtype == torch.float32 or kwargs.get("attn_mask") is not None:
+                # CUDA's memory-efficient kernel writes its output as (B, T, H, hs), seen as (B, H, T, hs).
+                out = (out[0].transpose(1, 2).contiguous().transpose(1, 2), *out[1:])
+        return out
+
+    def route(self, condition: torch.Tensor) -> torch.Tensor:
+        """`torch.where(chosen == expert)`: this expert's even share of the routed (token, slot) pairs."""
+        share, rest = divmod(condition.numel(), self.n_expert)
+        rows = share + (self.routed % self.n_expert < rest)
+        self.routed += 1
+        return torch.empty((rows, condition.dim()), dtype=torch.long, device=condition.device)
+
+
+class _NativeDropout(TorchFunctionMode):
+    """CUDA's dropout: the fused kernel (`native_dropout`), which saves a one-byte mask where the CPU's dropout saves
+    the scaled noise in the input's dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            return self.dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return torch.nn.functional.dropout(input, p, training, inplace)
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from litgpt.errors import UserError
+
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 # Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
@@ -21,6 +23,16 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def check_precision(precision: str, on_cpu: bool, fsdp: bool = False) -> None:
+    """UserError for a training --precision that cannot run: unknown, 16-mixed on a CPU or (`fsdp`) sharded."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
+    if on_cpu and precision == "16-mixed":
+        raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
+    if fsdp and precision == "16-mixed":
+        raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
 
 
 def default_precision() -> str:

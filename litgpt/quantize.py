@@ -68,14 +68,7 @@ def quantize_frozen_base(model: nn.Module, mode: str, device: Optional[Union[str
     loaded on the CPU can be quantized straight onto a GPU. Adapters and other parameters are not moved.
     """
     check_quantize_mode(mode)
-    targets = []
-    for block in model.transformer.h:
-        for name, module in block.named_modules():
-            if isinstance(module, LoRALinear):
-                if module.weight is not None:
-                    targets.append((block, name, module))
-            elif type(module) is nn.Linear and not name.endswith("mlp.gate"):
-                targets.append((block, name, module))
+    targets = quantize_targets(model)
     if not targets:
         raise RuntimeError("The model has no float linear layers left to quantize (already quantized?).")
     first = targets[0][2].weight
@@ -94,6 +87,19 @@ def quantize_frozen_base(model: nn.Module, mode: str, device: Optional[Union[str
         else:
             parent_name, _, child = name.rpartition(".")
             setattr(block.get_submodule(parent_name) if parent_name else block, child, quantized)
+
+
+def quantize_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(block, name in the block, layer) of every linear layer whose float weight `quantize_frozen_base` quantizes."""
+    targets = []
+    for block in model.transformer.h:
+        for name, module in block.named_modules():
+            if isinstance(module, LoRALinear):
+                if module.weight is not None:
+                    targets.append((block, name, module))
+            elif type(module) is nn.Linear and not name.endswith("mlp.gate"):
+                targets.append((block, name, module))
+    return targets
 
 
 def quantized_linear(

@@ -20,7 +20,7 @@ from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError
 from litgpt.distributed.fabric import check_launcher
-from litgpt.distributed.fsdp import Topology
+from litgpt.distributed.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(

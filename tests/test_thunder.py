@@ -161,7 +161,8 @@ def test_plain_runs_never_import_thunder_and_without_it_the_cli_says_how_to_inst
     `--compiler thunder` prints one line naming the extra, exits with code 1 and writes nothing."""
     script = (
         "import sys; sys.modules['thunder'] = None\n"
-        "import litgpt.pretrain, litgpt.launch, litgpt.training, litgpt.parallel\n"
+        "import litgpt.pretrain, litgpt.train.job, litgpt.train.trainer, litgpt.checkpoint.manager\n"
+        "import litgpt.distributed.fabric, litgpt.registry\n"
         "print([m for m, module in sys.modules.items() if module and m.split('.')[0] in ('thunder', 'extensions')])\n"
         "from litgpt.__main__ import main\n"
         f"main(['pretrain', '--config', {str(ROOT / 'config_hub/pretrain/tiny.yaml')!r}, '--compiler', 'thunder', "

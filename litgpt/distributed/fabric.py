@@ -14,10 +14,11 @@ from typing import Callable, Optional, Union
 import torch
 
 from litgpt.args import FSDPArgs
-from litgpt.distributed.fsdp import FSDPStrategy, Topology
+from litgpt.distributed.fsdp import FSDPStrategy
+from litgpt.distributed.topology import Topology
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
-from litgpt.precision import PRECISIONS, cpu_has_fast_bf16, default_precision
+from litgpt.precision import check_precision, cpu_has_fast_bf16, default_precision
 
 
 def build_fabric(
@@ -37,11 +38,8 @@ def build_fabric(
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     precision = precision or default_precision()
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if on_cpu and precision == "16-mixed":
-        raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
+    check_precision(precision, on_cpu)
     if num_nodes < 1:
         raise UserError(f"--num_nodes must be at least 1, got {num_nodes}.")
     devices = resolve_devices(devices, on_cpu)
@@ -63,8 +61,7 @@ def build_fabric(
     elif devices * num_nodes > 1:
         fsdp = fsdp or FSDPArgs()
         topology = Topology(devices, num_nodes, fsdp.sharding_strategy)
-        if precision == "16-mixed":
-            raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
+        check_precision(precision, on_cpu, fsdp=True)
         strategy = FSDPStrategy(topology, fsdp, precision)
     try:
         return Fabric(

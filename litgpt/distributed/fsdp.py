@@ -8,69 +8,20 @@ as on CUDA with NCCL.
 from __future__ import annotations
 
 import contextlib
-import sys
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import get_args
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from litgpt.args import FSDPArgs, ShardingStrategy
+from litgpt.args import FSDPArgs
 from litgpt.distributed.launcher import RankLauncher
-from litgpt.distributed.runtime import print_once
-from litgpt.errors import UserError
-
-SHARDING_STRATEGIES = get_args(ShardingStrategy)
+from litgpt.distributed.topology import Topology
 
 
-@dataclass(frozen=True)
-class Topology:
-    """How the run's processes lay out: `devices` per node on `num_nodes` nodes, and the FSDP mesh over them.
 
-    The mesh has two dimensions, (replicate, shard): parameters are sharded over the `shard` dimension and
-    replicated over the other. HYBRID_SHARD: (num_nodes, devices); FULL_SHARD and SHARD_GRAD_OP: (1, world);
-    NO_SHARD: (world, 1). HYBRID_SHARD on one node is FULL_SHARD.
-    """
-
-    devices: int
-    num_nodes: int
-    sharding_strategy: str = "HYBRID_SHARD"
-
-    def __post_init__(self) -> None:
-        if self.sharding_strategy not in SHARDING_STRATEGIES:
-            raise UserError(
-                f"--fsdp.sharding_strategy {self.sharding_strategy!r} is not one of {', '.join(SHARDING_STRATEGIES)}."
-            )
-        if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes == 1:
-            print_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.",
-                       file=sys.stderr)
-            object.__setattr__(self, "sharding_strategy", "FULL_SHARD")
-
-    @property
-    def world_size(self) -> int:
-        return self.devices * self.num_nodes
-
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        if self.sharding_strategy == "HYBRID_SHARD":
-            return self.num_nodes, self.devices
-        if self.sharding_strategy == "NO_SHARD":
-            return self.world_size, 1
-        return 1, self.world_size
-
-    def device_mesh(self, device_type: str):
-        if dist.get_world_size() != self.world_size:
-            raise UserError(
-                f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
-                f"{self.num_nodes} makes {self.world_size}."
-            )
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
 
 
 class FSDPStrategy(ModelParallelStrategy):
