@@ -140,6 +140,32 @@ def test_sharded_checkpoint_metadata_is_refused_by_consolidate(tmp_path, base):
     assert not (bad / "lit_model.pth").exists()
 
 
+def test_every_checkpoint_io_refuses_planted_sharded_metadata(tmp_path):
+    """The core's sharded reader (FSDP2) and the Thunder extension's read a sharded checkpoint's .metadata through the
+    same restricted unpickler before torch.distributed.checkpoint would unpickle it."""
+    import torch.distributed as dist
+
+    from extensions.thunder.strategies import ThunderShards
+    from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
+    from litgpt.errors import UserError
+
+    marker, folder = tmp_path / "marker", tmp_path / "step-000001"
+    (folder / "sharded").mkdir(parents=True)
+    with open(folder / "sharded" / ".metadata", "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        shapes = {name: param.shape for name, param in model.named_parameters()}
+        for io in (FSDPCheckpointIO(), ThunderShards(model, shapes, "ZERO3", "sharded", {}, sharded=True)):
+            with pytest.raises(UserError, match=r"Could not load .*\.metadata.* safely"):
+                io.load_sharded(folder, model, optimizer, lambda key: True)
+            assert not marker.exists(), f"the planted pickle ran in {type(io).__name__}"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_safetensors_are_read_when_a_planted_bin_sits_beside_them(tmp_path):
     """A folder with both formats converts from model.safetensors; the planted .bin is never opened."""
     from test_convert import load_lit, max_logit_diff

@@ -71,9 +71,9 @@ class FSDPCheckpointIO:
 
     def load_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
 
-        state = self.sharded_state(model, optimizer, select)
         path = Path(folder) / SHARDED_DIR
         read_sharded_metadata(path)  # refuses a planted pickle before dcp.load unpickles it
+        state = self.sharded_state(model, optimizer, select)
         try:
             dcp.load(state, checkpoint_id=path)
         except BaseException as error:  # DCP's CheckpointException (a BaseException) gathers every rank's failure
