@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import filecmp
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from litgpt.data import make_tiny_corpus as corpus
+import litgpt.data.tiny
 
-TINY_DIR = Path(corpus.__file__).parent / "tiny"
+# The generator is a repository script (scripts/make_tiny_corpus.py), not part of the installed package.
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_corpus.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_corpus", SCRIPT)
+corpus = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = corpus  # its dataclasses look their module up there
+_spec.loader.exec_module(corpus)
+
+TINY_DIR = litgpt.data.tiny.TINY_DIR
 TOKENIZER_DIR = TINY_DIR / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -44,6 +54,15 @@ def test_bundled_files_are_there_and_small():
     assert 100_000 <= (TINY_DIR / "val.txt").stat().st_size <= 200_000
     total = sum(path.stat().st_size for path in TINY_DIR.rglob("*") if path.is_file())
     assert total < 4_000_000
+
+
+def test_generator_is_a_repository_script():
+    """The generator is not in the installed package; run as a script, it writes to the bundled folder by default."""
+    assert not (TINY_DIR.parent / "make_tiny_corpus.py").exists()
+    assert corpus.DEFAULT_OUT_DIR == TINY_DIR.resolve()
+    p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "--out_dir" in p.stdout and "--seed" in p.stdout
 
 
 def test_regenerated_text_is_byte_identical(bundled_texts):

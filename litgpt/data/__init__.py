@@ -1,4 +1,4 @@
-"""Data: the data modules that `--data NAME` picks, the bundled tiny corpus and the script that makes it.
+"""Data: the data modules that `--data NAME` picks and the bundled tiny corpus.
 
 Pretraining (text tokenized once into a memory-mapped token cache, cut into windows of max_seq_length + 1 tokens):
 `Tiny` (bundled, in `litgpt/data/tiny/`), `TextFiles` (your folder of .txt files), `TinyStories`, `OpenWebText`,
@@ -7,8 +7,8 @@ Pretraining (text tokenized once into a memory-mapped token cache, cut into wind
 Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
 `JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `Dolly`, `LIMA`.
 
-`base.MicroBatches` turns any of their datasets into resumable micro-batches. `make_tiny_corpus` regenerates the
-bundled corpus and its tokenizer.
+`base.MicroBatches` turns any of their datasets into resumable micro-batches. `scripts/make_tiny_corpus.py` (in the
+repository, not in the installed package) regenerates the bundled corpus and its tokenizer.
 """
 
 from litgpt.data.alpaca import Alpaca, Alpaca2k

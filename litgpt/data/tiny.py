@@ -1,8 +1,8 @@
 """The bundled tiny corpus: short generated children's stories that ship with litgpt (no download).
 
 `litgpt/data/tiny/` holds `train.txt` and `val.txt` (stories separated by one blank line, none inside a story, as
-`make_tiny_corpus.py` writes them) and `tokenizer/`, a 4096-entry BPE tokenizer trained on them (`TOKENIZER_DIR`).
-Each story is one document: `<s> story </s>` with that tokenizer.
+the repository's `scripts/make_tiny_corpus.py` writes them) and `tokenizer/`, a 4096-entry BPE tokenizer trained on
+them (`TOKENIZER_DIR`). Each story is one document: `<s> story </s>` with that tokenizer.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Tiny(TokenCorpus):
             path = TINY_DIR / name
             if not path.is_file():
                 raise UserError(
-                    f"The bundled corpus file {str(path)!r} is missing. Regenerate it with "
-                    "`python -m litgpt.data.make_tiny_corpus`."
+                    f"The bundled corpus file {str(path)!r} is missing. Regenerate it from a litgpt checkout with "
+                    "`python scripts/make_tiny_corpus.py`."
                 )
             result[split] = Corpus(f"tiny-{split}", [path], lambda path=path: blank_line_documents(path))
         return result

@@ -1,6 +1,8 @@
 """Generate litgpt's bundled tiny corpus and train its tokenizer.
 
-    python -m litgpt.data.make_tiny_corpus [--out_dir litgpt/data/tiny] [--seed 42]
+    python scripts/make_tiny_corpus.py [--out_dir litgpt/data/tiny] [--seed 42]
+
+It lives in the repository's scripts/, not in the installed package: run it from a checkout of litgpt.
 
 The corpus is written by this program, not collected: short, simple English children's stories (named characters
 with consistent pronouns, places, objects, feelings, dialogue in quotes, a beginning, a problem and an ending, with
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "tiny"
+# The bundled corpus in the checkout this script belongs to.
+DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "litgpt" / "data" / "tiny"
 DEFAULT_SEED = 42
 TRAIN_CHARS = 2_500_000
 VAL_CHARS = 150_000
@@ -1872,14 +1875,14 @@ def _readme(stats: dict) -> str:
     return f"""# The tiny corpus
 
 Short, simple English children's stories for a first pretraining run on a laptop CPU, and a byte-level BPE tokenizer
-trained on them. Every story was written by a program, `litgpt/data/make_tiny_corpus.py`, from its own word lists
+trained on them. Every story was written by a program, `scripts/make_tiny_corpus.py`, from its own word lists
 and sentence templates: no text was downloaded or copied. The files are part of litgpt and under its license,
 Apache-2.0.
 
 Regenerate them (byte for byte the same) with
 
 ```bash
-python -m litgpt.data.make_tiny_corpus --out_dir litgpt/data/tiny --seed {stats['seed']}
+python scripts/make_tiny_corpus.py --out_dir litgpt/data/tiny --seed {stats['seed']}
 ```
 
 | file | stories | bytes | words | tokens | characters per token |
