@@ -73,7 +73,6 @@ def run_job(fabric, job: Job) -> dict:
 def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
     """Tokenize once and return (train, val) datasets: global rank 0 first, then the first process of every node (its
     cache may be on a node-local disk), then the others, who find the cache."""
-
     job.data.connect(tokenizer, max_seq_length, job.prompt_style)
     with node_local_first(job.timeout):
         job.data.prepare()
@@ -81,7 +80,8 @@ def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
 
 
 def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: Optional[Path]) -> dict:
-
+    """Build the recipe's model on the devices, its optimizer and checkpoint manager, restore `resume_dir`, train,
+    and finish final/ as the recipe asks."""
     recipe, train = job.recipe, job.train
     model = recipe.build_model()
     check_disk_space(job.out_dir, model, recipe.trains, train)
@@ -109,7 +109,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
         val_data=val_data,
     )
     metrics = trainer.fit()
-    if "stopped_by" not in metrics:
+    if trainer.stopped_by is None:
         if fabric.global_rank == 0:
             recipe.finish(job.out_dir / "final")
             print_once(f"Saved the final checkpoint to {job.out_dir / 'final'}")

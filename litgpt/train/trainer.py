@@ -60,6 +60,7 @@ class Trainer:
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
         self.seq_length = train_data.dataset[0]["input_ids"].numel()
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
+        self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -99,7 +100,8 @@ class Trainer:
         if self.checkpoints.last_saved_step != state.step:
             self.checkpoints.save(self.model, self.optimizer, state)
         if stop_signal:
-            return self.stop_for_signal(signal.Signals(stop_signal).name)
+            self.stopped_by = signal.Signals(stop_signal).name
+            return self.stop_for_signal()
         self.checkpoints.publish_final(state)
         metrics = run_metrics(fabric, state, self.job, self.checkpoints.io, val_loss, self.seq_length,
                               trainable_fraction)
@@ -227,7 +229,7 @@ class Trainer:
         if self.fabric.global_rank == 0:
             progress.write(text, file=sys.stdout)
 
-    def stop_for_signal(self, name: str) -> dict:
+    def stop_for_signal(self) -> dict:
         """After the checkpoint a stop signal asked for: say where it is and, with --train.requeue under Slurm,
         requeue."""
         folder = self.job.out_dir / f"step-{self.state.step:06d}"
@@ -235,8 +237,8 @@ class Trainer:
             logger.finalize("success")
         if self.fabric.global_rank == 0:
             then = requeue_slurm_job() if self.train.requeue else "continue it with the same command and --resume auto"
-            print(f"Stopped by {name} after step {self.state.step}: saved {folder}; {then}.", flush=True)
-        return {"stopped_by": name, "steps": self.state.step, "checkpoint": str(folder)}
+            print(f"Stopped by {self.stopped_by} after step {self.state.step}: saved {folder}; {then}.", flush=True)
+        return {"stopped_by": self.stopped_by, "steps": self.state.step, "checkpoint": str(folder)}
 
     # ---- validation -------------------------------------------------------------------------------------------------
     def validation_batches(self) -> MicroBatches:
