@@ -85,7 +85,7 @@ class Trainer:
         val_loss, stop_signal = None, 0
         with StopSignals() as signals:
             while state.step < self.total_steps and not stop_signal:
-                stop_signal = self.step(batches, window, control, signals.received, progress)
+                stop_signal = self.step(batches, window, control, signals, progress)
                 if profiler is not None:
                     profiler.step()
                 progress.update(1)
@@ -132,7 +132,7 @@ class Trainer:
             )
         return state.epoch_samples // per_step
 
-    def step(self, batches, window: "LogWindow", control: StepControl, received_signal: int, progress) -> int:
+    def step(self, batches, window: LogWindow, control: StepControl, signals: StopSignals, progress) -> int:
         """One optimizer step over `accumulation` micro-batches; returns the stop signal any rank received (or 0)."""
         fabric, state, model = self.fabric, self.state, self.model
         step_start = time.perf_counter()
@@ -155,7 +155,7 @@ class Trainer:
         failpoint("step:backward")
         loss_value, grad_norm = self.step_values(step_loss)  # the loop's one host-device sync per step
         nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
-                                               received_signal)
+                                               signals.received)
         if nonfinite and self.train.on_nonfinite == "stop":
             raise UserError(self.nonfinite_message(grad_norm))
         if nonfinite:
@@ -195,7 +195,7 @@ class Trainer:
             "--train.max_norm 1.0, or pass --train.on_nonfinite skip to skip such steps and go on."
         )
 
-    def log(self, window: "LogWindow", progress) -> None:
+    def log(self, window: LogWindow, progress) -> None:
         """Log and print the window of steps since the last log line, then start a new one."""
         state = self.state
         metrics = window.metrics(self.fabric, state.tokens, state.epoch)
