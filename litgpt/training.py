@@ -129,6 +129,11 @@ def sample_text(run: Run) -> str:
     from litgpt.generate import generate
 
     model = unwrap(run.model)
+    # A strategy whose set-up module cannot decode (extensions/thunder: compiled, maybe sharded) supplies an eager
+    # model with the current weights; called on every rank, as it may gather them.
+    sampling_model = getattr(run.fabric.strategy, "sampling_model", None)
+    if sampling_model is not None:
+        model = sampling_model(model)
     prompt = run.val_data[0]["input_ids"][:16]
     model.eval()
     tokens = list(generate(model, prompt, run.eval.max_new_tokens, temperature=0.0, stop_ids=run.tokenizer.stop_ids))

@@ -7,7 +7,6 @@ devices, sharded by Thunder's FSDP or replicated by its DDP. `--compiler torch|n
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,10 +83,6 @@ def setup(
     check_limits(train)
     check_fsdp_args(fsdp)
     import_thunder()  # here, before any process starts: a missing thunder is one message, not one per process
-    if eval.max_new_tokens:
-        print("Note: --compiler thunder does not sample text during training (--eval.max_new_tokens); "
-              "run `litgpt generate` on a checkpoint instead.", file=sys.stderr)
-        eval = dataclasses.replace(eval, max_new_tokens=None)
     config, data, tokenizer_dir = resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir)
 
     logger = load_logger(logger_name, Path(out_dir), run_name=f"pretrain-{config.name or 'model'}")
