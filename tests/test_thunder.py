@@ -13,6 +13,7 @@ needs none.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +52,23 @@ def global_batches() -> list[torch.Tensor]:
     return [torch.randint(0, TINY["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
 
 
+def validation_batch() -> torch.Tensor:
+    """(WORLD, SEQ + 1) token ids: one validation sample per rank."""
+    generator = torch.Generator().manual_seed(2)
+    return torch.randint(0, TINY["vocab_size"], (WORLD, SEQ + 1), generator=generator)
+
+
+PROMPT, NEW_TOKENS = list(range(5, 13)), 6  # the text sample: greedy tokens after this prompt
+
+
 def sgd(parameters) -> torch.optim.Optimizer:
     """SGD with momentum: unlike Adam's first steps (about lr x sign(gradient)), an update does not amplify the
     rounding differences of near-zero gradients, so losses can be compared at 1e-5 over several steps."""
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
 
 
-def eager_losses() -> list[float]:
-    """The reference: one process, the whole global batch at once, plain PyTorch."""
+def eager_training() -> tuple[list[float], torch.nn.Module]:
+    """The reference: one process, the whole global batch at once, plain PyTorch: (losses, the trained model)."""
     from litgpt.train.loss import cross_entropy
 
     model = tiny_model()
@@ -71,7 +81,23 @@ def eager_losses() -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         result.append(loss.item())
-    return result
+    return result, model
+
+
+def eager_losses() -> list[float]:
+    return eager_training()[0]
+
+
+def eager_evaluation() -> dict:
+    """The trained eager model's validation loss (the mean of the samples' losses) and greedy sample."""
+    from litgpt.generate import generate
+    from litgpt.train.loss import cross_entropy
+
+    model = eager_training()[1].eval()
+    batch = validation_batch()
+    with torch.no_grad():
+        val_loss = torch.stack([cross_entropy(model(sample[None, :-1]), sample[None, 1:]) for sample in batch]).mean()
+    return {"val_loss": val_loss.item(), "sample": list(generate(model, PROMPT, NEW_TOKENS, temperature=0.0))}
 
 
 # ---- no processes, no thunder -------------------------------------------------------------------------------------------
@@ -198,18 +224,37 @@ def collectives(trace) -> dict[str, int]:
     return counts
 
 
-def train_in_this_process(fabric, strategy) -> dict:
-    """Called on every rank: set the tiny model up with `strategy`, train STEPS steps, report what happened."""
+def evaluate_in_this_process(fabric, strategy, model) -> dict:
+    """What litgpt's loop does between steps, on every rank: the validation forward of the compiled (and sharded)
+    module under no_grad in eval mode (a second thunder trace), then a greedy sample from the strategy's eager
+    `sampling_model` (collective under FSDP)."""
+    from litgpt.generate import generate
+    from litgpt.train.loss import cross_entropy
+
+    sample = validation_batch()[fabric.global_rank][None]
+    model.eval()
+    with torch.no_grad():
+        loss = cross_entropy(model(sample[:, :-1]), sample[:, 1:])
+    model.train()
+    eager = strategy.sampling_model(model.module)
+    return {"val_loss": fabric.all_reduce(loss, reduce_op="mean").item(),
+            "sample": list(generate(eager, PROMPT, NEW_TOKENS, temperature=0.0)),
+            "sample_model_is_eager": type(eager).__name__ == "GPT"}
+
+
+def train_in_this_process(fabric, strategy, evaluate: bool = False) -> dict:
+    """Called on every rank: set the tiny model up with `strategy`, train STEPS steps, report what happened (and,
+    with `evaluate`, validate and sample after the first and the last step)."""
     from extensions.thunder.compat import import_thunder
     from litgpt.train.loss import cross_entropy
 
     thunder, _ = import_thunder()
 
     model = fabric.setup(tiny_model())
-    shard_io = strategy.shard_io
-    optimizer = fabric.setup_optimizers(sgd(shard_io.parameters()))
-    result = {"losses": []}
-    for batch in global_batches():
+    checkpoint_io = strategy.litgpt_checkpoint_io
+    optimizer = fabric.setup_optimizers(sgd(checkpoint_io.parameters(None)))
+    result = {"losses": [], "evaluations": []}
+    for step, batch in enumerate(global_batches()):
         mine = batch[fabric.global_rank * MICRO * ACCUMULATION:(fabric.global_rank + 1) * MICRO * ACCUMULATION]
         step_loss = torch.zeros(())
         for micro in range(ACCUMULATION):
@@ -222,12 +267,14 @@ def train_in_this_process(fabric, strategy) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(fabric.all_reduce(step_loss, reduce_op="mean").item())
+        if evaluate and step in (0, STEPS - 1):  # training goes on after an evaluation
+            result["evaluations"].append(evaluate_in_this_process(fabric, strategy, model))
     compiled = model._forward_module
     result["forward"] = collectives(thunder.last_traces(compiled)[-1])
     result["backward"] = collectives(thunder.last_backward_traces(compiled)[-1])
-    result["shards"] = {name: [list(shard.shape), list(shard_io.full_shapes[name])]
-                        for name, shard in shard_io.shards().items()}
-    return {"result": result, "shard_io": shard_io, "optimizer": optimizer}
+    result["shards"] = {name: [list(shard.shape), list(checkpoint_io.full_shapes[name])]
+                        for name, shard in checkpoint_io.shards().items()}
+    return {"result": result, "checkpoint_io": checkpoint_io, "optimizer": optimizer}
 
 
 def check_checkpoints(fabric, trained: dict, folder: Path) -> dict:
@@ -236,19 +283,19 @@ def check_checkpoints(fabric, trained: dict, folder: Path) -> dict:
     from litgpt.io import save_state_dict
     from litgpt.model import GPT
 
-    shard_io, optimizer = trained["shard_io"], trained["optimizer"]
+    checkpoint_io, optimizer = trained["checkpoint_io"], trained["optimizer"]
     every = lambda key: True  # noqa: E731
-    weights = shard_io.gather_weights(None, every)
-    optimizer_state = shard_io.gather_optimizer_state(None, optimizer)
+    weights = checkpoint_io.gather_weights(None, every)
+    optimizer_state = checkpoint_io.gather_optimizer_state(None, optimizer)
     if fabric.global_rank == 0:
         save_state_dict({"weights": weights, "optimizer": optimizer_state}, folder / "full.pth")
-    shard_io.save_sharded(folder, None, optimizer, every)
+    checkpoint_io.save_sharded(folder, None, optimizer, every)
     fabric.barrier()
 
     def same_as_trained(other_io, other_optimizer) -> bool:
-        shards = shard_io.shards()
+        shards = checkpoint_io.shards()
         equal = all(torch.equal(shards[name], shard) for name, shard in other_io.shards().items())
-        for param, other in zip(shard_io.parameters(), other_io.parameters()):
+        for param, other in zip(checkpoint_io.parameters(None), other_io.parameters(None)):
             state, other_state = optimizer.state[param], other_optimizer.state[other]
             equal &= state.keys() == other_state.keys() and all(torch.equal(state[k], other_state[k]) for k in state)
         return bool(equal)
@@ -261,13 +308,13 @@ def check_checkpoints(fabric, trained: dict, folder: Path) -> dict:
         other = GPT(Config(**TINY))
         other.init_weights()
         fabric_for(strategy).setup(other)
-        fresh_optimizer = sgd(strategy.shard_io.parameters())
+        fresh_optimizer = sgd(strategy.litgpt_checkpoint_io.parameters(None))
         if kind == "sharded":
-            strategy.shard_io.load_sharded(folder, None, fresh_optimizer, every)
+            strategy.litgpt_checkpoint_io.load_sharded(folder, None, fresh_optimizer, every)
         else:
-            strategy.shard_io.copy_weights(None, saved["weights"], "full.pth")
-            strategy.shard_io.load_optimizer_state(None, fresh_optimizer, saved["optimizer"])
-        outcome[kind] = same_as_trained(strategy.shard_io, fresh_optimizer)
+            strategy.litgpt_checkpoint_io.copy_weights(None, saved["weights"], "full.pth")
+            strategy.litgpt_checkpoint_io.load_optimizer_state(None, fresh_optimizer, saved["optimizer"])
+        outcome[kind] = same_as_trained(strategy.litgpt_checkpoint_io, fresh_optimizer)
     return outcome
 
 
@@ -288,12 +335,12 @@ def worker(out: Path) -> None:
     for sharding, bucketing in COMBINATIONS:
         strategy = ThunderFSDPStrategy(sharding_strategy=sharding, bucketing_strategy=bucketing)
         fabric = fabric_for(strategy)
-        trained = train_in_this_process(fabric, strategy)
+        trained = train_in_this_process(fabric, strategy, evaluate=bucketing == "BLOCK")
         results[f"{sharding}/{bucketing}"] = trained["result"]
         if (sharding, bucketing) == ("ZERO3", "BLOCK"):
             results["checkpoints"] = check_checkpoints(fabric, trained, out.parent / "checkpoint")
     strategy = ThunderDDPStrategy()
-    results["DDP"] = train_in_this_process(fabric_for(strategy), strategy)["result"]
+    results["DDP"] = train_in_this_process(fabric_for(strategy), strategy, evaluate=True)["result"]
     results["thunder_version"] = import_thunder()[0].__version__
     if fabric.global_rank == 0:
         out.write_text(json.dumps(results))
@@ -318,6 +365,22 @@ def test_two_processes_equal_one_eager_process(sharding, bucketing, two_process_
     # Each rank holds 1/world of every parameter (rows; these dimensions divide evenly).
     for name, (shard, full) in run["shards"].items():
         assert shard == [full[0] // WORLD, *full[1:]], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["ZERO3/BLOCK", "ZERO2/BLOCK", "DDP"])
+def test_validation_and_sampling_between_steps(run, two_process_results):
+    """Validation (no_grad, eval mode: thunder traces the module again) and the text sample work after the first
+    step and again after the last, training in between: the last ones equal the eager model's after the same steps.
+
+    1e-5: what the training losses are compared at (float32, the same kernels, other orders of summation; the weights
+    after 3 steps differ by about 1e-7)."""
+    evaluations = two_process_results[run]["evaluations"]
+    assert len(evaluations) == 2
+    reference = eager_evaluation()
+    assert evaluations[-1]["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5, rel=0)
+    assert evaluations[-1]["sample"] == reference["sample"]
+    assert all(e["sample_model_is_eager"] and len(e["sample"]) == NEW_TOKENS for e in evaluations)
 
 
 @pytest.mark.slow
@@ -347,7 +410,7 @@ def test_what_bucketing_and_sharding_change_in_the_traces(two_process_results):
 
 @pytest.mark.slow
 def test_checkpoints_round_trip_and_load_in_the_plain_readers(two_process_results):
-    from litgpt.checkpoint import load_sharded
+    from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
     from litgpt.checkpoint.store import consolidated_weights
     from litgpt.io import load_state_dict
     from litgpt.model import GPT
@@ -362,7 +425,7 @@ def test_checkpoints_round_trip_and_load_in_the_plain_readers(two_process_result
     # The FSDP2 entry points' reader (one process here): same weights and optimizer state as the full checkpoint.
     model = GPT(Config(**TINY))
     optimizer = sgd(model.parameters())
-    load_sharded(folder, model, optimizer, lambda key: True)
+    FSDPCheckpointIO().load_sharded(folder, model, optimizer, lambda key: True)
     for name, value in model.state_dict().items():
         assert torch.equal(value, full["weights"][name]), name
     names = dict(model.named_parameters())
@@ -380,6 +443,68 @@ PRETRAIN = [
 ]
 
 
+# Validation after every step (the last one the final validation) and a text sample after each.
+EVALUATE = ["--eval.interval", "1", "--eval.final_validation", "true", "--eval.max_iters", "2",
+            "--eval.max_new_tokens", "5"]
+
+
+def thunder_pretrain(runs: dict, name: str, *options):
+    """`litgpt pretrain --compiler thunder` with validation and sampling on; the result, its out_dir in runs[name]."""
+    runs[name] = runs["root"] / name
+    args = [*PRETRAIN, *EVALUATE]  # the later value of an option repeated wins
+    return litgpt("pretrain", *runs["data"], *args, *options, "--compiler", "thunder", "--out_dir", runs[name])
+
+
+def eager_reference(final: Path, cache_dir: Path, samples: int) -> dict:
+    """From final/ with plain PyTorch: the mean loss over validation samples 0..samples-1 (those the run's
+    validation reads: its batches take the samples in order, rank r every world-th) and the text sample the loop
+    prints (greedy, from the first validation sample's first 16 tokens)."""
+    from litgpt.io import load_state_dict
+    from litgpt.data.tiny import Tiny
+    from litgpt.generate import generate
+    from litgpt.model import GPT
+    from litgpt.tokenizer import Tokenizer
+
+    model = GPT(Config.from_file(final / "model_config.yaml"))
+    model.load_state_dict(load_state_dict(final / "lit_model.pth"))
+    model.eval()
+    tokenizer = Tokenizer(final)
+    data = Tiny(cache_dir=cache_dir)
+    data.connect(tokenizer, 32)
+    data.prepare()
+    val = data.val_dataset()
+    losses = []
+    with torch.no_grad():
+        for i in range(samples):
+            labels = val[i]["labels"]
+            assert (labels >= 0).all()  # every position labeled: the run's mean of batch means is this mean
+            logits = model(val[i]["input_ids"][None])
+            losses.append(torch.nn.functional.cross_entropy(logits[0].float(), labels))
+    prompt = val[0]["input_ids"][:16]
+    tokens = list(generate(model, prompt, 5, temperature=0.0, stop_ids=tokenizer.stop_ids))
+    sample = tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+    return {"val_loss": torch.stack(losses).mean().item(), "sample": f"sample: {sample!r}"}
+
+
+def check_evaluated_run(result, out_dir: Path, cache_dir: Path, samples: int) -> None:
+    """The run validated and sampled after both steps and ended with final/, whose weights load in plain PyTorch
+    and give the logged final validation loss and the last sample.
+
+    The loss within 1e-5: thunder runs the same float32 kernels (torch and SDPA executors) as eager PyTorch, in
+    other groupings (its traces, the rotary tables computed inside them, the ranks' mean); the two differ by a few
+    float32 roundings of a loss of about 8, ~1e-6, the weights being identical."""
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "does not sample text" not in result.stderr
+    assert result.stdout.count("| val loss ") == 2, result.stdout
+    samples_printed = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
+    assert len(samples_printed) == 2, result.stdout
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and math.isfinite(metrics["val_loss"])
+    reference = eager_reference(out_dir / "final", cache_dir, samples)
+    assert metrics["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5, rel=0)
+    assert samples_printed[-1] == reference["sample"]
+
+
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("thunder-cli")
@@ -391,17 +516,28 @@ def cli_runs(tmp_path_factory) -> dict:
     eager = litgpt("pretrain", *data, *PRETRAIN, "--devices", "1", "--out_dir", root / "eager")
     assert eager.returncode == 0, eager.stderr
     runs["eager"] = root / "eager"
-    thunder = litgpt("pretrain", *data, *PRETRAIN, "--devices", "2", "--num_nodes", "1", "--compiler", "thunder",
-                     "--strategy", "fsdp", "--out_dir", root / "thunder")
-    assert thunder.returncode == 0, thunder.stderr
-    runs["thunder"] = root / "thunder"
+    runs["thunder_result"] = thunder_pretrain(runs, "thunder", "--devices", "2", "--num_nodes", "1", "--strategy", "fsdp")
     return runs
+
+
+@pytest.mark.slow
+def test_litgpt_pretrain_compiler_thunder_fsdp_validates_samples_and_saves(cli_runs):
+    """Two processes (ZeRO-3): batches of 1 sample per rank, 2 iterations: validation samples 0..3."""
+    check_evaluated_run(cli_runs["thunder_result"], cli_runs["thunder"], cli_runs["root"] / "cache", samples=4)
+
+
+@pytest.mark.slow
+def test_litgpt_pretrain_compiler_thunder_one_device_validates_samples_and_saves(cli_runs):
+    """One device (ThunderSingleDeviceStrategy): batches of 1 sample, 2 iterations: validation samples 0..1."""
+    result = thunder_pretrain(cli_runs, "thunder_one", "--devices", "1")
+    check_evaluated_run(result, cli_runs["thunder_one"], cli_runs["root"] / "cache", samples=2)
 
 
 @pytest.mark.slow
 def test_litgpt_pretrain_compiler_thunder_equals_eager_and_resumes_in_the_plain_entry_point(cli_runs):
     thunder, eager = cli_runs["thunder"], cli_runs["eager"]
-    assert losses(thunder) == pytest.approx(losses(eager), abs=1e-5)
+    assert cli_runs["thunder_result"].returncode == 0, cli_runs["thunder_result"].stderr[-5000:]
+    assert losses(thunder) == pytest.approx(losses(eager), abs=1e-5)  # validating and sampling change no step
     metrics = json.loads((thunder / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == "ZERO3"
     assert metrics["fsdp"]["bucketing_strategy"] == "BLOCK" and metrics["fsdp"]["state_dict_type"] == "full"

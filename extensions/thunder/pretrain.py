@@ -7,7 +7,6 @@ devices, sharded by Thunder's FSDP or replicated by its DDP. `--compiler torch|n
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,10 +83,6 @@ def setup(
     check_fsdp_args(fsdp)
     import_thunder()  # here, before any process starts: a missing thunder is one message, not one per process
     job = pretrain_job(arguments, record_arguments_of=setup)
-    if eval.max_new_tokens:
-        print("Note: --compiler thunder does not sample text during training (--eval.max_new_tokens); "
-              "run `litgpt generate` on a checkpoint instead.", file=sys.stderr)
-        job.eval = dataclasses.replace(eval, max_new_tokens=None)
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger],
                           strategy_for_world=lambda world: thunder_strategy(world, strategy, thunder, fsdp.timeout))

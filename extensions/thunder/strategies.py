@@ -21,6 +21,7 @@ import torch
 from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
+from extensions.thunder.eager import clean_before_every_trace, eager_copy, full_weights
 from litgpt.errors import UserError
 from litgpt.distributed.fsdp import ReduceEveryMicroBatch
 
@@ -63,6 +64,15 @@ def compile_module(module: nn.Module, jit: bool, executors, device: torch.device
     return thunder.jit(module, executors=executors if executors is not None else default_executors(device))
 
 
+def sampling_model(compiled: nn.Module, gather: Callable[[str, torch.Tensor], torch.Tensor]) -> nn.Module:
+    """What litgpt's loop samples text with (`strategy.sampling_model`, see `litgpt.train.trainer.SamplesWithOwnModel`): an eager
+    module of the original's class holding the compiled module's current weights, `gather(name, local)` making each
+    full. The compiled module cannot decode (it is traced for whole sequences, not for KV-cache steps) and, under
+    FSDP, the original module holds meta tensors."""
+    weights = full_weights(dict(compiled.named_parameters(remove_duplicate=False)), gather)
+    return eager_copy(compiled._model, weights)
+
+
 class ThunderSingleDeviceStrategy(SingleDeviceStrategy):
     """One device: the model compiled by `thunder.jit`, nothing distributed."""
 
@@ -70,9 +80,17 @@ class ThunderSingleDeviceStrategy(SingleDeviceStrategy):
         super().__init__(**kwargs)
         self.jit = jit
         self.executors = list(executors) if executors is not None else None
+        self.compiled: Optional[nn.Module] = None  # set up by setup_module
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return compile_module(module, self.jit, self.executors, self.root_device, type(self).__name__)
+        compiled = compile_module(module, self.jit, self.executors, self.root_device, type(self).__name__)
+        clean_before_every_trace(compiled)
+        self.compiled = compiled
+        return compiled
+
+    def sampling_model(self, module: nn.Module) -> nn.Module:
+        """An eager module for litgpt's KV-cache decoding that shares the compiled module's weights (no copy)."""
+        return sampling_model(self.compiled, lambda name, local: local)
 
 
 class ThunderDDPStrategy(DDPStrategy):
@@ -105,7 +123,13 @@ class ThunderDDPStrategy(DDPStrategy):
         full_shapes = {name: p.shape for name, p in replicated.named_parameters(remove_duplicate=False)}
         self.litgpt_checkpoint_io = ThunderShards(replicated, full_shapes, "DDP", "full", self.options(),
                                                   sharded=False)
+        clean_before_every_trace(replicated)
         return replicated
+
+    def sampling_model(self, module: nn.Module) -> nn.Module:
+        """An eager module for litgpt's KV-cache decoding that shares this rank's replica of the weights (no copy,
+        no collective)."""
+        return self.litgpt_checkpoint_io.sampling_model()
 
     def options(self) -> dict:
         return {"strategy": "ddp", "jit": self.jit, "executors": self.executors,
@@ -163,7 +187,13 @@ class ThunderFSDPStrategy(DDPStrategy):
         self.litgpt_checkpoint_io = ThunderShards(sharded, full_shapes, self.sharding_strategy,
                                                   self.state_dict_type, self.options(), sharded=True)
         self.litgpt_checkpoint_io.zero_padding()
+        clean_before_every_trace(sharded)
         return sharded
+
+    def sampling_model(self, module: nn.Module) -> nn.Module:
+        """An eager module for litgpt's KV-cache decoding with the full weights, all-gathered: collective, every rank
+        calls it and gets the same model (which it drops after sampling)."""
+        return self.litgpt_checkpoint_io.sampling_model()
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         """Clip by the norm of the whole gradient: every rank holds a disjoint piece of it."""
@@ -314,6 +344,10 @@ class ThunderShards:
         piece = torch.zeros_like(like)
         piece[:count].copy_(full[start:start + count])
         return piece
+
+    def sampling_model(self) -> nn.Module:
+        """An eager module with the full weights, on every rank (a collective when sharded): see `sampling_model`."""
+        return sampling_model(self.module, lambda name, local: self.gathered(name, local))
 
     # -- litgpt.checkpoint.interface.CheckpointIO (FSDP2's is litgpt.checkpoint.fsdp_io.FSDPCheckpointIO)
     def gather_weights(self, model: nn.Module, select: Callable[[str], bool]) -> dict:

@@ -12,9 +12,10 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
@@ -34,6 +35,15 @@ from litgpt.train.profiler import start_profiler, stop_profiler
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
+
+
+@runtime_checkable
+class SamplesWithOwnModel(Protocol):
+    """A Fabric strategy whose set-up module cannot decode with a KV cache (extensions/thunder: compiled, perhaps
+    sharded) implements this to give the text sample an eager model with the current weights."""
+
+    def sampling_model(self, module: nn.Module) -> nn.Module:
+        """An eager model with the current full weights (collective: every rank calls it, e.g. to gather them)."""
 
 
 @dataclass
@@ -268,6 +278,8 @@ class Trainer:
     def sample_text(self) -> str:
         """A short greedy continuation of the start of a validation sample, to watch the model learn."""
         model = unwrap(self.model)
+        if isinstance(self.fabric.strategy, SamplesWithOwnModel):
+            model = self.fabric.strategy.sampling_model(model)
         prompt = self.val_data[0]["input_ids"][:16]
         model.eval()
         tokens = list(generate(model, prompt, self.eval.max_new_tokens, temperature=0.0,
