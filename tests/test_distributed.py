@@ -225,13 +225,52 @@ def single_process(inputs) -> dict:
     return runs
 
 
+@pytest.fixture(scope="module")
+def two_process_run(inputs):
+    """`two_process_run(command, strategy)`: the out_dir of that entry point run by 2 processes with that sharding
+    strategy (full checkpoints at steps 2 and 4), launched once for the module and shared by the tests that read it."""
+    runs = {}
+
+    def run(command: str, strategy: str) -> Path:
+        if (command, strategy) not in runs:
+            out_dir = inputs["root"] / f"two-{command}-{strategy}"
+            result = litgpt(*command_args(command, inputs, out_dir), "--devices", "2", "--fsdp.sharding_strategy",
+                            strategy)
+            assert result.returncode == 0, result.stderr
+            runs[command, strategy] = out_dir
+        return runs[command, strategy]
+
+    return run
+
+
+# The 4-process runs (two torchrun "nodes" of 2) by entry point; finetune_lora writes sharded checkpoints, which
+# test_sharded_checkpoint_from_four_processes_resumes_on_two resumes on 2 processes.
+FOUR_PROCESS_FLAGS = {"pretrain": [], "finetune_full": [], "finetune_lora": ["--fsdp.state_dict_type", "sharded"]}
+
+
+@pytest.fixture(scope="module")
+def four_process_run(inputs):
+    """`four_process_run(command)`: the out_dir of that entry point run with HYBRID_SHARD over 2 torchrun nodes x 2
+    processes (FOUR_PROCESS_FLAGS added), launched once for the module."""
+    runs = {}
+
+    def run(command: str) -> Path:
+        if command not in runs:
+            out_dir = inputs["root"] / f"four-{command}"
+            for result in torchrun_two_nodes(*command_args(command, inputs, out_dir), "--devices", "2", "--num_nodes",
+                                             "2", *FOUR_PROCESS_FLAGS[command]):
+                assert result.returncode == 0, result.stderr
+            runs[command] = out_dir
+        return runs[command]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("command", list(WEIGHTS))
-def test_two_processes_equal_one(command, strategy, inputs, single_process, tmp_path):
-    out_dir = tmp_path / "two"
-    result = litgpt(*command_args(command, inputs, out_dir), "--devices", "2", "--fsdp.sharding_strategy", strategy)
-    assert result.returncode == 0, result.stderr
+def test_two_processes_equal_one(command, strategy, single_process, two_process_run):
+    out_dir = two_process_run(command, strategy)
     assert_close_runs(out_dir, single_process[command], WEIGHTS[command])
     metrics = json.loads((out_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == strategy
@@ -240,11 +279,8 @@ def test_two_processes_equal_one(command, strategy, inputs, single_process, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", list(WEIGHTS))
-def test_hybrid_shard_over_two_torchrun_nodes_equals_one_process(command, inputs, single_process, tmp_path):
-    out_dir = tmp_path / "hybrid"
-    results = torchrun_two_nodes(*command_args(command, inputs, out_dir), "--devices", "2", "--num_nodes", "2")
-    for result in results:
-        assert result.returncode == 0, result.stderr
+def test_hybrid_shard_over_two_torchrun_nodes_equals_one_process(command, single_process, four_process_run):
+    out_dir = four_process_run(command)
     metrics = json.loads((out_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 4 and metrics["num_nodes"] == 2 and metrics["sharding_strategy"] == "HYBRID_SHARD"
     assert_close_runs(out_dir, single_process[command], WEIGHTS[command])
@@ -312,11 +348,9 @@ def test_sharded_checkpoint_resumes_on_the_same_and_a_smaller_world(devices, ato
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_from_four_processes_resumes_on_two(inputs, single_process, tmp_path):
-    four = tmp_path / "four"
-    for result in torchrun_two_nodes(*command_args("finetune_lora", inputs, four), "--devices", "2", "--num_nodes",
-                                     "2", "--fsdp.state_dict_type", "sharded"):
-        assert result.returncode == 0, result.stderr
+def test_sharded_checkpoint_from_four_processes_resumes_on_two(inputs, single_process, four_process_run, tmp_path):
+    four = four_process_run("finetune_lora")  # 2 torchrun nodes x 2 processes, sharded checkpoints
+    assert FOUR_PROCESS_FLAGS["finetune_lora"] == ["--fsdp.state_dict_type", "sharded"]
     assert len(list((four / "step-000002" / "sharded").glob("*.distcp"))) == 4
     two = tmp_path / "two"
     result = litgpt(*command_args("finetune_lora", inputs, two), "--devices", "2", "--resume", four / "step-000002")
@@ -326,10 +360,10 @@ def test_sharded_checkpoint_from_four_processes_resumes_on_two(inputs, single_pr
 
 
 @pytest.mark.slow
-def test_full_checkpoint_from_two_processes_resumes_in_one_and_generates(inputs, single_process, tmp_path):
-    two = tmp_path / "two"
-    result = litgpt(*command_args("finetune_full", inputs, two), "--devices", "2")
-    assert result.returncode == 0, result.stderr
+def test_full_checkpoint_from_two_processes_resumes_in_one_and_generates(inputs, single_process, two_process_run,
+                                                                        tmp_path):
+    # FULL_SHARD, what the default HYBRID_SHARD is on one node: the run test_two_processes_equal_one checks too
+    two = two_process_run("finetune_full", "FULL_SHARD")
     assert set(load_state_dict(two / "step-000002" / "lit_model.pth")) == set(final_weights(two, "lit_model.pth"))
     one = tmp_path / "one"
     result = litgpt(*command_args("finetune_full", inputs, one), "--devices", "1", "--resume", two / "step-000002")
