@@ -244,7 +244,7 @@ def evaluate_in_this_process(fabric, strategy, model) -> dict:
 
 def train_in_this_process(fabric, strategy, evaluate: bool = False) -> dict:
     """Called on every rank: set the tiny model up with `strategy`, train STEPS steps, report what happened (and,
-    with `evaluate`, validate and sample after the first and the last step)."""
+    with `evaluate`, validate and sample after the first step and after the last)."""
     from extensions.thunder.compat import import_thunder
     from litgpt.train.loss import cross_entropy
 
@@ -267,11 +267,16 @@ def train_in_this_process(fabric, strategy, evaluate: bool = False) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(fabric.all_reduce(step_loss, reduce_op="mean").item())
-        if evaluate and step in (0, STEPS - 1):  # training goes on after an evaluation
-            result["evaluations"].append(evaluate_in_this_process(fabric, strategy, model))
-    compiled = model._forward_module
-    result["forward"] = collectives(thunder.last_traces(compiled)[-1])
-    result["backward"] = collectives(thunder.last_backward_traces(compiled)[-1])
+        if step == 0:
+            # The training traces' collectives, before an evaluation traces again: thunder 0.2.6 updates
+            # last_backward_traces only when it traces, so after a no-grad trace it is empty for good.
+            compiled = model._forward_module
+            result["forward"] = collectives(thunder.last_traces(compiled)[-1])
+            result["backward"] = collectives(thunder.last_backward_traces(compiled)[-1])
+            if evaluate:  # training goes on after an evaluation
+                result["evaluations"].append(evaluate_in_this_process(fabric, strategy, model))
+    if evaluate:
+        result["evaluations"].append(evaluate_in_this_process(fabric, strategy, model))
     result["shards"] = {name: [list(shard.shape), list(checkpoint_io.full_shapes[name])]
                         for name, shard in checkpoint_io.shards().items()}
     return {"result": result, "checkpoint_io": checkpoint_io, "optimizer": optimizer}
