@@ -50,7 +50,7 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 42,
     profile: bool = False,
-    compiler: Literal["auto", "none", "torch", "thunder"] = "auto",
+    compiler: str = "auto",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
 ) -> None:
     """Pretrain a model.
@@ -75,8 +75,9 @@ def setup(
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), torch (torch.compile of each
             transformer block: about a third more tokens/s on an H100; on a CPU it costs a minute of compilation
-            and gains little, see benchmarks/README.md) or thunder (the Thunder extension, extensions/thunder,
-            which takes over the run; `pip install -e '.[thunder]'`).
+            and gains little, see benchmarks/README.md), or the name of a compiler extension registered under the
+            `litgpt.compilers` entry points, which takes over the run: thunder (extensions/thunder,
+            `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
     """

@@ -15,10 +15,16 @@ def load_compiler(name: str) -> Callable:
     """The entry point that runs `litgpt pretrain` with the compiler `name`."""
     from importlib.metadata import entry_points
 
-    found = [point for point in entry_points(group=COMPILER_GROUP) if point.name == name]
-    if not found:
+    registered = {point.name: point for point in entry_points(group=COMPILER_GROUP)}
+    if name not in registered:
+        known = ", ".join(["auto", "none", "torch", *sorted(registered)])
         raise UserError(
-            f"--compiler {name} needs an extension that is not installed (no {COMPILER_GROUP!r} entry point named "
-            f"{name!r}): install it with `pip install 'litgpt[{name}]'` (from a checkout: pip install -e '.[{name}]')."
+            f"--compiler {name} is not one of {known}, and no installed extension registers it (an entry point "
+            f"{name!r} in the group {COMPILER_GROUP!r}): install the one that does, e.g. `pip install "
+            f"'litgpt[{name}]'` (from a checkout: pip install -e '.[{name}]')."
         )
-    return found[0].load()
+    try:
+        return registered[name].load()
+    except ImportError as error:
+        raise UserError(f"--compiler {name}: its extension ({registered[name].value}) cannot be imported: {error}. "
+                        f"Reinstall it, e.g. `pip install -e '.[{name}]'`.") from None

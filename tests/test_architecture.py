@@ -65,6 +65,16 @@ def test_a_compiler_is_found_by_name_and_a_missing_one_says_how_to_install_it():
         load_compiler("tvm")
 
 
+def test_an_unknown_compiler_on_the_command_line_is_one_line_naming_the_registered_ones(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "pretrain", "--config", "config_hub/pretrain/tiny.yaml", "--compiler", "tvm",
+         "--out_dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "--compiler tvm is not one of auto, none, torch, thunder" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
