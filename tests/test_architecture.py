@@ -75,6 +75,14 @@ def test_an_unknown_compiler_on_the_command_line_is_one_line_naming_the_register
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No launcher's variables in the environment: each test sets those it plays."""
+    for name in {*runtime.GLOBAL_RANK_VARIABLES, *runtime.LOCAL_RANK_VARIABLES, *runtime.NODE_RANK_VARIABLES,
+                 "WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"}:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
@@ -88,13 +96,26 @@ def test_an_unknown_compiler_on_the_command_line_is_one_line_naming_the_register
         ({}, (0, 0, 0, 1)),
     ],
 )
-def test_ranks_come_from_every_launcher(monkeypatch, environ, expected):
-    for name in {*runtime.GLOBAL_RANK_VARIABLES, *runtime.LOCAL_RANK_VARIABLES, *runtime.NODE_RANK_VARIABLES,
-                 "WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"}:
-        monkeypatch.delenv(name, raising=False)
+def test_ranks_come_from_every_launcher(monkeypatch, no_launcher, environ, expected):
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert (runtime.global_rank(), runtime.local_rank(), runtime.node_rank(), runtime.world_size()) == expected
+
+
+def test_printing_once_per_run_and_once_per_node(monkeypatch, no_launcher, capsys):
+    """Two nodes of two processes (torchrun's variables): the run's first process prints per run, each node's first
+    per node, with the node named."""
+    printed = {}
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        monkeypatch.setenv("GROUP_RANK", str(rank // 2))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        runtime.print_once("per run")
+        runtime.print_once_per_node("per node")
+        printed[rank] = capsys.readouterr().out.splitlines()
+    assert printed == {0: ["per run", "[node 0] per node"], 1: [], 2: ["[node 1] per node"], 3: []}
 
 
 def node_local_worker(rank: int, world: int, per_node: int, port: int, log: str) -> None:
