@@ -559,9 +559,16 @@ srun --kill-on-bad-exit=1 {sys.executable} -m litgpt {args}
     state = lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
                                    text=True).stdout.strip()
     wait_for(lambda: "requeued Slurm job" in log.read_text() and state() == "PENDING")
-    # A requeued job waits about two minutes before Slurm starts it again; the test does not.
+    # A requeued job waits about two minutes before Slurm starts it again; the test does not. Slurm refuses to launch
+    # a job with a credential issued in the same second as the revocation of its killed run ("Job credential revoked"),
+    # which is what that wait avoids: start it once the old run has left the node and the clock has moved on.
+    node_state = lambda: subprocess.run(["sinfo", "-h", "-n", slurm_cluster, "-o", "%T"], env=env, capture_output=True,
+                                        text=True).stdout.strip()
+    wait_for(lambda: "completing" not in node_state())
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
-    wait_for(lambda: (out_dir / "final").exists() and state() == "", seconds=600)
+    wait_for(lambda: state() == "", seconds=600)
+    assert (out_dir / "final").exists(), log.read_text()
     text = log.read_text()
     (stopped,) = [line for line in text.splitlines() if line.startswith("Stopped by SIGUSR1 after step")]
     step = int(stopped.split()[5].rstrip(":"))
