@@ -1,0 +1,164 @@
+"""`litgpt plan` beside the peak memory other toolkits published for the same runs.
+
+Each row is a run whose peak GPU memory torchtune, LitGPT or Answer.AI measured and published, with the source (file
+and commit of the peer's own repository). The planner is run with the same model, method, precision, batch, sequence
+length, LoRA targets, quantization, activation checkpointing, devices and offload. A peer figure is one of two kinds,
+and ours is compared like for like:
+
+- "allocated" (torchtune's "Peak Memory Active", LitGPT's `torch.cuda.max_memory_allocated`): the planner's peak;
+- "reserved" (Answer.AI's peak reserved memory): the planner's total, the peak plus its allowance for the CUDA
+  context and the allocator's cache.
+
+Rows whose peer used something litgpt does not have (an 8-bit optimizer, the optimizer step fused into the backward
+pass, activation offloading) say so and are shown, not hidden. Nothing is allocated: this runs anywhere in seconds.
+
+    python benchmarks/memory_peers.py            # the table
+    python benchmarks/memory_peers.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+GiB = 2**30
+
+TORCHTUNE = "pytorch/torchtune README.md @ bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1"
+LITGPT = "Lightning-AI/litgpt tutorials/resource-tables.md @ 26857050fe3ff627cd714fe92f5838f51a3d5efa (A100 40GB)"
+ANSWERAI = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md @ 05ed9f2a60f96a0795cb082bceab70a9b19fd213"
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    peer: str
+    source: str
+    run: str  # the peer's description of the run, as published
+    peer_gib: float
+    measure: str  # "allocated" or "reserved"
+    model: str
+    plan: dict = field(default_factory=dict)  # litgpt.plan.estimate keyword arguments
+    lora: dict | None = None  # LoRASettings fields
+    differs: str = ""  # what the peer used that litgpt does not have
+
+
+def _gb(decimal_gb: float) -> float:
+    """LitGPT's table prints max_memory_allocated / 1e9 as 'GB'."""
+    return decimal_gb * 1e9 / GiB
+
+
+def flags(**values) -> dict:
+    """Keyword arguments, written as such."""
+    return values
+
+
+QV = flags(query=True, value=True)
+ALL_LINEAR = flags(query=True, key=True, value=True, projection=True, mlp=True)
+TORCHTUNE_LORA = flags(query=True, value=True, projection=True, mlp=True)
+
+RUNS = (
+    PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B full, bf16, batch 2 x 4096 packed, compile, chunked CE", 42.9,
+            "allocated", "Llama-3.2-3B",
+            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
+                 accumulate_gradients=False)),
+    PeerRun("torchtune", TORCHTUNE, "... + activation checkpointing", 24.9, "allocated", "Llama-3.2-3B",
+            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
+                 activation_checkpointing=True, accumulate_gradients=False)),
+    PeerRun("torchtune", TORCHTUNE, "... + optimizer step fused into the backward pass", 23.1, "allocated",
+            "Llama-3.2-3B",
+            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
+                 activation_checkpointing=True, accumulate_gradients=False),
+            differs="optimizer step in the backward pass (gradients freed per parameter)"),
+    PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B LoRA r64 (q, v, out, MLP), same run, activation offloading", 8.5,
+            "allocated", "Llama-3.2-3B",
+            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=4096,
+                 activation_checkpointing=True, accumulate_gradients=False),
+            lora=flags(r=64, alpha=128, dropout=0.0, **TORCHTUNE_LORA), differs="activation offloading to the CPU"),
+    PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B QLoRA r64, same run, activation offloading", 4.6, "allocated",
+            "Llama-3.2-3B",
+            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=4096, quantize="bnb.nf4",
+                 activation_checkpointing=True, accumulate_gradients=False),
+            lora=flags(r=64, alpha=128, dropout=0.0, **TORCHTUNE_LORA), differs="activation offloading to the CPU"),
+    PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B LoRA r8 (q, v, out, MLP), 1x 4090, batch 2 x 2048 packed", 16.2,
+            "allocated", "Llama-3.1-8B",
+            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048,
+                 activation_checkpointing=True, accumulate_gradients=False),
+            lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
+    PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B QLoRA r8, 1x 4090, batch 2 x 2048 packed", 7.4, "allocated",
+            "Llama-3.1-8B",
+            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048, quantize="bnb.nf4",
+                 activation_checkpointing=True, accumulate_gradients=False),
+            lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
+    PeerRun("LitGPT", LITGPT, "Llama 2 7B LoRA r8 (q, v), micro batch 1, Alpaca (longest 1,304 tokens)",
+            _gb(21.30), "allocated", "Llama-2-7b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304),
+            lora=flags(r=8, **QV)),
+    PeerRun("LitGPT", LITGPT, "... with bnb.nf4", _gb(14.14), "allocated", "Llama-2-7b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304, quantize="bnb.nf4"),
+            lora=flags(r=8, **QV)),
+    PeerRun("LitGPT", LITGPT, "Llama 2 13B LoRA r8 (q, v), micro batch 1", _gb(38.12), "allocated", "Llama-2-13b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304),
+            lora=flags(r=8, **QV)),
+    PeerRun("LitGPT", LITGPT, "... with bnb.nf4", _gb(23.14), "allocated", "Llama-2-13b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304, quantize="bnb.nf4"),
+            lora=flags(r=8, **QV)),
+    PeerRun("Answer.AI", ANSWERAI, "Llama-2 7B QLoRA r64 (all linear), FSDP on 2 GPUs, batch 10 x 2048", 20.97,
+            "reserved", "Llama-2-7b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=10, seq_length=2048, quantize="bnb.nf4",
+                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD"),
+            lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
+    PeerRun("Answer.AI", ANSWERAI, "Llama-2 7B LoRA r64 (all linear), FSDP on 2 GPUs, batch 6 x 2048", 21.35,
+            "reserved", "Llama-2-7b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=6, seq_length=2048,
+                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD"),
+            lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
+    PeerRun("Answer.AI", ANSWERAI, "Llama-2 70B QLoRA r64 (all linear), 2 GPUs, CPU offload, batch 2 x 2048", 14.92,
+            "reserved", "Llama-2-70b-hf",
+            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048, quantize="bnb.nf4",
+                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD", cpu_offload=True),
+            lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
+)
+
+
+def plan_row(run: PeerRun) -> dict:
+    from litgpt.config import Config
+    from litgpt.errors import UserError
+    from litgpt.lora import LoRASettings
+    from litgpt.plan import estimate
+
+    row = {"peer": run.peer, "source": run.source, "run": run.run, "measure": run.measure, "model": run.model,
+           "peer_gib": round(run.peer_gib, 2), "differs": run.differs, "plan_arguments": run.plan, "lora": run.lora}
+    lora = LoRASettings(**run.lora) if run.lora else None
+    try:
+        plan = estimate(Config.from_name(run.model), lora=lora, device="cuda", **run.plan)
+    except UserError as error:  # a run litgpt cannot do: shown as such
+        return {**row, "ours_gib": None, "ratio": None, "at_or_below": False, "refused": str(error)}
+    ours = (plan.peak if run.measure == "allocated" else plan.total) / GiB
+    return {**row, "ours_gib": round(ours, 2), "ratio": round(ours / run.peer_gib, 3), "at_or_below": ours <= run.peer_gib}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = [plan_row(run) for run in RUNS]
+    print(f"{'peer':<10} {'run':<78} {'measure':<9} {'peer GiB':>8} {'ours GiB':>8} {'ours/peer':>9}")
+    for row in rows:
+        head = f"{row['peer']:<10} {row['run'][:78]:<78} {row['measure']:<9} {row['peer_gib']:>8.2f} "
+        if row["ours_gib"] is None:
+            print(f"{head}  refused: {row['refused']}")
+            continue
+        flag = "" if row["at_or_below"] else "  ABOVE"
+        print(f"{head}{row['ours_gib']:>8.2f} {row['ratio']:>8.2f}x{flag}")
+        if row["differs"]:
+            print(f"{'':<10}   peer used what litgpt lacks: {row['differs']}")
+    print("\nSources:")
+    for source in dict.fromkeys(row["source"] for row in rows):
+        print(f"  {source}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(rows, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()

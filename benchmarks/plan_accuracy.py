@@ -1,0 +1,76 @@
+"""`litgpt plan`'s peak against the peak a real `litgpt pretrain` run measures, setting by setting.
+
+Each setting trains a few steps of the named model (random weights, the bundled tiny data) in a fresh process and
+reads the run's own `peak_memory_mb` from `metrics.json` (`torch.cuda.max_memory_allocated` on CUDA); the planner
+is asked for the same run. Prints both and the ratio. Meant for a GPU (`--device cuda`); on a CPU the measured
+figure is the process's peak RSS, which also counts the Python runtime and libraries, so use the planner's tests
+(`tests/test_plan.py`) there instead.
+
+    python benchmarks/plan_accuracy.py --model Llama-3.2-1B --seq_length 2048 --micro_batch_size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from train import TOKENIZER_DIR  # benchmarks/train.py: the bundled tiny tokenizer
+
+MiB = 2**20
+SETTINGS = {  # name -> (training flags, planner keyword arguments)
+    "no checkpointing": ([], {}),
+    "activation checkpointing": (["--train.activation_checkpointing", "true"], {"activation_checkpointing": True}),
+}
+
+
+def measure(model: str, flags: list[str], args, out_dir: Path) -> float:
+    argv = [sys.executable, "-m", "litgpt", "pretrain", model, "--tokenizer_dir", str(TOKENIZER_DIR), "--data", "Tiny",
+            "--data.cache_dir", str(out_dir.parent / "tiny-cache"), "--out_dir", str(out_dir),
+            "--train.max_seq_length", str(args.seq_length), "--train.micro_batch_size", str(args.micro_batch_size),
+            "--train.global_batch_size", str(2 * args.micro_batch_size), "--train.max_steps", str(args.steps),
+            "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
+            "--precision", args.precision, "--devices", "1", "--compiler", "none", *flags]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb"] * MiB
+
+
+def planned(model: str, kwargs: dict, args) -> float:
+    from litgpt.config import Config
+    from litgpt.plan import estimate
+
+    plan = estimate(Config.from_name(model), method="full", precision=args.precision, device=args.device,
+                    micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, **kwargs)
+    return plan.peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="Llama-3.2-1B")
+    parser.add_argument("--seq_length", type=int, default=2048)
+    parser.add_argument("--micro_batch_size", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for index, name in enumerate(args.settings):
+            flags, kwargs = SETTINGS[name]
+            measured = measure(args.model, flags, args, Path(work) / f"run-{index}")
+            plan = planned(args.model, kwargs, args)
+            rows.append({"setting": name, "flags": flags, "planned_mib": round(plan / MiB), "measured_mib":
+                         round(measured / MiB), "planned_over_measured": round(plan / measured, 4)})
+            print(f"{name:<34} planned {plan / MiB:>9,.0f} MiB   measured {measured / MiB:>9,.0f} MiB   "
+                  f"ratio {plan / measured:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arguments": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
