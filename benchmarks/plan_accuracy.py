@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train import TOKENIZER_DIR  # benchmarks/train.py: the bundled tiny tokenizer
+from litgpt.data.tiny import TOKENIZER_DIR  # the bundled tiny tokenizer
 
 MiB = 2**20
 SETTINGS = {  # name -> (training flags, planner keyword arguments)
