@@ -155,3 +155,91 @@ def test_moe_equals_transformers(n_expert, k, renormalize):
         if k > 1:  # the renormalization matters: the other convention is far off
             other = _hf_moe_block(Config(**{**config.__dict__, "moe_renormalize": not renormalize}), moe)
             assert (other(x) - expected).abs().max() > 0.1
+
+
+# ---- the norm and the gated MLP keep less for the backward pass, with autograd's results -------------------------------
+def _composite_rms_norm(x, weight, eps, unit_offset):
+    """RMSNorm as plain ops (transformers' order: float32 math, cast back, then the scale), left to autograd."""
+    x_float = x.float()
+    normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def _saved_bytes(fn, x, *weights) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of fn(x), x and `weights` left out."""
+    storages = {}
+    skip = {t.untyped_storage().data_ptr() for t in (x, *weights)}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_equals_its_composite_and_keeps_less(unit_offset, dtype, atol):
+    from litgpt.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.normal_(0.3, 0.5)
+    norm.to(dtype)
+    x = torch.randn(2, 7, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 7, 64, dtype=dtype)
+    ours = norm(x)
+    ours_grads = torch.autograd.grad(ours, (x, norm.weight), grad)
+    # The reference runs in float64 from the same inputs: the forward pass is bit for bit the composite's.
+    reference = _composite_rms_norm(x, norm.weight, 1e-5, unit_offset)
+    assert torch.equal(ours, reference)
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    n64 = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + 1e-5)
+    out64 = n64 * (1.0 + w64) if unit_offset else w64 * n64
+    reference_grads = torch.autograd.grad(out64, (x64, w64), grad.double())
+    for got, want in zip(ours_grads, reference_grads):
+        torch.testing.assert_close(got.double(), want, atol=atol * want.abs().max().item(), rtol=0)
+    # Kept for the backward pass: the input (a leaf here, not counted) and one float32 per row.
+    assert _saved_bytes(norm, x, norm.weight) == 2 * 7 * 4
+    composite = _saved_bytes(lambda t: _composite_rms_norm(t, norm.weight, 1e-5, unit_offset), x, norm.weight)
+    assert composite >= 2 * 7 * 64 * 4  # at least the float32 copy of the input
+
+
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gated_mlp_equals_its_composite_and_keeps_less(approximate, dtype):
+    from litgpt.model import build_mlp
+
+    config = Config(n_embd=32, intermediate_size=96, n_head=4, n_layer=1, bias=False,
+                    mlp_class_name="LLaMAMLP" if approximate is None else "GemmaMLP",
+                    gelu_approximate=approximate or "none")
+    torch.manual_seed(0)
+    mlp = build_mlp(config).to(dtype)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 5, 32, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3, 5, 32, dtype=dtype)
+
+    def composite(t):
+        a = mlp.fc_1(t)
+        act = torch.nn.functional.silu(a) if approximate is None else torch.nn.functional.gelu(a, approximate=approximate)
+        return mlp.proj(act * mlp.fc_2(t))
+
+    params = (x, *mlp.parameters())
+    ours, reference = mlp(x), composite(x)
+    assert torch.equal(ours, reference)
+    ours_grads = torch.autograd.grad(ours, params, grad)
+    reference_grads = torch.autograd.grad(reference, params, grad)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for got, want in zip(ours_grads, reference_grads):
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
+    # One tensor of the MLP's width (activation(gate)) fewer.
+    width_bytes = 3 * 5 * 96 * x.element_size()
+    assert _saved_bytes(composite, x) - _saved_bytes(mlp, x) == width_bytes

@@ -148,14 +148,14 @@ def test_a_config_change_moves_the_plan_as_autograd_does(change, precision):
 
 
 def test_the_plan_follows_a_change_to_the_model_code(monkeypatch):
-    """No description of the model to keep in step: patch the MLP's activation (one more saved tensor per block) and
-    the plan changes by what autograd then saves."""
+    """No description of the model to keep in step: patch the MLP's gate to plain ops (autograd then keeps
+    activation(gate) too: one more saved tensor per block) and the plan changes by what autograd then saves."""
     import litgpt.plan as plan
     from litgpt.model import LLaMAMLP
 
     before = planned_layers(BASE)
     monkeypatch.setattr(plan, "_MEASURED", {})  # the cache assumes the code does not change in a process
-    monkeypatch.setattr(LLaMAMLP, "activation", lambda self, x: torch.nn.functional.silu(x) * torch.sigmoid(x))
+    monkeypatch.setattr(LLaMAMLP, "gate", lambda self, gate, up: torch.nn.functional.silu(gate) * up)
     measured, _ = autograd_saved_bytes(BASE, "32-true", None, "cpu")
     after = planned_layers(BASE)
     assert after == measured
