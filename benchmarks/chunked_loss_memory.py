@@ -5,8 +5,9 @@ Each setting runs in a fresh process: build the model and AdamW, then training s
 step). The plain loss is the old path, `cross_entropy(model(x), y)` on whole logits upcast to float32; the chunked one
 is what training runs (`litgpt.train.loss.loss_function`: `GPT(x, return_hidden=True)` and `chunked_head_loss`),
 with the automatic chunk size and with any `--chunk` given. On the CPU the figure is the process's peak RSS (VmHWM)
-and its rise over the step (malloc made to hand freed memory back, so RSS follows the tensors); on CUDA
-`torch.cuda.max_memory_allocated` and the median step time.
+and its rise over the built model, up to the end of the backward pass and over the whole step with AdamW's first
+update (malloc made to hand freed memory back, so RSS follows the tensors); on CUDA `torch.cuda.max_memory_allocated`
+and the median step time.
 
     python benchmarks/chunked_loss_memory.py                      # CPU, 32-true, batch 2 x 1024
     python benchmarks/chunked_loss_memory.py --device cuda --precision bf16-mixed --batch 4 --seq 4096
@@ -62,10 +63,16 @@ def worker(args) -> dict:
         loss_fn = loss_function("cross_entropy", args.chunk)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else None
 
+    def peak_now() -> int:
+        return torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
+
+    backward_peaks = []
+
     def step() -> float:
         with autocast or contextlib.nullcontext():  # the trainer runs its loss under the precision's autocast
             loss = loss_fn(model, x, y)
         loss.backward()
+        backward_peaks.append(peak_now())  # forward and backward, before the optimizer's state and update
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -85,8 +92,9 @@ def worker(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
-    return {"peak": peak, "rise": peak - before, "step_s": sorted(times)[len(times) // 2], "loss": losses[0]}
+    peak = peak_now()
+    return {"peak": peak, "rise": peak - before, "backward_rise": max(backward_peaks) - before,
+            "step_s": sorted(times)[len(times) // 2], "loss": losses[0]}
 
 
 def run_setting(mode: str, chunk, args) -> dict:
@@ -136,8 +144,9 @@ def main() -> None:
     plain = results[0][1]
     for label, r in results:
         timing = f", step {r['step_s'] * 1000:,.1f} ms" if args.device == "cuda" else ""
-        print(f"{label:28} {kind} {r['peak'] / MiB:9,.0f} MiB (step's rise {r['rise'] / MiB:8,.0f} MiB), "
-              f"ratio to plain {r['peak'] / plain['peak']:.2f}{timing}, loss {r['loss']:.5f}")
+        print(f"{label:28} {kind} {r['peak'] / MiB:7,.0f} MiB, ratio to plain {r['peak'] / plain['peak']:.2f} | rise "
+              f"over the built model: forward+backward {r['backward_rise'] / MiB:7,.0f} MiB, whole step "
+              f"{r['rise'] / MiB:7,.0f} MiB{timing} | loss {r['loss']:.5f}")
 
 
 if __name__ == "__main__":
