@@ -57,7 +57,7 @@ def chunked_mean(hidden, head: OutputHead, labels, chunk_size):
 
 
 def gradients(loss, tensors):
-    return torch.autograd.grad(loss, tensors, allow_unused=True)
+    return torch.autograd.grad(loss, tensors, allow_unused=True, retain_graph=True)  # graphs may share a part
 
 
 def max_diff(a, b) -> float:
@@ -91,16 +91,21 @@ def test_a_batch_without_labels_has_loss_zero_and_zero_gradients():
 
 
 def test_lora_head_gradients_reach_the_adapters():
-    """A LoRA head with dropout: the adapters' gradients equal the plain module's under the same random mask."""
+    """A LoRA head with dropout: the adapters get the gradients of the whole-logits computation; its low-rank side,
+    drawn once before the chunks, is the module's own update under the same random mask."""
     torch.manual_seed(0)
     head = LoRALinear(torch.nn.Linear(C, V, bias=True), r=4, alpha=8, dropout=0.2)
-    torch.nn.init.normal_(head.lora_B)  # B starts at zero; make the update matter
+    torch.nn.init.normal_(head.lora_B, std=0.1)  # B starts at zero; make the update matter
     hidden, _, _, labels = inputs()
     params = (hidden, head.weight, head.bias, head.lora_A, head.lora_B)
     torch.manual_seed(1)
-    loss = chunked_mean(hidden, OutputHead.of(head, hidden), labels, 4)
+    tensors = OutputHead.of(head, hidden)
     torch.manual_seed(1)  # the same dropout mask
-    expected = cross_entropy(head(hidden.double().float()), labels)
+    module_out = head(hidden)
+    own = F.linear(hidden, head.weight, head.bias) + tensors.lora_input @ tensors.lora_b.t()
+    assert max_diff(own, module_out) < 1e-6
+    loss = chunked_mean(hidden, tensors, labels, 4)
+    expected = reference(hidden, head.weight, head.bias, labels, lora=(tensors.lora_input, tensors.lora_b))
     assert max_diff(loss, expected) < 1e-6
     for got, want in zip(gradients(loss, params), gradients(expected, params)):
         assert got is not None and max_diff(got, want) < 1e-6
