@@ -1,13 +1,17 @@
 """The chunked output head + loss (`litgpt.train.loss`) against the plain computation on whole logits
-(`F.cross_entropy` in float64), and the memory it holds against what the plain one holds."""
+(`F.cross_entropy` in float64), the memory it holds against what the plain one holds, and `--train.loss_chunk_size`
+in a real training run."""
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
+from test_training import SGD, assert_same_weights, pretrain, text_folder, weights  # noqa: F401 - a fixture too
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -245,3 +249,27 @@ def test_a_training_step_through_the_recipe_equals_the_whole_logits_path(variant
     if lora_head:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         assert "lm_head.lora_A" in names and "lm_head.lora_B" in names
+
+
+def test_the_option_reaches_training_and_is_recorded(tmp_path, text_folder, monkeypatch):
+    """`--train.loss_chunk_size 5` (13 chunks of a 2 x 32 micro-batch) reaches the training and validation losses,
+    trains to the weights and validation loss of the automatic size (one chunk here), and the run records it."""
+    import litgpt.train.loss as loss_module
+
+    sizes = []
+
+    def recording(*args, **kwargs):  # the real function, its chunk size noted
+        sizes.append(args[4] if len(args) > 4 else kwargs.get("chunk_size"))
+        return chunked_head_loss(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "chunked_head_loss", recording)
+    pretrain(tmp_path / "chunked", text_folder, max_steps=3, optimizer=SGD, loss_chunk_size=5)
+    assert sizes and set(sizes) == {5}
+    sizes.clear()
+    pretrain(tmp_path / "automatic", text_folder, max_steps=3, optimizer=SGD)
+    assert sizes and set(sizes) == {None}
+    assert_same_weights(weights(tmp_path / "chunked" / "final"), weights(tmp_path / "automatic" / "final"), 1e-6)
+    losses = [json.loads((tmp_path / run / "metrics.json").read_text())["val_loss"] for run in ("chunked", "automatic")]
+    assert abs(losses[0] - losses[1]) < 1e-5
+    hparams = yaml.safe_load((tmp_path / "chunked" / "final" / "hyperparameters.yaml").read_text())
+    assert hparams["train"]["loss_chunk_size"] == 5
