@@ -627,6 +627,7 @@ def test_cli_json_and_model_config(capsys):
         (["--model_name", "tiny-llama-1.1b", "--cpu_offload", "true"], "--cpu_offload is an FSDP option"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--lora_r", "0"], "lora_r must be"),
         (["--model_name", "tiny-llama-1.1b", "--device", "tpu"], "--device 'tpu'"),
+        (["--model_name", "tiny-llama-1.1b", "--loss_chunk_size", "0"], "--loss_chunk_size must be"),
     ],
 )
 def test_bad_input_is_one_clear_user_error(args, message):
