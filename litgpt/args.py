@@ -31,6 +31,9 @@ class TrainArgs:
             checkpoint stays as it was) or skip that step's update and go on.
         requeue: Under Slurm, after the checkpoint a SIGTERM or SIGUSR1 triggers, requeue the job
             (`scontrol requeue`); the requeued job continues with --resume auto.
+        loss_chunk_size: Positions per chunk of the output head and loss, which never build the whole logits
+            (None: automatic, one chunk's float32 logits about the size of the hidden states, at least 1024 positions;
+            `litgpt.train.loss.auto_chunk_size`).
     """
 
     save_interval: Optional[int] = 1000
@@ -48,6 +51,7 @@ class TrainArgs:
     keep_last: Optional[int] = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
     requeue: bool = False
+    loss_chunk_size: Optional[int] = None
 
     def gradient_accumulation_iters(self, world_size: int) -> int:
         """global = world_size x micro x accumulation; raise UserError when that does not divide."""

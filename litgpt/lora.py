@@ -197,6 +197,12 @@ class LoRALinear(nn.Linear):
         out = self.base_forward(x)
         if self.merged:
             return out
+        low_rank, b_all = self.low_rank(x)
+        return out + F.linear(low_rank, b_all).to(out.dtype)
+
+    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update as two factors, update = low_rank @ b_all.T: low_rank = dropout(x) @ A.T * scaling (r columns
+        per part) and b_all every part's B over the rows it writes (a chunked loss multiplies by b_all itself)."""
         factors = list(self.lora_factors())
         # One matmul for every part's A (stacked), one for every part's B (laid out block-diagonally over the rows
         # it writes, zero rows elsewhere), and one add: the adapters cost O(r) per row next to the base matmul.
@@ -204,10 +210,8 @@ class LoRALinear(nn.Linear):
             a_all = factors[0][3]
         else:
             a_all = torch.cat([f[3] for f in factors], dim=0)
-        b_all = self._stacked_b(factors)
         h = self.lora_dropout(x).to(a_all.dtype)
-        update = F.linear(F.linear(h, a_all) * self.scaling, b_all)
-        return out + update.to(out.dtype)
+        return F.linear(h, a_all) * self.scaling, self._stacked_b(factors)
 
     def _stacked_b(self, factors: list) -> torch.Tensor:
         _, start, stop, _, b = factors[0]

@@ -64,8 +64,11 @@ class GPT(nn.Module):
             block.attn.kv_cache = None
 
     # ---- forward ------------------------------------------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits for token ids `idx` (B, T).
+    def forward(
+        self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, *, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Logits for token ids `idx` (B, T); with `return_hidden`, the final norm's output (B, T, n_embd) instead,
+        for a loss that applies the head itself chunk by chunk (`litgpt.train.loss.model_loss`).
 
         Without `input_pos` the sequence starts at position 0 and no cache is used (training, scoring). With it,
         `input_pos` (T,) gives the positions of `idx` and every layer reads and writes its KV cache. Queries then
@@ -110,6 +113,8 @@ class GPT(nn.Module):
             x = block(x, rope, mask, positions)
 
         x = self.transformer.ln_f(x)
+        if return_hidden:
+            return x
         logits = self.lm_head(x)
         if c.final_logit_softcapping is not None:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping

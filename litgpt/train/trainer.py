@@ -28,7 +28,7 @@ from litgpt.failpoints import failpoint
 from litgpt.generate import generate
 from litgpt.io import write_json
 from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
-from litgpt.train.loss import cross_entropy
+from litgpt.train.loss import loss_function
 from litgpt.train.metrics import LogWindow, run_metrics
 from litgpt.train.optimizer import lr_at
 from litgpt.train.profiler import start_profiler, stop_profiler
@@ -65,7 +65,10 @@ class Trainer:
         self.job, self.train, self.eval = job, job.train, job.eval
         self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
         self.train_data, self.val_data = train_data, val_data
-        self.loss = job.recipe.loss_function()
+        # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
+        chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
+        self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked)
+        self.validation_loss = loss_function("cross_entropy", self.train.loss_chunk_size, chunked)
         self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
         self.seq_length = train_data.dataset[0]["input_ids"].numel()
@@ -154,7 +157,8 @@ class Trainer:
             epoch, index, batch = next(batches)
             input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
             with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
-                loss = self.loss(model, input_ids, labels)
+                with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
+                    loss = self.loss(model, input_ids, labels)
                 fabric.backward(loss / self.accumulation)
             step_loss += loss.detach() / self.accumulation
             window.label_tokens += (labels != IGNORE_INDEX).sum()
@@ -269,8 +273,9 @@ class Trainer:
         batches = self.validation_batches()
         losses = []
         for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
-            logits = model(self.fabric.to_device(batch["input_ids"]))
-            losses.append(cross_entropy(logits, self.fabric.to_device(batch["labels"])))
+            input_ids, labels = self.fabric.to_device(batch["input_ids"]), self.fabric.to_device(batch["labels"])
+            with self.fabric.autocast():
+                losses.append(self.validation_loss(model, input_ids, labels))
         loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
         model.train()
         return loss.item()
