@@ -884,7 +884,7 @@ class _SavedTensors:
         self.saved_copies: dict[object, int] = {}
         self.saved_kept: dict[object, int] = {}
         self.inputs: list[int] = []
-        self.kept: dict[int, object] = {}  # storages of `KEPT_OPS`' outputs, by the block they were made in
+        self.kept: dict[int, tuple[object, int]] = {}  # `KEPT_OPS`' output storages: (block made in, bytes)
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
         for index, block in enumerate(model.transformer.h):
@@ -1010,7 +1010,7 @@ def _count(n: int) -> str:
 
 
 def _checkpointing_words(setting: str) -> str:
-    words = {"none": "off", "full": "on (every block)", "ops": "ops (matmul and attention outputs kept)"}
+    words = {"none": "off", "full": "on", "ops": "ops (matmul and attention outputs kept)"}
     return words.get(setting) or f"{setting} (one block in {setting.removeprefix('every:')})"
 
 

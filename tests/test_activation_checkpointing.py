@@ -52,7 +52,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# ---- the setting -------------------------------------------------------------------------------------------------------
+# ---- the setting -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(False, "none"), (None, "none"), ("none", "none"), ("false", "none"), (True, "full"), ("true", "full"),

@@ -106,8 +106,9 @@ def check_activation_checkpointing(train: TrainArgs) -> None:
     every block."""
     if ActivationCheckpointing.parse(train.activation_checkpointing).mode == "ops":
         raise UserError(
-            "--train.activation_checkpointing ops is PyTorch's selective checkpointing, which Thunder ignores (it would "
-            "recompute every block): with --compiler thunder use true, N or every:N; or use --compiler torch|none."
+            "--train.activation_checkpointing ops is PyTorch's selective checkpointing, which Thunder ignores (it "
+            "would recompute every block): with --compiler thunder use true, N or every:N, or use --compiler torch or "
+            "none."
         )
 
 
