@@ -86,6 +86,28 @@ def test_bad_settings_are_one_user_error(value):
         estimate(Config(**LLAMA), seq_length=16, activation_checkpointing=value)
 
 
+@pytest.mark.parametrize(
+    ("flag", "yaml_value", "expected"),
+    [("true", "true", "full"), ("false", "false", "none"), ("2", "2", "every:2"), ("every:3", "every:3", "every:3"),
+     ("ops", "ops", "ops"), ("full", "full", "full")],
+)
+def test_the_command_line_and_yaml_files_take_every_setting(tmp_path, flag, yaml_value, expected):
+    """`litgpt finetune_full`'s own parser (TrainArgs as jsonargparse reads it), from a flag and from a YAML recipe."""
+    from jsonargparse import ArgumentParser
+
+    from litgpt.finetune.full import setup
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(setup, as_positional=True)
+    parser.add_argument("--config", action="config")
+    from_flag = parser.parse_args(["ckpt", "--train.activation_checkpointing", flag])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"checkpoint_dir: ckpt\ntrain:\n  activation_checkpointing: {yaml_value}\n")
+    from_yaml = parser.parse_args(["--config", str(recipe)])
+    for parsed in (from_flag, from_yaml):
+        assert str(ActivationCheckpointing.parse(parsed.train.activation_checkpointing)) == expected
+
+
 def test_a_bad_setting_stops_the_command_before_lightning_loads(tmp_path):
     """Through the real command line: one line, exit code 1, nothing written, Lightning never imported."""
     code = (
