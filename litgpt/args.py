@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from litgpt.errors import UserError
 
@@ -25,7 +25,12 @@ class TrainArgs:
         max_seq_length: Longest sample in tokens (default: the model's block size).
         max_norm: Clip the gradient norm to this value (None: no clipping).
         min_lr: The learning rate the cosine schedule ends at.
-        activation_checkpointing: Recompute each block's activations in the backward pass (less memory, ~30% slower).
+        activation_checkpointing: Recompute activations in the backward pass instead of keeping them, to trade speed
+            for memory: false (keep everything); true or full (every block keeps only its input: least memory, ~30%
+            slower); N or every:N (one block in N is recomputed, the others keep everything: e.g. 2 saves about
+            half of what full saves); ops (every block keeps the outputs of its matmuls and attention and recomputes
+            the cheap rest: norms, rotary embedding, activation functions, elementwise ops). `litgpt plan
+            --activation_checkpointing` shows what each setting needs.
         keep_last: Keep only this many newest complete step checkpoints, deleting older ones (None: keep all).
         on_nonfinite: What a NaN or infinite loss or gradient norm does: stop the run (naming the step; the last
             checkpoint stays as it was) or skip that step's update and go on.
@@ -47,7 +52,7 @@ class TrainArgs:
     max_seq_length: Optional[int] = None
     max_norm: Optional[float] = None
     min_lr: float = 6e-5
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, int, str] = False  # read through ActivationCheckpointing.parse
     keep_last: Optional[int] = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
     requeue: bool = False
@@ -125,3 +130,60 @@ class FSDPArgs:
     state_dict_type: Literal["full", "sharded"] = "full"
     cpu_offload: bool = False
     timeout: float = 600.0
+
+
+CheckpointingMode = Literal["none", "full", "every", "ops"]
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointing:
+    """What the backward pass recomputes instead of keeping: `--train.activation_checkpointing` (and `litgpt plan
+    --activation_checkpointing`) as parsed, one value object for the recipes, the jobs and the planner.
+
+    mode: none (nothing is recomputed), full (every block keeps only its input), every (blocks 0, N, 2N, ... keep
+    only their input, the others everything), ops (every block keeps its input and the outputs of its matmuls and
+    attention kernels; `litgpt.distributed.activation_checkpointing` holds that policy).
+    """
+
+    mode: CheckpointingMode = "none"
+    every: int = 1  # with mode "every": one block in `every` is checkpointed
+
+    @classmethod
+    def parse(cls, value: Union[bool, int, str, "ActivationCheckpointing", None],
+              option: str = "--train.activation_checkpointing") -> "ActivationCheckpointing":
+        """The setting from what a command line, a YAML file or a caller gives (an instance is returned as is);
+        UserError naming `option` for anything else."""
+        if isinstance(value, cls):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls("full" if value else "none")
+        text = str(value).strip().lower()
+        if text in ("false", "none"):
+            return cls("none")
+        if text in ("true", "full"):
+            return cls("full")
+        if text == "ops":
+            return cls("ops")
+        number = text.removeprefix("every:")
+        if isinstance(value, int) or text.startswith("every:") or number.lstrip("-").isdigit():
+            n = int(number) if number.lstrip("-").isdigit() else 0
+            if n < 1:
+                raise UserError(f"{option} {value}: checkpointing one block in N needs a whole number N >= 1.")
+            return cls("full") if n == 1 else cls("every", n)
+        raise UserError(
+            f"{option} {value!r} is not a setting: use false, true (or full: every block), N or every:N (one "
+            "block in N, e.g. 2), or ops (keep matmul and attention outputs, recompute the rest)."
+        )
+
+    def __bool__(self) -> bool:
+        return self.mode != "none"
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.mode == "every" else self.mode
+
+    def checkpoints(self, block_index: int) -> bool:
+        """Whether the block at `block_index` (counted from 0) is recomputed in the backward pass (wholly, or with
+        ops its cheap operations)."""
+        if self.mode == "every":
+            return block_index % self.every == 0
+        return self.mode in ("full", "ops")

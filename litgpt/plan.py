@@ -33,8 +33,10 @@ What is counted, per device:
   autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
   instead of the activations.
 - activations: what the hooks saw, per block and for the rest of the model (the embedding's indices, the final norm,
-  the head's input). With activation checkpointing only each block's input (as the hooks saw it), plus one block's
-  activations while it is recomputed (a work buffer).
+  the head's input). With activation checkpointing a checkpointed block keeps only its input (as the hooks saw it)
+  and, with `ops`, the outputs of its matmuls and attention kernels (`litgpt.distributed.activation_checkpointing`'s
+  list of operations, recorded in the same fake run); the others (every:N) keep everything. In the backward pass
+  one checkpointed block at a time recomputes the rest (a work buffer).
 - logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
   loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
   training uses), and the backward pass recomputes each chunk. At the start of the backward pass one chunk is alive:
@@ -80,13 +82,15 @@ import copy
 import io
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from litgpt.args import ActivationCheckpointing
 from litgpt.config import Config
+from litgpt.distributed.activation_checkpointing import KEPT_OPS
 from litgpt.errors import UserError
 
 METHODS = ("full", "lora")
@@ -127,7 +131,7 @@ class MemoryPlan:
     num_nodes: int
     micro_batch_size: int
     seq_length: int
-    activation_checkpointing: bool
+    activation_checkpointing: str  # none, full, every:N or ops
     cpu_offload: bool
     accumulate_gradients: bool
     quantize: Optional[str]
@@ -192,7 +196,7 @@ def main(
     lora_mlp: bool = False,
     lora_head: bool = False,
     quantize: Optional[str] = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Union[bool, int, str] = False,
     cpu_offload: bool = False,
     accumulate_gradients: bool = True,
     device: str = "cuda",
@@ -224,7 +228,9 @@ def main(
         lora_head: Adapt the output head.
         quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
             (method lora on a single device).
-        activation_checkpointing: Recompute each block's activations in the backward pass.
+        activation_checkpointing: What the backward pass recomputes, as --train.activation_checkpointing takes it:
+            false, true (or full: every block), N or every:N (one block in N), or ops (every block keeps its matmul
+            and attention outputs).
         cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP only).
         accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
             is larger than devices x micro batch, as in the recipes); false for one micro-batch per step.
@@ -286,7 +292,7 @@ class _Run:
     seq_length: int
     lora: object
     quantize: Optional[str]
-    activation_checkpointing: bool
+    activation_checkpointing: ActivationCheckpointing
     cpu_offload: bool
     accumulate_gradients: bool
     shard: int  # the shard group: how many devices one copy of the state is split over
@@ -337,7 +343,7 @@ def estimate(
     seq_length: Optional[int] = None,
     lora=None,
     quantize: Optional[str] = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Union[bool, int, str, ActivationCheckpointing] = False,
     cpu_offload: bool = False,
     accumulate_gradients: bool = True,
     device: str = "cuda",
@@ -377,7 +383,7 @@ def estimate(
         model_name=config.name or "model_config", method=run.method, precision=run.precision,
         sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
         devices=run.devices, num_nodes=run.num_nodes, micro_batch_size=run.micro_batch_size,
-        seq_length=run.seq_length, activation_checkpointing=run.activation_checkpointing,
+        seq_length=run.seq_length, activation_checkpointing=str(run.activation_checkpointing),
         cpu_offload=run.cpu_offload, accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
         lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
         shard_group_size=run.shard, replicate_groups=run.world // run.shard, fsdp=run.fsdp,
@@ -437,7 +443,8 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
         config=config, method=method, precision=precision, sharding_strategy=strategy, device=device,
         devices=devices, num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length,
         lora=lora if method == "lora" else None, quantize=quantize,
-        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        activation_checkpointing=ActivationCheckpointing.parse(activation_checkpointing, "--activation_checkpointing"),
+        cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, shard=_shard_group(devices, num_nodes, strategy),
         loss_chunk_size=chunk,
     )
@@ -490,18 +497,31 @@ def _resident_state(run: _Run, layout: "_Layout") -> dict:
 
 
 def _activation_rows(run: _Run, saved: "SavedActivations") -> dict:
-    """The activations held at the start of the backward pass, and the loss' float32 tensors."""
-    if run.activation_checkpointing:
-        # Each checkpointed block keeps only its input; the backward pass recomputes one block at a time.
-        activations = saved.root + sum(saved.block_inputs)
-        recompute = max(saved.per_layer, default=0)
-    else:
-        activations = saved.root + sum(saved.per_layer)
-        recompute = 0
+    """The activations held at the start of the backward pass, and the loss' float32 tensors; and, for the block
+    whose backward pass holds the most, what is held then (its own and the earlier blocks' activations) and what
+    it recomputes on top."""
+    checkpointing = run.activation_checkpointing
+    kept, recomputed = [], []
+    for index, layer in enumerate(saved.per_layer):
+        if not checkpointing.checkpoints(index):
+            kept.append(layer)
+            recomputed.append(0)
+        elif checkpointing.mode == "ops":  # the input and the cached outputs; the rest is recomputed
+            kept.append(saved.block_inputs[index] + saved.kept_outputs[index])
+            recomputed.append(layer - saved.kept_outputs_saved[index])
+        else:  # only the input; the whole block is recomputed
+            kept.append(saved.block_inputs[index])
+            recomputed.append(layer)
+    # The backward pass runs the blocks last to first, freeing each one's activations when it is done.
+    held = [sum(kept[: index + 1]) + recomputed[index] for index in range(len(kept))]
+    worst = max(range(len(kept)), key=held.__getitem__, default=None)
     chunk_logits, loss_gradients = _chunked_loss_bytes(run)
     return dict(
-        activations=activations, root=saved.root, recompute=recompute, logits_loss=chunk_logits + loss_gradients,
-        chunk_logits=chunk_logits, largest_layer=max(saved.per_layer, default=0),
+        activations=saved.root + sum(kept), root=saved.root, logits_loss=chunk_logits + loss_gradients,
+        chunk_logits=chunk_logits,
+        backward=sum(kept[: worst + 1]) if worst is not None else 0,
+        recompute=recomputed[worst] if worst is not None else 0,
+        largest_layer=max(saved.per_layer, default=0),
     )
 
 
@@ -544,10 +564,12 @@ def _gathered_params(run: _Run, layout: "_Layout", saved: "SavedActivations") ->
         gathered.update(start=saved.weight_copies, backward=saved.weight_copies)
         gathered["detail"] = "autocast's 16-bit copies of the linear weights"
         if run.activation_checkpointing:
-            head_copies = saved.weight_copies - sum(saved.layer_weight_copies)
-            gathered["start"] = head_copies
-            gathered["backward"] = head_copies + max(saved.layer_weight_copies, default=0)
-            gathered["forward_end"] = max(saved.cached_weight_copies, head_copies)
+            checkpointed = run.activation_checkpointing.checkpoints
+            layer_copies = list(enumerate(saved.layer_weight_copies))
+            kept = saved.weight_copies - sum(copies for index, copies in layer_copies if checkpointed(index))
+            gathered["start"] = kept  # the head's, and those of the blocks not checkpointed (every:N)
+            gathered["backward"] = kept + max((c for i, c in layer_copies if checkpointed(i)), default=0)
+            gathered["forward_end"] = max(saved.cached_weight_copies, kept)
     else:
         gathered.update(start=0, backward=0, detail="none on a single device")
     return gathered
@@ -607,7 +629,7 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
     )
     moments["backward pass of the last block"] = dict(
         gradients=held + root_grads, gathered_params=gathered["backward"],
-        activations=activations["activations"] - activations["root"], buffers=buffers,
+        activations=activations["backward"], buffers=buffers,
     )
     # Under FSDP the root's parameters stay gathered and its gradients unsharded until the backward pass ends.
     moments["optimizer step"] = dict(
@@ -634,11 +656,10 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
         + (" (+ the root's unsharded in the backward pass)" if run.fsdp and backward["root_grads"] else ""),
         "optimizer_state": f"2 moments, {placement}, {master}",
         "gathered_params": gathered["detail"],
-        "activations": f"{config.n_layer} block inputs + head" if run.activation_checkpointing
-        else f"{config.n_layer} blocks x {_fmt(activations['largest_layer'])} + head",
+        "activations": _activations_detail(run, activations),
         "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
         "vocab, + head and hidden gradients",
-        "buffers": ("1 block recomputed + " if run.activation_checkpointing else "")
+        "buffers": ("1 block recomputed + " if activations["recompute"] else "")
         + "1 block's backward" + (" + 1 dequantized weight" if run.quantize else ""),
     }
     notes = []
@@ -674,6 +695,17 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
             "seq) softmax per layer; a 16-bit precision runs flash attention instead."
         )
     return details, notes
+
+
+def _activations_detail(run: _Run, activations: dict) -> str:
+    checkpointing, n_layer = run.activation_checkpointing, run.config.n_layer
+    every_block = f"{n_layer} blocks x {_fmt(activations['largest_layer'])} + head"
+    if checkpointing.mode == "every":
+        checkpointed = sum(map(checkpointing.checkpoints, range(n_layer)))
+        return f"{checkpointed} block inputs + {n_layer - checkpointed} blocks + head"
+    if checkpointing.mode == "ops":
+        return f"{n_layer} block inputs + matmul and attention outputs + head"
+    return f"{n_layer} block inputs + head" if checkpointing else every_block
 
 
 def _overhead(peak: int, device: str) -> int:
@@ -780,7 +812,9 @@ class SavedActivations:
     block's input, what activation checkpointing keeps. With autocast (a -mixed precision on one device)
     `weight_copies` are its 16-bit copies of the weights that autograd saves (`layer_weight_copies` per block, the
     rest the head's), and `cached_weight_copies` those of the trainable weights, which autocast's cache holds until
-    the forward pass ends even where checkpointing saves nothing.
+    the forward pass ends even where checkpointing saves nothing. `kept_outputs`: per block, the outputs of the
+    operations op-level checkpointing keeps (`KEPT_OPS`: matmuls, attention), and `kept_outputs_saved` the part of
+    `per_layer` they make up (what a recomputation of the block need not allocate again).
     """
 
     per_layer: list[int]
@@ -789,6 +823,8 @@ class SavedActivations:
     layer_weight_copies: list[int] = field(default_factory=list)
     cached_weight_copies: int = 0
     block_inputs: list[int] = field(default_factory=list)
+    kept_outputs: list[int] = field(default_factory=list)
+    kept_outputs_saved: list[int] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -891,7 +927,9 @@ class _SavedTensors:
         self.where: object = "root"
         self.saved: dict[object, int] = {}
         self.saved_copies: dict[object, int] = {}
+        self.saved_kept: dict[object, int] = {}
         self.inputs: list[int] = []
+        self.kept: dict[int, tuple[object, int]] = {}  # `KEPT_OPS`' output storages: (block made in, bytes)
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
         for index, block in enumerate(model.transformer.h):
@@ -910,6 +948,13 @@ class _SavedTensors:
             if _storage(source) in self.trainable:  # autocast caches these until the forward pass ends
                 self.cached += copy.untyped_storage().nbytes()
 
+    def kept_output(self, output) -> None:
+        """An operation op-level checkpointing keeps the outputs of ran: note their storages for the block."""
+        for tensor in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(tensor, torch.Tensor) and _storage(tensor) not in self.params:
+                self.kept.setdefault(_storage(tensor), (self.where, tensor.untyped_storage().nbytes()))
+                self.alive.append(tensor)
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage(tensor)
         if key not in self.params and key not in self.seen:
@@ -917,6 +962,8 @@ class _SavedTensors:
             self.alive.append(tensor)
             table = self.saved_copies if key in self.copies else self.saved
             table[self.where] = table.get(self.where, 0) + tensor.untyped_storage().nbytes()
+            if key in self.kept and self.kept[key][0] == self.where:
+                self.saved_kept[self.where] = self.saved_kept.get(self.where, 0) + tensor.untyped_storage().nbytes()
         return tensor
 
     def result(self, n_layer: int) -> SavedActivations:
@@ -925,6 +972,8 @@ class _SavedTensors:
             per_layer=[self.saved.get(i, 0) for i in range(n_layer)], root=self.saved.get("root", 0),
             weight_copies=sum(self.saved_copies.values()), layer_weight_copies=layer_copies,
             cached_weight_copies=self.cached, block_inputs=self.inputs,
+            kept_outputs=[sum(n for where, n in self.kept.values() if where == i) for i in range(n_layer)],
+            kept_outputs_saved=[self.saved_kept.get(i, 0) for i in range(n_layer)],
         )
 
 
@@ -937,8 +986,9 @@ def _math_attention(config: Config, device: str, precision: str) -> bool:
 
 
 class _Kernels(TorchDispatchMode):
-    """Below autograd in the fake run: notes autocast's weight copies, routes a mixture of experts evenly (fake
-    tensors hold no data to route by) and, for --device cuda, gives kernels' results CUDA's dtypes and layouts."""
+    """Below autograd in the fake run: notes autocast's weight copies and the outputs op-level checkpointing keeps,
+    routes a mixture of experts evenly (fake tensors hold no data to route by) and, for --device cuda, gives kernels'
+    results CUDA's dtypes and layouts."""
 
     def __init__(self, config: Config, device: str, tape: _SavedTensors) -> None:
         super().__init__()
@@ -961,6 +1011,8 @@ class _Kernels(TorchDispatchMode):
             if args[0].dtype == torch.float32 or kwargs.get("attn_mask") is not None:
                 # CUDA's memory-efficient kernel writes its output as (B, T, H, hs), seen as (B, H, T, hs).
                 out = (out[0].transpose(1, 2).contiguous().transpose(1, 2), *out[1:])
+        if func in KEPT_OPS:
+            self.tape.kept_output(out)
         return out
 
     def route(self, condition: torch.Tensor) -> torch.Tensor:
@@ -1002,6 +1054,11 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _checkpointing_words(setting: str) -> str:
+    words = {"none": "off", "full": "on", "ops": "ops (matmul and attention outputs kept)"}
+    return words.get(setting) or f"{setting} (one block in {setting.removeprefix('every:')})"
+
+
 def format_plan(plan: MemoryPlan) -> str:
     if plan.method == "lora":
         method = f"LoRA r={plan.lora_r} ({', '.join(plan.lora_targets)})"
@@ -1024,7 +1081,7 @@ def format_plan(plan: MemoryPlan) -> str:
     )
     lines.append(
         f"micro batch {plan.micro_batch_size} x {plan.seq_length:,} tokens on {plan.device} ({plan.attention}), "
-        f"activation checkpointing {'on' if plan.activation_checkpointing else 'off'}, "
+        f"activation checkpointing {_checkpointing_words(plan.activation_checkpointing)}, "
         f"gradient accumulation {'on' if plan.accumulate_gradients else 'off'}"
     )
     lines.append("")

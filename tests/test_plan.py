@@ -295,7 +295,7 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     finally:
         torch.set_default_dtype(default_dtype)
     if case.get("activation_checkpointing"):
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, case["activation_checkpointing"])
     if case.get("fsdp"):
         fsdp_wrap(model, precision, device)
     optimizer = build_optimizer("AdamW", model.parameters(), device)
@@ -367,7 +367,7 @@ def compare(cases: list[dict], measured: list[int], device: str, tolerance: floa
         ratio = planned / peak
         label = (
             f"{case.get('precision', '32-true'):10} {case['method']:4} "
-            f"ac={int(case.get('activation_checkpointing', False))} "
+            f"ac={str(case.get('activation_checkpointing', False)).lower():7} "
             f"accum={case.get('accumulation', 1)} fsdp={int(bool(case.get('fsdp')))} "
             f"b={case['micro_batch_size']} s={case['seq_length']}"
         )
@@ -391,13 +391,18 @@ def cpu_cases(precisions=("32-true",), sizes=((1, 128), (2, 256)), accumulations
 
 
 def test_planned_peak_matches_measured_on_cpu():
-    """Full finetuning and LoRA, with and without activation checkpointing, at two sizes, FSDP2 over one rank
-    (its gathered copies, gradient buffers and accumulation), and a loss over chunks of 64 positions: within 15%."""
+    """Full finetuning and LoRA, with and without activation checkpointing (every block; and every:2 and ops), at two
+    sizes, FSDP2 over one rank (its gathered copies, gradient buffers and accumulation), and a loss over chunks of 64
+    positions: within 15%."""
     cases = cpu_cases()
     cases += [
         dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, fsdp=True, accumulation=2),
         dict(config=SMALL, method="lora", micro_batch_size=2, seq_length=256, fsdp=True, activation_checkpointing=True),
         dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, loss_chunk_size=64),
+        # the settings between none and every block: one block in 2, and every block's matmul and attention outputs
+        dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, activation_checkpointing="every:2"),
+        dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, activation_checkpointing="ops"),
+        dict(config=SMALL, method="lora", micro_batch_size=2, seq_length=256, activation_checkpointing="ops"),
     ]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
@@ -408,6 +413,10 @@ def test_planned_peak_matches_measured_on_cpu_more_settings():
     # bf16 on this CPU (no native bf16) holds ~11-16 MiB the planner does not model (oneDNN's bf16 path: ~11 MiB
     # less with torch.backends.mkldnn disabled), so the bf16 cases run at a size where that is not 15% of the peak.
     cases += cpu_cases(precisions=("bf16-true", "bf16-mixed"), sizes=((4, 256),))
+    cases += [  # autocast's weight copies: kept by the blocks every:2 leaves alone, recomputed with ops
+        dict(config=SMALL, method=method, micro_batch_size=2, seq_length=256, precision="bf16-mixed",
+             activation_checkpointing=setting) for method in ("full", "lora") for setting in ("every:2", "ops")
+    ]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 

@@ -23,6 +23,7 @@ import torch
 from test_distributed import assert_same_final, child_environment, free_port, litgpt, losses
 
 from extensions.thunder.compat import NAMED_TENSOR_METHODS, add_named_tensor_methods, check_thunder_version
+from litgpt.args import TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 
@@ -150,6 +151,16 @@ def test_fsdp2_options_are_refused_with_thunder():
     with pytest.raises(UserError, match="--fsdp.sharding_strategy configures PyTorch's FSDP.*--thunder.sharding_strategy"):
         check_fsdp_args(FSDPArgs(sharding_strategy="FULL_SHARD"))
     check_fsdp_args(FSDPArgs(timeout=30))  # the timeout applies to thunder's collectives too
+
+
+def test_op_level_checkpointing_is_refused_with_thunder():
+    """Thunder ignores the selective policy of `ops`; the settings that checkpoint whole blocks pass."""
+    from extensions.thunder.pretrain import check_activation_checkpointing
+
+    with pytest.raises(UserError, match="activation_checkpointing ops .* Thunder ignores"):
+        check_activation_checkpointing(TrainArgs(activation_checkpointing="ops"))
+    for setting in (False, True, 2, "every:3"):
+        check_activation_checkpointing(TrainArgs(activation_checkpointing=setting))
 
 
 def test_strategy_ddp_without_thunder_is_fsdp_no_shard():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, EvalArgs, FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -81,6 +81,7 @@ def setup(
 
     arguments = dict(locals())
     check_fsdp_args(fsdp)
+    check_activation_checkpointing(train)
     import_thunder()  # here, before any process starts: a missing thunder is one message, not one per process
     job = pretrain_job(arguments, record_arguments_of=setup)
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
@@ -98,6 +99,17 @@ def check_fsdp_args(fsdp: FSDPArgs) -> None:
                 "takes --thunder.sharding_strategy ZERO3|ZERO2, --thunder.bucketing_strategy BLOCK|LAYER|NONE and "
                 "--thunder.state_dict_type full|sharded (python extensions/thunder/pretrain.py)."
             )
+
+
+def check_activation_checkpointing(train: TrainArgs) -> None:
+    """Thunder's `torch.utils.checkpoint` ignores the selective policy (`context_fn`): `ops` would quietly recompute
+    every block."""
+    if ActivationCheckpointing.parse(train.activation_checkpointing).mode == "ops":
+        raise UserError(
+            "--train.activation_checkpointing ops is PyTorch's selective checkpointing, which Thunder ignores (it "
+            "would recompute every block): with --compiler thunder use true, N or every:N, or use --compiler torch or "
+            "none."
+        )
 
 
 def thunder_strategy(world_size: int, strategy: str, thunder: ThunderArgs, timeout: float):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from litgpt.args import EvalArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
@@ -65,6 +65,7 @@ def check_limits(train: TrainArgs) -> None:
             raise UserError(f"--train.{name} must be at least 1, got {value}.")
     if train.log_interval < 1:
         raise UserError(f"--train.log_interval must be at least 1, got {train.log_interval}.")
+    ActivationCheckpointing.parse(train.activation_checkpointing)  # a bad setting fails here, before Lightning loads
 
 
 def check_requeue(train: TrainArgs) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from litgpt.args import EvalArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
 from litgpt.checkpoint.store import check_writable, resolve_resume
 from litgpt.data.base import MicroBatches
@@ -86,8 +86,8 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     model = recipe.build_model()
     check_disk_space(job.out_dir, model, recipe.trains, train)
     load_initial = resume_dir is None or not recipe.checkpoint_holds_every_weight
-    model = recipe.materialize(fabric, model, job.precision, train.activation_checkpointing, job.compile_blocks,
-                               load_initial)
+    checkpointing = ActivationCheckpointing.parse(train.activation_checkpointing)
+    model = recipe.materialize(fabric, model, job.precision, checkpointing, job.compile_blocks, load_initial)
     model = fabric.setup(model)
     io = checkpoint_io(fabric.strategy)  # after setup: a strategy that compiles the model knows its layout only now
     checkpoints = CheckpointManager(

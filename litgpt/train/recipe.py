@@ -15,6 +15,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from litgpt.args import ActivationCheckpointing
 from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device
 from litgpt.config import Config
 from litgpt.io import load_state_dict
@@ -92,7 +93,7 @@ class Recipe:
         elif self.lora is not None:
             init_lora_weights(model)
 
-    def materialize(self, fabric, model: nn.Module, precision: str, activation_checkpointing: bool,
+    def materialize(self, fabric, model: nn.Module, precision: str, activation_checkpointing: ActivationCheckpointing,
                     compile_blocks: bool, load_initial: bool) -> nn.Module:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
         `load_initial` is False because a resumed checkpoint replaces every weight)."""
@@ -107,7 +108,7 @@ class Recipe:
         return model
 
     def _materialize_quantized(self, fabric, model: nn.Module, precision: str,
-                               activation_checkpointing: bool) -> nn.Module:
+                               activation_checkpointing: ActivationCheckpointing) -> nn.Module:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
@@ -123,7 +124,7 @@ class Recipe:
                 if param.dtype in (torch.float16, torch.bfloat16):
                     param.data = param.data.float()
         if activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, activation_checkpointing)
         return model
 
     def finish(self, final_dir: Path) -> None:
