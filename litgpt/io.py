@@ -60,12 +60,22 @@ def load_state_dict(path: Path) -> dict:
 
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # torch raises several types for corrupt or unsafe files
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except MemoryError:
         raise UserError(
-            f"Could not load {str(path)!r} safely: {first_line}. The file is corrupt, incomplete, or holds "
-            "objects other than tensors; re-download or re-convert it."
+            f"Not enough memory to load {str(path)!r} ({path.stat().st_size / 2**30:,.1f} GiB); free memory or use a "
+            "machine with more."
         ) from None
+    except Exception as error:  # torch raises many types (pickle, zip, EOF, runtime) for corrupt or unsafe files
+        raise unsafe_file_error(path, error) from None
+
+
+def unsafe_file_error(path: Path, error: Exception) -> UserError:
+    """The one line for a checkpoint file that could not be read as tensors and plain containers."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(
+        f"Could not load {str(path)!r} safely: {first_line}. The file is corrupt, incomplete, or holds objects other "
+        "than tensors; re-download or re-convert it, or use a checkpoint you wrote yourself."
+    )
 
 
 def fsync_dir(folder: Path) -> None:
@@ -128,7 +138,9 @@ def read_sharded_metadata(path: Path):
     file = Path(path) / ".metadata"  # the name torch.distributed.checkpoint gives it
     try:
         with open(file, "rb") as f:
-            return _ShardedMetadataUnpickler(f).load()
+            metadata = _ShardedMetadataUnpickler(f).load()
+        check_storage_paths(metadata)
+        return metadata
     except FileNotFoundError:
         raise UserError(f"{str(path)!r} is not a sharded checkpoint: it has no .metadata file.") from None
     except Exception as error:  # pickle raises many types for corrupt files
@@ -137,3 +149,11 @@ def read_sharded_metadata(path: Path):
             f"Could not load {str(file)!r} safely: {reason}. The file is corrupt, incomplete, or holds objects other "
             "than a checkpoint's metadata; use a checkpoint you wrote yourself."
         ) from None
+
+
+def check_storage_paths(metadata) -> None:
+    """Refuse metadata that points the reader at a file outside its own folder (`../../secret`, `/etc/...`)."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise pickle.UnpicklingError(f"it points to {name!r}, a file outside its folder")
