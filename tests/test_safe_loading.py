@@ -60,11 +60,26 @@ def assert_refused(result: subprocess.CompletedProcess, marker: Path, file_name:
     assert not marker.exists(), "the planted pickle ran"
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
+def base_checkpoint(root: Path) -> Path:
+    """A tiny random model's checkpoint folder in `root`."""
     config = Config(name="safe-loading", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=1, n_embd=32,
                     n_head=2, intermediate_size=64, prompt_style="alpaca")
-    return write_random_checkpoint(tmp_path_factory.mktemp("base") / "ckpt", config)
+    return write_random_checkpoint(root / "ckpt", config)
+
+
+def finetune_command(root: Path, base: Path) -> list:
+    """The command line of a one-process finetune_full of `base` on a few stories, saving a checkpoint every step."""
+    data = root / "data.json"
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]
+    data.write_text(json.dumps([{"instruction": "Go on.", "output": story[:60]} for story in stories]))
+    return ["finetune_full", base, "--data", "JSON", "--data.json_path", data, "--data.val_split_fraction", "0.25",
+            "--data.prompt_style", "default", "--train.global_batch_size", "1", "--train.micro_batch_size", "1",
+            "--train.save_interval", "1", "--eval.max_iters", "1", "--eval.final_validation", "false"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return base_checkpoint(tmp_path_factory.mktemp("base"))
 
 
 def test_the_planted_pickle_runs_code_when_loaded_unsafely(tmp_path):
@@ -84,15 +99,7 @@ def test_lit_model_pth_is_refused_by_generate(tmp_path, base):
 
 @pytest.fixture(scope="module")
 def finetune_run(tmp_path_factory, base) -> list:
-    """The command line of a one-process finetune_full on a few stories, saving a checkpoint every step."""
-    root = tmp_path_factory.mktemp("finetune")
-    data = root / "data.json"
-    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]
-    data.write_text(json.dumps([{"instruction": "Go on.", "output": story[:60]} for story in stories]))
-    return ["finetune_full", base, "--data", "JSON", "--data.json_path", data, "--data.val_split_fraction", "0.25",
-            "--data.prompt_style", "default",
-            "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.save_interval", "1",
-            "--eval.max_iters", "1", "--eval.final_validation", "false"]
+    return finetune_command(tmp_path_factory.mktemp("finetune"), base)
 
 
 def test_training_state_of_a_resumed_checkpoint_is_refused(tmp_path, finetune_run):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
 from litgpt.errors import UserError
-from litgpt.io import unsafe_file_error
+from litgpt.io import out_of_memory_error, unsafe_file_error
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -74,6 +74,8 @@ def load_sharded_state(state: dict, path: Path, metadata: Metadata, hint: str, n
         cause = first_failure(error)
         if isinstance(cause, UserError):
             raise cause from None
+        if isinstance(cause, MemoryError):
+            raise out_of_memory_error(path) from None
         reason = " ".join(str(cause).split())[:300]
         raise UserError(f"Cannot load the sharded checkpoint {str(path)!r} into this model: {reason}. {hint}") from None
 
