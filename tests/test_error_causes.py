@@ -226,3 +226,20 @@ def test_cli_refuses_an_optimizer_that_is_not_one(tmp_path):
     (error,) = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert "'subprocess.Popen' is not an optimizer class" in error, error
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def test_every_broad_except_says_why():
+    """A handler of Exception (or BaseException) hides whatever it does not name: each says on its line why that is
+    right there (it re-raises what it does not understand, or every case needs the same advice)."""
+    import re
+
+    broad = re.compile(r"^\s*except(\s*:|\s*\(?[^#]*\b(Base)?Exception\b[^#]*:)")
+    assert broad.match("    except Exception as error:") and broad.match("  except (OSError, BaseException):")
+    assert not broad.match("    except (ValueError, MisconfigurationException) as error:")
+    unexplained = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted([*(ROOT / "litgpt").rglob("*.py"), *(ROOT / "extensions").rglob("*.py")])
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if broad.match(line) and "#" not in line
+    ]
+    assert not unexplained, unexplained
