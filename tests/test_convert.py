@@ -256,12 +256,12 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 
 def test_convert_to_litgpt_replaces_weights_only_when_told(tmp_path):
     hf = save_hf_model("llama", tmp_path)
-    assert litgpt_cli("convert_to_litgpt", tmp_path).returncode == 0
+    convert_hf_checkpoint(tmp_path)
     before = (tmp_path / "lit_model.pth").read_bytes()
     error = one_error_line(litgpt_cli("convert_to_litgpt", tmp_path, "--dtype", "bfloat16"))
     assert "lit_model.pth' exists already: pass --overwrite true" in error, error
     assert (tmp_path / "lit_model.pth").read_bytes() == before
-    assert litgpt_cli("convert_to_litgpt", tmp_path, "--dtype", "bfloat16", "--overwrite", "true").returncode == 0
+    convert_hf_checkpoint(tmp_path, dtype="bfloat16", overwrite=True)
     assert {t.dtype for t in load_state_dict(tmp_path / "lit_model.pth").values()} == {torch.bfloat16}
     assert max_logit_diff(load_lit(tmp_path).float(), hf) <= 0.1  # bf16 weights of the same model
 
@@ -292,7 +292,9 @@ def test_consolidate_replaces_only_when_told_and_never_with_a_partial_file(tmp_p
     assert "File too large. No file there was replaced" in one_error_line(result)
     assert (out / "lit_model.pth").read_bytes() == old and sorted(p.name for p in out.iterdir()) == ["lit_model.pth"]
 
-    assert litgpt_cli("consolidate", tmp_path / "step", "--out_dir", out, "--overwrite", "true").returncode == 0
+    from litgpt.consolidate import main as consolidate
+
+    consolidate(tmp_path / "step", out_dir=out, overwrite=True)
     consolidated = load_state_dict(out / "lit_model.pth")
     assert consolidated.keys() == weights.keys()
     assert all(torch.equal(consolidated[key], weights[key]) for key in weights)

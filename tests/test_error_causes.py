@@ -89,6 +89,7 @@ def test_words_about_timeouts_in_an_error_of_our_own_are_not_a_peer_failure():
     assert output(python(RANK, "own", 0, 1, free_port())) == "None"
 
 
+@pytest.mark.slow
 def test_ranks_that_never_meet_are_told_apart_by_the_rendezvous_error():
     """Rank 0 alone waits for the others (DistStoreError); a rank with nobody at MASTER_PORT cannot connect
     (DistNetworkError)."""

@@ -212,6 +212,7 @@ def test_planted_sharded_checkpoint_is_refused_by_consolidate(place, tmp_path, s
     assert not (step / "lit_model.pth").exists()
 
 
+@pytest.mark.slow
 def test_a_genuine_sharded_checkpoint_resumes_weights_only(tmp_path, sharded_step, finetune_run):
     """The control for the refusals above: the same checkpoint, untouched, resumes (its bytes items, the optimizer's
     param_groups, hold nothing that weights-only loading refuses) and continues as an uninterrupted run does."""
