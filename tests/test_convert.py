@@ -69,7 +69,7 @@ def test_config_from_older_layout_equals_new_layout(tmp_path):
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
     (hf_dir / "config.json").write_text(json.dumps(config))
-    convert_hf_checkpoint(hf_dir)
+    convert_hf_checkpoint(hf_dir, overwrite=True)
     assert Config.from_checkpoint(hf_dir) == new_layout
     assert new_layout.rope_scaling["type"] == "llama3" and new_layout.rope_base == 500000.0
 
