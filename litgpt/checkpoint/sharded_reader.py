@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
@@ -66,23 +66,19 @@ class RestrictedFileSystemReader(FileSystemReader):
 
 def load_sharded_state(state: dict, path: Path, metadata: Metadata, hint: str, no_dist: bool = False) -> None:
     """Fill `state` in place from the sharded checkpoint in `path` whose `metadata` was read with
-    `litgpt.io.read_sharded_metadata`; every failure becomes one UserError (`hint` says what to check)."""
+    `litgpt.io.read_sharded_metadata`; a failure to read it becomes one UserError (`hint` says what to check).
+
+    What DCP does not gather into a CheckpointException (a collective that failed because another rank did) goes on
+    as it is, to be reported as what it is.
+    """
     reader = RestrictedFileSystemReader(path, metadata)
     try:
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=no_dist)
-    except BaseException as error:  # DCP's CheckpointException (a BaseException) gathers every rank's failure
-        cause = first_failure(error)
+    except CheckpointException as error:  # every rank's failure, gathered (a BaseException)
+        cause = next(iter(error.failures.values()), (error, None))[0]  # (exception, traceback) per rank
         if isinstance(cause, UserError):
             raise cause from None
         if isinstance(cause, MemoryError):
             raise out_of_memory_error(path) from None
         reason = " ".join(str(cause).split())[:300]
         raise UserError(f"Cannot load the sharded checkpoint {str(path)!r} into this model: {reason}. {hint}") from None
-
-
-def first_failure(error: BaseException) -> BaseException:
-    """The first rank's exception behind a torch.distributed.checkpoint failure (`error` itself if it is not one)."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit)):
-        raise error
-    cause = next(iter(getattr(error, "failures", {}).values()), error)  # (exception, traceback) per rank
-    return cause[0] if isinstance(cause, tuple) else cause
