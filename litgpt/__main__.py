@@ -98,30 +98,53 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-# What a collective raises when another rank died (gloo: its socket closed) or stopped answering (any backend).
-PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
-                "timeout", "NCCL communicator was aborted", "has been aborted", "Socket Timeout")
-
-
-def peer_failure_message(prog: str, error: Exception) -> "str | None":
-    """One line for a rank whose collective failed because of another rank, or None if that is not what happened."""
+def distributed_failure_message(prog: str, error: BaseException) -> "str | None":
+    """One line for a failure of the distributed layer itself (another rank died or hung, the ranks never met), or
+    None if that is not what happened. Recognized by type: torch raises DistStoreError / DistNetworkError when the
+    rendezvous fails and DistBackendError (NCCL) when a collective does; gloo's collectives raise a plain
+    RuntimeError for a dead peer and a timeout alike, so for gloo it is that type raised inside a collective."""
     if "torch.distributed" not in sys.modules:
         return None
-    text = " ".join(str(error).split())
-    if type(error).__name__ == "DistStoreError" or "waiting for clients" in text:
-        return (f"{prog}: error: not every rank joined the run within --fsdp.timeout ({text}). Check that the "
-                "launcher starts --devices x --num_nodes processes and that MASTER_ADDR/MASTER_PORT reach rank 0; "
-                "a slow start-up needs a larger --fsdp.timeout.")
+    import torch.distributed as dist
+
     from litgpt.distributed.runtime import distributed_is_up
 
+    error = first_checkpoint_failure(error)
     if not distributed_is_up():
+        if isinstance(error, dist.DistStoreError):
+            return (f"{prog}: error: not every rank joined the run within --fsdp.timeout. Check that the launcher "
+                    "starts --devices x --num_nodes processes and that MASTER_ADDR/MASTER_PORT reach rank 0; a slow "
+                    "start-up needs a larger --fsdp.timeout.")
+        if isinstance(error, dist.DistNetworkError):
+            return (f"{prog}: error: this rank could not reach rank 0 at MASTER_ADDR/MASTER_PORT "
+                    f"({' '.join(str(error).split())[:200]}). Check that rank 0 runs and that the address and port "
+                    "are reachable from this node.")
         return None
-    if not any(marker in text for marker in PEER_FAILURE):
-        return None
-    if any(marker in text.lower() for marker in ("timed out", "timeout")):
-        return (f"{prog}: error: another rank stopped answering; a collective waited for it until the timeout "
-                "(--fsdp.timeout). Look for that rank's error or a hung node.")
-    return f"{prog}: error: another rank failed (its error is printed above); this rank stops too."
+    if isinstance(error, dist.DistError) or raised_by_a_collective(error):
+        # The same words on every rank, so that print_error_once prints them once.
+        return (f"{prog}: error: another rank died or stopped answering within --fsdp.timeout (a collective raised "
+                f"{type(error).__name__}). Look for that rank's error above, or for a hung node.")
+    return None
+
+
+def first_checkpoint_failure(error: BaseException) -> BaseException:
+    """The first rank's exception inside torch.distributed.checkpoint's CheckpointException, else `error`."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is not None and isinstance(error, api.CheckpointException):
+        cause = next(iter(error.failures.values()), (error, None))
+        return cause[0] if isinstance(cause, tuple) else cause
+    return error
+
+
+def raised_by_a_collective(error: BaseException) -> bool:
+    """A plain RuntimeError raised inside a torch.distributed collective (c10d or functional collectives)."""
+    import traceback
+
+    if type(error) is not RuntimeError:
+        return False
+    collective_modules = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py")
+    return any(frame.filename.replace("\\", "/").endswith(collective_modules)
+               for frame in traceback.extract_tb(error.__traceback__))
 
 
 def check_config_files(args: list[str]) -> None:
@@ -201,7 +224,9 @@ def run_cli(function, args: list[str], prog: str) -> None:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
-    except Exception as error:
+    except BaseException as error:  # Exception, or DCP's CheckpointException (a BaseException); others go on
+        if not isinstance(error, Exception) and first_checkpoint_failure(error) is error:
+            raise
         user_error = wrapped_user_error(error)
         if user_error is not None:
             print_error_once(f"{prog}: error: {user_error}")
@@ -210,7 +235,7 @@ def run_cli(function, args: list[str], prog: str) -> None:
             print(f"{prog}: error: the arguments could not be read ({type(error).__name__}: {error}); give each "
                   f"option once, in the form `{prog} --help` shows", file=sys.stderr)
             sys.exit(1)
-        peer_failure = peer_failure_message(prog, error)
+        peer_failure = distributed_failure_message(prog, error)
         if peer_failure is not None:
             print_error_once(peer_failure)
             exit_failed()

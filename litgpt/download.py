@@ -63,7 +63,8 @@ def download(
     if convert:
         from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 
-        convert_hf_checkpoint(checkpoint_dir=target, model_name=model_name, dtype=dtype)
+        # Downloading again is asking for the repo's current weights, converted.
+        convert_hf_checkpoint(checkpoint_dir=target, model_name=model_name, dtype=dtype, overwrite=True)
 
 
 def print_registered_models() -> None:
@@ -170,17 +171,41 @@ def _wanted_files(files: list[str], repo_id: str, tokenizer_only: bool, where: s
 
 # ---- from the hub ----------------------------------------------------------------------------------------------------
 def _list_remote_files(repo_id: str, token: Optional[str]) -> tuple[Optional[list[str]], Optional[BaseException]]:
-    """The repo's files, or (None, why) when the hub cannot be reached (offline mode, no connection, hub down)."""
+    """The repo's files, or (None, why) when the network does not reach the hub (offline mode, no connection, a
+    timeout): only then may the local cache stand in for it. Any answer of the hub's is an answer."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import HfHubHTTPError
 
     try:
         return HfApi().list_repo_files(repo_id, token=token), None
+    except network_errors() as error:
+        return None, error
     except HfHubHTTPError as error:
         _raise_for_access(error, repo_id, token)
-        return None, error  # e.g. the hub answered 500
-    except Exception as error:  # OfflineModeIsEnabled, connection and timeout errors of the HTTP client
-        return None, error
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        raise UserError(
+            f"The Hugging Face hub answered {status or 'with an error'} when listing {repo_id}: {_first_line(error)}. "
+            "Try again later, or set HF_HUB_OFFLINE=1 to use a copy in the local cache."
+        ) from None
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What the hub client raises when no answer came: offline mode, and the connection and timeout errors of the
+    HTTP libraries huggingface_hub uses (httpx2 or httpx in recent versions, requests in older ones)."""
+    import importlib
+    import socket
+
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors: list = [OfflineModeIsEnabled, ConnectionError, TimeoutError, socket.gaierror]
+    for module_name, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                               ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        errors += [getattr(module, name) for name in names if hasattr(module, name)]
+    return tuple(errors)
 
 
 def _snapshot_download(repo_id: str, target: Path, files: list[str], token: Optional[str]) -> None:

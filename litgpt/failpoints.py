@@ -4,7 +4,10 @@
 on rank RANK only (default every rank). ACTION is `kill` (SIGKILL: the process vanishes mid-write, as when a node dies;
 the default), `raise` (a RuntimeError: a crash of this rank alone), `hang` (sleep: a rank that stops answering), or a
 signal's name such as `SIGUSR1` (sent to this process, as a scheduler would, at an exact moment).
-Unset, a failpoint is one dictionary lookup.
+
+A failpoint acts only when `LITGPT_FAILPOINTS_ARMED=1` is set too, as litgpt's tests set it: a `LITGPT_FAILPOINT`
+left in a user's environment (or inherited from a test shell) never kills a real run. Unarmed, a failpoint is one
+check of a module constant.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import signal
 import time
 
-_SPEC = os.environ.get("LITGPT_FAILPOINT", "")
+_SPEC = os.environ.get("LITGPT_FAILPOINT", "") if os.environ.get("LITGPT_FAILPOINTS_ARMED") == "1" else ""
 _hits: dict[str, int] = {}
 
 

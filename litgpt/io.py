@@ -7,10 +7,12 @@ come out of it. torch is imported only by the functions that need it, so `litgpt
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,16 +41,48 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def atomic_copy(source: Path, destination: Path) -> None:
+    """Copy a file with its permissions and times; `destination` is the old file or the whole new one, never a part."""
+    with atomic_path(destination) as tmp:
+        shutil.copy2(source, tmp)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
 
 def save_state_dict(state_dict: dict, path: Path) -> None:
+    """torch.save to `path` atomically; a failed write raises its OSError (whose errno says e.g. "disk full")."""
     import torch
 
-    with atomic_path(path) as tmp:
-        torch.save(state_dict, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb", buffering=0) as file:
+        writer = _WriteErrorKeeper(file)
+        try:
+            torch.save(state_dict, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+
+
+class _WriteErrorKeeper:
+    """The file torch.save writes through, keeping the OSError of a failed write: torch reports it as a RuntimeError
+    that has lost the errno."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+        self.error: "OSError | None" = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def load_state_dict(path: Path) -> dict:
@@ -60,12 +94,45 @@ def load_state_dict(path: Path) -> dict:
 
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # torch raises several types for corrupt or unsafe files
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(
-            f"Could not load {str(path)!r} safely: {first_line}. The file is corrupt, incomplete, or holds "
-            "objects other than tensors; re-download or re-convert it."
-        ) from None
+    except MemoryError:
+        raise out_of_memory_error(path) from None
+    except Exception as error:  # torch raises many types (pickle, zip, EOF, runtime) for corrupt or unsafe files
+        if cannot_map(path):  # torch's RuntimeError for a failed mmap carries no errno
+            raise out_of_memory_error(path) from None
+        raise unsafe_file_error(path, error) from None
+
+
+def cannot_map(path: Path) -> bool:
+    """Whether this process lacks the memory (address space) to map `path`, as `mmap` itself reports it."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+            return False
+    except OSError as error:
+        return error.errno == errno.ENOMEM
+    except ValueError:  # an empty file cannot be mapped; it is not short of memory
+        return False
+
+
+def out_of_memory_error(path: Path) -> UserError:
+    """The one line for a checkpoint that this machine has not the memory to load (it is not corrupt for that)."""
+    path = Path(path)
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    size = sum(f.stat().st_size for f in files)
+    return UserError(
+        f"Not enough memory to load {str(path)!r} ({size / 2**30:,.2f} GiB on disk): free memory (other processes, "
+        "fewer dataloader workers) or use a machine with more."
+    )
+
+
+def unsafe_file_error(path: Path, error: Exception) -> UserError:
+    """The one line for a checkpoint file that could not be read as tensors and plain containers."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(
+        f"Could not load {str(path)!r} safely: {first_line}. The file is corrupt, incomplete, or holds objects other "
+        "than tensors; re-download or re-convert it, or use a checkpoint you wrote yourself."
+    )
 
 
 def fsync_dir(folder: Path) -> None:
@@ -128,12 +195,24 @@ def read_sharded_metadata(path: Path):
     file = Path(path) / ".metadata"  # the name torch.distributed.checkpoint gives it
     try:
         with open(file, "rb") as f:
-            return _ShardedMetadataUnpickler(f).load()
+            metadata = _ShardedMetadataUnpickler(f).load()
+        check_storage_paths(metadata)
+        return metadata
     except FileNotFoundError:
         raise UserError(f"{str(path)!r} is not a sharded checkpoint: it has no .metadata file.") from None
+    except MemoryError:
+        raise out_of_memory_error(file) from None
     except Exception as error:  # pickle raises many types for corrupt files
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(
             f"Could not load {str(file)!r} safely: {reason}. The file is corrupt, incomplete, or holds objects other "
             "than a checkpoint's metadata; use a checkpoint you wrote yourself."
         ) from None
+
+
+def check_storage_paths(metadata) -> None:
+    """Refuse metadata that points the reader at a file outside its own folder (`../../secret`, `/etc/...`)."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise pickle.UnpicklingError(f"it points to {name!r}, a file outside its folder")

@@ -164,7 +164,7 @@ def check_mode_runs(mode: str, device: Union[str, torch.device], dtype: torch.dt
         _probe(mode, str(device), dtype)
     except UserError:
         raise
-    except Exception as error:
+    except Exception as error:  # whatever bitsandbytes raises on this device, the advice is the same: the probe's job
         import bitsandbytes
 
         raise UserError(

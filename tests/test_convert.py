@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
 from litgpt.errors import UserError
 from litgpt.model import GPT
 
+ROOT = Path(__file__).resolve().parents[1]
 TOKENS = torch.randint(0, 211, (2, 19), generator=torch.Generator().manual_seed(0))
 
 
@@ -67,7 +69,7 @@ def test_config_from_older_layout_equals_new_layout(tmp_path):
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
     (hf_dir / "config.json").write_text(json.dumps(config))
-    convert_hf_checkpoint(hf_dir)
+    convert_hf_checkpoint(hf_dir, overwrite=True)
     assert Config.from_checkpoint(hf_dir) == new_layout
     assert new_layout.rope_scaling["type"] == "llama3" and new_layout.rope_base == 500000.0
 
@@ -238,3 +240,61 @@ def test_round_trip_folder_loads_with_auto_tokenizer(tmp_path):
     assert reloaded.encode(text) == original.encode(text) and reloaded.decode(original.encode(text)) == original.decode(original.encode(text))
     generation = json.loads((tmp_path / "back" / "generation_config.json").read_text())
     assert generation.get("eos_token_id") == original.eos_token_id
+
+
+# ---- existing outputs ------------------------------------------------------------------------------------------------
+def litgpt_cli(*args, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, preexec_fn=preexec_fn)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if ": error: " in line]
+    return line
+
+
+def test_convert_to_litgpt_replaces_weights_only_when_told(tmp_path):
+    hf = save_hf_model("llama", tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    before = (tmp_path / "lit_model.pth").read_bytes()
+    error = one_error_line(litgpt_cli("convert_to_litgpt", tmp_path, "--dtype", "bfloat16"))
+    assert "lit_model.pth' exists already: pass --overwrite true" in error, error
+    assert (tmp_path / "lit_model.pth").read_bytes() == before
+    convert_hf_checkpoint(tmp_path, dtype="bfloat16", overwrite=True)
+    assert {t.dtype for t in load_state_dict(tmp_path / "lit_model.pth").values()} == {torch.bfloat16}
+    assert max_logit_diff(load_lit(tmp_path).float(), hf) <= 0.1  # bf16 weights of the same model
+
+
+def test_consolidate_replaces_only_when_told_and_never_with_a_partial_file(tmp_path):
+    """An existing lit_model.pth stays as it was when consolidate is not told to replace it, and when the write of
+    its replacement fails (a file-size limit below the new file's size); with room, --overwrite replaces it."""
+    import resource
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"a.weight": torch.randn(256, 256), "b.bias": torch.randn(256)}
+    dcp.save({"model": weights}, checkpoint_id=tmp_path / "step" / "sharded", no_dist=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"old": torch.zeros(4)}, out / "lit_model.pth")
+    old = (out / "lit_model.pth").read_bytes()
+    error = one_error_line(litgpt_cli("consolidate", tmp_path / "step", "--out_dir", out))
+    assert "exists already: pass --overwrite true" in error, error
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    result = litgpt_cli("consolidate", tmp_path / "step", "--out_dir", out, "--overwrite", "true",
+                        preexec_fn=small_files)
+    assert "File too large. No file there was replaced" in one_error_line(result)
+    assert (out / "lit_model.pth").read_bytes() == old and sorted(p.name for p in out.iterdir()) == ["lit_model.pth"]
+
+    from litgpt.consolidate import main as consolidate
+
+    consolidate(tmp_path / "step", out_dir=out, overwrite=True)
+    consolidated = load_state_dict(out / "lit_model.pth")
+    assert consolidated.keys() == weights.keys()
+    assert all(torch.equal(consolidated[key], weights[key]) for key in weights)

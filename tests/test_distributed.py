@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -345,6 +346,24 @@ def test_sharded_checkpoint_resumes_on_the_same_and_a_smaller_world(devices, ato
     assert "Training 4 steps from step 2" in result.stdout
     assert losses(out_dir) == pytest.approx(losses(sharded_run)[2:], abs=1e-5)
     assert_same_final(out_dir, sharded_run, "lit_model.pth", atol=atol)
+
+
+@pytest.mark.slow
+def test_planted_bytes_item_of_a_two_process_checkpoint_is_refused_on_every_rank(sharded_run, inputs, tmp_path):
+    """A pickle planted in a bytes item (the optimizer's learning rate) of a 2-process sharded checkpoint, its manifest
+    rewritten to match: a 2-process `--resume` refuses it with one line and no rank runs it."""
+    from test_safe_loading import plant_in_sharded, rewrite_manifest
+
+    step, marker = tmp_path / "copy" / "step-000002", tmp_path / "marker"
+    shutil.copytree(sharded_run / "step-000002", step)
+    name = plant_in_sharded(step / "sharded", marker, "bytes item")
+    rewrite_manifest(step)
+    result = litgpt(*command_args("pretrain", inputs, tmp_path / "out"), "--devices", "2", "--resume", step,
+                    "--fsdp.state_dict_type", "sharded")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert "Could not load" in error and name in error and "safely" in error, error
+    assert not marker.exists(), "the planted pickle ran"
 
 
 @pytest.mark.slow

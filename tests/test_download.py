@@ -298,10 +298,54 @@ def test_access_errors_say_what_to_do(tmp_path, fake_hub):
         (GatedRepoError, 403, "hf_x", r"no access to the gated model org/name: accept its license"),
         (RepositoryNotFoundError, 401, None, r"not found.*Check the repo id.*private, set HF_TOKEN"),
         (HfHubHTTPError, 401, "hf_bad", r"rejected the token"),
-        (HfHubHTTPError, 500, None, r"not in the local Hugging Face cache and the hub could not be reached"),
+        (HfHubHTTPError, 500, None, r"answered 500 when listing org/name.*HF_HUB_OFFLINE=1"),
+        (HfHubHTTPError, 404, None, r"answered 404 when listing org/name"),
     ]
     for cls, status, token, message in cases:
         fake_hub.error = _hub_error(cls, status)
         with pytest.raises(UserError, match=message):
             download("org/name", checkpoint_dir=tmp_path, access_token=token)
     assert fake_hub.calls == []
+
+
+def test_only_network_errors_fall_back_to_the_cache_and_say_so(tmp_path, fake_hub, hub_cache, monkeypatch, capsys):
+    """With the repo in the local cache: a connection error (the real exception type of the hub's HTTP client) takes
+    the cached copy and says why; an answer of the hub's (500) or an error the client does not raise for the network
+    is never hidden behind the cache."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import HfHubHTTPError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache / "hub"))
+    fake_hub.error = httpx2.ConnectError("[Errno 111] Connection refused")
+    download(REPO_ID, checkpoint_dir=tmp_path / "a", convert_checkpoint=False)
+    assert (tmp_path / "a" / REPO_ID / "model.safetensors").is_file()
+    assert "could not be reached (ConnectError: [Errno 111] Connection refused): took org/tiny-llama from the local " \
+           "cache" in capsys.readouterr().err
+
+    fake_hub.error = _hub_error(HfHubHTTPError, 500)
+    with pytest.raises(UserError, match="answered 500"):
+        download(REPO_ID, checkpoint_dir=tmp_path / "b", convert_checkpoint=False)
+    fake_hub.error = KeyError("a bug of the client's")
+    with pytest.raises(KeyError):
+        download(REPO_ID, checkpoint_dir=tmp_path / "b", convert_checkpoint=False)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_falls_back_to_the_cache(tmp_path, hub_cache):
+    """The real client against a port where nothing listens (it retries for about 25 s before giving up)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HOME": str(hub_cache), "HF_HUB_CACHE": str(hub_cache / "hub"),
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    env.pop("HF_HUB_OFFLINE", None)
+    done = subprocess.run([sys.executable, "-m", "litgpt", "download", REPO_ID, "--checkpoint_dir", str(tmp_path),
+                           "--convert_checkpoint", "false"], env=env, capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "The hub could not be reached (ConnectError" in done.stderr and "from the local cache" in done.stderr
+    assert (tmp_path / REPO_ID / "model.safetensors").is_file()

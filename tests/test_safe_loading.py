@@ -3,9 +3,12 @@ are read from safetensors whenever a folder has them."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,8 +39,9 @@ class RunsCode:
         return os.system, (f"touch {shlex.quote(str(self.marker))}",)
 
 
-def plant(path: Path, marker: Path, tensors: dict | None = None) -> None:
-    """Save `tensors` (or nothing) with a code-running object among them, as torch.save writes a checkpoint."""
+def plant(path, marker: Path, tensors: dict | None = None) -> None:
+    """Save `tensors` (or nothing) with a code-running object among them, as torch.save writes a checkpoint, to a
+    path or a file object."""
     torch.save({**(tensors or {}), "payload": RunsCode(marker)}, path)
 
 
@@ -56,11 +60,26 @@ def assert_refused(result: subprocess.CompletedProcess, marker: Path, file_name:
     assert not marker.exists(), "the planted pickle ran"
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
+def base_checkpoint(root: Path) -> Path:
+    """A tiny random model's checkpoint folder in `root`."""
     config = Config(name="safe-loading", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=1, n_embd=32,
                     n_head=2, intermediate_size=64, prompt_style="alpaca")
-    return write_random_checkpoint(tmp_path_factory.mktemp("base") / "ckpt", config)
+    return write_random_checkpoint(root / "ckpt", config)
+
+
+def finetune_command(root: Path, base: Path) -> list:
+    """The command line of a one-process finetune_full of `base` on a few stories, saving a checkpoint every step."""
+    data = root / "data.json"
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]
+    data.write_text(json.dumps([{"instruction": "Go on.", "output": story[:60]} for story in stories]))
+    return ["finetune_full", base, "--data", "JSON", "--data.json_path", data, "--data.val_split_fraction", "0.25",
+            "--data.prompt_style", "default", "--train.global_batch_size", "1", "--train.micro_batch_size", "1",
+            "--train.save_interval", "1", "--eval.max_iters", "1", "--eval.final_validation", "false"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return base_checkpoint(tmp_path_factory.mktemp("base"))
 
 
 def test_the_planted_pickle_runs_code_when_loaded_unsafely(tmp_path):
@@ -78,27 +97,136 @@ def test_lit_model_pth_is_refused_by_generate(tmp_path, base):
     assert_refused(litgpt("generate", folder, "--prompt", "Once", "--max_new_tokens", "2"), marker, "lit_model.pth")
 
 
-def test_training_state_of_a_resumed_checkpoint_is_refused(tmp_path, base):
+@pytest.fixture(scope="module")
+def finetune_run(tmp_path_factory, base) -> list:
+    return finetune_command(tmp_path_factory.mktemp("finetune"), base)
+
+
+def test_training_state_of_a_resumed_checkpoint_is_refused(tmp_path, finetune_run):
     """A real run's step checkpoint whose training_state.pth is replaced, its manifest rewritten to match (whoever
     planted the file can write the manifest too): `--resume` verifies the manifest, then must not unpickle."""
-    data = tmp_path / "data.json"
-    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]
-    data.write_text(json.dumps([{"instruction": "Go on.", "output": story[:60]} for story in stories]))
-    run = ["finetune_full", base, "--out_dir", tmp_path / "out", "--data", "JSON", "--data.json_path", data,
-           "--data.val_split_fraction", "0.25", "--train.global_batch_size", "1", "--train.micro_batch_size", "1",
-           "--train.save_interval", "1", "--eval.max_iters", "1", "--eval.final_validation", "false"]
+    run = [*finetune_run, "--out_dir", tmp_path / "out"]
     first = litgpt(*run, "--train.max_steps", "1")
     assert first.returncode == 0, first.stderr
     step, marker = tmp_path / "out" / "step-000001", tmp_path / "marker"
     saved = torch.load(step / TRAINING_STATE_FILE, weights_only=True)
     plant(step / TRAINING_STATE_FILE, marker, saved)
-    write_manifest(step, {key: value for key, value in read_manifest(step).items() if key != "files"})
-    assert (step / MANIFEST_FILE).is_file()
+    rewrite_manifest(step)
     weights = (step / "lit_model.pth").read_bytes()
 
     assert_refused(litgpt(*run, "--train.max_steps", "2", "--resume", step), marker, TRAINING_STATE_FILE)
     assert_refused(litgpt(*run, "--train.max_steps", "2", "--resume", "auto"), marker, TRAINING_STATE_FILE)
     assert (step / "lit_model.pth").read_bytes() == weights and not (tmp_path / "out" / "step-000002").exists()
+
+
+def rewrite_manifest(step: Path) -> None:
+    """Hash the step folder's files anew, as whoever planted a file there can."""
+    write_manifest(step, {key: value for key, value in read_manifest(step).items() if key != "files"})
+    assert (step / MANIFEST_FILE).is_file()
+
+
+@pytest.fixture(scope="module")
+def sharded_step(tmp_path_factory, finetune_run) -> Path:
+    """Step 1 of a one-process run, rewritten as a sharded checkpoint (DCP's format, which only multi-process runs
+    write) by the core's own writer: resuming it on one process reads it as it reads any world size's."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, StateDictOptions
+
+    from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
+    from litgpt.model import GPT
+
+    out_dir = tmp_path_factory.mktemp("sharded") / "out"
+    result = litgpt(*finetune_run, "--out_dir", out_dir, "--train.max_steps", "1")
+    assert result.returncode == 0, result.stderr
+    step = out_dir / "step-000001"
+    model = GPT(Config.from_file(step / "model_config.yaml"))
+    model.load_state_dict(load_state_dict(step / "lit_model.pth"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    training_state = torch.load(step / TRAINING_STATE_FILE, weights_only=True)
+    set_optimizer_state_dict(model, optimizer, training_state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    FSDPCheckpointIO().save_sharded(step, model, optimizer, lambda key: True)
+    (step / "lit_model.pth").unlink()
+    torch.save({**training_state, "optimizer": None, "state_dict_type": "sharded"}, step / TRAINING_STATE_FILE)
+    info = {key: value for key, value in read_manifest(step).items() if key != "files"}
+    write_manifest(step, {**info, "state_dict_type": "sharded"})
+    return step
+
+
+def plant_in_sharded(sharded: Path, marker: Path, place: str, tensor: str = "model.transformer.wte.weight") -> str:
+    """Plant a code-running pickle in a sharded checkpoint folder; returns the name of the file it is in.
+
+    `.metadata`: the metadata itself. `bytes item`: appended to a .distcp file, the metadata of a bytes item (the
+    optimizer's learning rate, a pickled float) pointed at it. `pointed file`: a new file beside the others, a tensor
+    item's metadata pointed at it. `outside`: a tensor item's metadata pointed at a file in another folder.
+    """
+    from litgpt.io import read_sharded_metadata
+
+    if place == ".metadata":
+        with open(sharded / ".metadata", "wb") as f:
+            pickle.dump(RunsCode(marker), f)
+        return ".metadata"
+    metadata = read_sharded_metadata(sharded)
+    bytes_keys = {key.fqn for key in metadata.storage_data if key.offset is None}
+    fqn = "optimizer.param_groups.0.lr" if place == "bytes item" else tensor
+    assert (fqn in bytes_keys) == (place == "bytes item"), sorted(bytes_keys)
+    (key,) = [key for key in metadata.storage_data if key.fqn == fqn]
+    payload = io.BytesIO()
+    plant(payload, marker)
+    info = metadata.storage_data[key]
+    if place == "bytes item":
+        target = sharded / info.relative_path
+        offset = target.stat().st_size
+    else:
+        target = sharded / "extra.distcp" if place == "pointed file" else sharded.parent.parent / "outside.distcp"
+        offset = 0
+    with open(target, "ab") as f:
+        f.write(payload.getvalue())
+    relative = target.name if place != "outside" else f"../../{target.name}"
+    metadata.storage_data[key] = dataclasses.replace(info, relative_path=relative, offset=offset,
+                                                     length=len(payload.getvalue()))
+    with open(sharded / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return ".metadata" if place == "outside" else target.name
+
+
+@pytest.mark.parametrize("place", [".metadata", "bytes item", "pointed file", "outside"])
+def test_planted_sharded_checkpoint_is_refused_at_resume(place, tmp_path, sharded_step, finetune_run):
+    """Every file DCP reads at `--resume` of a sharded checkpoint is read weights-only, with the manifest rewritten
+    to match the planted files."""
+    step, marker = tmp_path / "out" / "step-000001", tmp_path / "marker"
+    shutil.copytree(sharded_step.parent, tmp_path / "out")
+    name = plant_in_sharded(step / "sharded", marker, place)
+    rewrite_manifest(step)
+    run = [*finetune_run, "--out_dir", tmp_path / "out", "--fsdp.state_dict_type", "sharded"]
+    assert_refused(litgpt(*run, "--train.max_steps", "2", "--resume", step), marker, name)
+    assert not (tmp_path / "out" / "step-000002").exists()
+
+
+@pytest.mark.parametrize("place", ["pointed file", "outside"])
+def test_planted_sharded_checkpoint_is_refused_by_consolidate(place, tmp_path, sharded_step):
+    """`consolidate` reads the model's tensor items only: a planted file behind one of them is refused too."""
+    step, marker = tmp_path / "out" / "step-000001", tmp_path / "marker"
+    shutil.copytree(sharded_step.parent, tmp_path / "out")
+    name = plant_in_sharded(step / "sharded", marker, place)
+    assert_refused(litgpt("consolidate", step), marker, name)
+    assert not (step / "lit_model.pth").exists()
+
+
+@pytest.mark.slow
+def test_a_genuine_sharded_checkpoint_resumes_weights_only(tmp_path, sharded_step, finetune_run):
+    """The control for the refusals above: the same checkpoint, untouched, resumes (its bytes items, the optimizer's
+    param_groups, hold nothing that weights-only loading refuses) and continues as an uninterrupted run does."""
+    shutil.copytree(sharded_step.parent, tmp_path / "out")
+    run = [*finetune_run, "--out_dir", tmp_path / "out", "--fsdp.state_dict_type", "sharded", "--train.max_steps", "2"]
+    resumed = litgpt(*run, "--resume", tmp_path / "out" / "step-000001")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "nothing was learned" not in resumed.stdout + resumed.stderr
+    straight = litgpt(*[a if a != tmp_path / "out" else tmp_path / "straight" for a in run])
+    assert straight.returncode == 0, straight.stderr
+    ours, theirs = (load_state_dict(folder / "final" / "lit_model.pth") for folder in (tmp_path / "out",
+                                                                                       tmp_path / "straight"))
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6, msg=key)
 
 
 def test_pytorch_model_bin_is_refused_by_convert_to_litgpt(tmp_path):
@@ -140,28 +268,35 @@ def test_sharded_checkpoint_metadata_is_refused_by_consolidate(tmp_path, base):
     assert not (bad / "lit_model.pth").exists()
 
 
-def test_every_checkpoint_io_refuses_planted_sharded_metadata(tmp_path):
-    """The core's sharded reader (FSDP2) and the Thunder extension's read a sharded checkpoint's .metadata through the
-    same restricted unpickler before torch.distributed.checkpoint would unpickle it."""
+@pytest.mark.parametrize("place", [".metadata", "bytes item", "outside"])
+def test_every_checkpoint_io_refuses_a_planted_sharded_checkpoint(place, tmp_path):
+    """The core's sharded reader (FSDP2) and the Thunder extension's, each on a checkpoint it wrote itself, refuse a
+    planted .metadata, a planted bytes item (the optimizer's param_groups) and metadata pointing outside the folder,
+    and load the untouched checkpoint."""
     import torch.distributed as dist
 
     from extensions.thunder.strategies import ThunderShards
     from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
     from litgpt.errors import UserError
 
-    marker, folder = tmp_path / "marker", tmp_path / "step-000001"
-    (folder / "sharded").mkdir(parents=True)
-    with open(folder / "sharded" / ".metadata", "wb") as f:
-        pickle.dump(RunsCode(marker), f)
     model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         shapes = {name: param.shape for name, param in model.named_parameters()}
-        for io in (FSDPCheckpointIO(), ThunderShards(model, shapes, "ZERO3", "sharded", {}, sharded=True)):
-            with pytest.raises(UserError, match=r"Could not load .*\.metadata.* safely"):
-                io.load_sharded(folder, model, optimizer, lambda key: True)
-            assert not marker.exists(), f"the planted pickle ran in {type(io).__name__}"
+        for io_ in (FSDPCheckpointIO(), ThunderShards(model, shapes, "ZERO3", "sharded", {}, sharded=True)):
+            good, bad = tmp_path / type(io_).__name__ / "good", tmp_path / type(io_).__name__ / "bad"
+            io_.save_sharded(good, model, optimizer, lambda key: True)
+            shutil.copytree(good, bad)
+            marker = tmp_path / f"marker-{type(io_).__name__}"
+            name = plant_in_sharded(bad / "sharded", marker, place, tensor="model.weight")
+            with pytest.raises(UserError, match=rf"Could not load .*{re.escape(name)}.* safely"):
+                io_.load_sharded(bad, model, optimizer, lambda key: True)
+            assert not marker.exists(), f"the planted pickle ran in {type(io_).__name__}"
+            io_.load_sharded(good, model, optimizer, lambda key: True)  # the control: the genuine one loads
+            assert optimizer.param_groups[0]["lr"] == 0.1
     finally:
         dist.destroy_process_group()
 
@@ -207,14 +342,15 @@ def test_download_takes_only_safetensors_when_the_repo_has_both(tmp_path, monkey
 
 
 def test_no_code_of_a_downloaded_repo_is_ever_run():
-    """The library never asks transformers to trust a repo's code, nor imports a file from a model folder."""
-    sources = sorted((ROOT / "litgpt").rglob("*.py"))
-    offenders = [str(path) for path in sources if "trust_remote_code=True" in path.read_text()]
-    assert not offenders
-    loads = [
-        (str(path.relative_to(ROOT)), line.strip())
-        for path in sources
-        for line in path.read_text().splitlines()
-        if "torch.load(" in line and "weights_only=True" not in line
-    ]
+    """A cheap static check beside the tests above: the library never asks transformers to trust a repo's code,
+    every torch.load is weights-only, and torch.distributed.checkpoint is read only through litgpt's reader."""
+    sources = sorted([*(ROOT / "litgpt").rglob("*.py"), *(ROOT / "extensions").rglob("*.py")])
+    texts = {str(path.relative_to(ROOT)): path.read_text() for path in sources}
+    assert not [name for name, text in texts.items() if "trust_remote_code=True" in text]
+    loads = [(name, line.strip()) for name, text in texts.items() for line in text.splitlines()
+             if "torch.load(" in line and "weights_only=True" not in line]
     assert not loads, loads
+    unsafe_reads = [(name, call) for name, text in texts.items() for call in ("dcp.load(", "FileSystemReader(",
+                                                                              "pickle.load(", "pickle.loads(")
+                    if call in text and name != "litgpt/checkpoint/sharded_reader.py"]
+    assert not unsafe_reads, unsafe_reads

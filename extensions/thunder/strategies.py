@@ -400,14 +400,15 @@ class ThunderShards:
 
     def load_sharded(self, folder: Path, model: nn.Module, optimizer, select: Callable[[str], bool]) -> None:
         """Read a sharded checkpoint (this strategy's or FSDP2's, any world size) into the shards, in place."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from litgpt.checkpoint.sharded_reader import load_sharded_state
         from litgpt.checkpoint.store import SHARDED_DIR
         from litgpt.io import read_sharded_metadata
 
         path = Path(folder) / SHARDED_DIR
-        stored = read_sharded_metadata(path).state_dict_metadata  # refuses a planted pickle, as the core does
+        metadata = read_sharded_metadata(path)  # refuses a planted pickle, as the core does; the reader reuses it
+        stored = metadata.state_dict_metadata
         params = self.shards()
         # A fresh optimizer has no state yet: hold what the checkpoint stores, laid out like the parameters.
         pieces = {name: {} for name in params}
@@ -422,13 +423,7 @@ class ThunderShards:
         layout = self.sharded_layout(optimizer, select)
         layout["optimizer"]["state"] = {name: {k: v[1] for k, v in state.items()} for name, state in pieces.items()
                                         if state}
-        try:
-            dcp.load(layout, checkpoint_id=path)
-        except BaseException as error:  # DCP's CheckpointException gathers every rank's failure
-            cause = next(iter(getattr(error, "failures", {}).values()), error)
-            reason = " ".join(str(cause[0] if isinstance(cause, tuple) else cause).split())[:300]
-            raise UserError(f"Cannot load the sharded checkpoint {str(path)!r} into this model: {reason}. Check "
-                            "that the model config is that of the run that saved it.") from None
+        load_sharded_state(layout, path, metadata, hint="Check that the model config is that of the run that saved it.")
         saved = {"state": {name: {k: (local if local is not None else value) for k, (local, value) in state.items()}
                            for name, state in pieces.items() if state},
                  "param_groups": layout["optimizer"]["param_groups"]}

@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from litgpt.checkpoint.interface import KeySelector
 from litgpt.checkpoint.model_files import copy_weights
+from litgpt.checkpoint.sharded_reader import load_sharded_state
 from litgpt.checkpoint.store import SHARDED_DIR
 from litgpt.distributed.dtensor import gather_full
 from litgpt.distributed.runtime import is_rank_zero
-from litgpt.errors import UserError
 from litgpt.io import read_sharded_metadata
 
 
@@ -72,22 +72,9 @@ class FSDPCheckpointIO:
     def load_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
 
         path = Path(folder) / SHARDED_DIR
-        read_sharded_metadata(path)  # refuses a planted pickle before dcp.load unpickles it
+        metadata = read_sharded_metadata(path)  # refuses a planted pickle; the reader reuses it
         state = self.sharded_state(model, optimizer, select)
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except BaseException as error:  # DCP's CheckpointException (a BaseException) gathers every rank's failure
-            raise UserError(
-                f"Cannot load the sharded checkpoint {str(path)!r} into this model: {dcp_failure(error)}. Check that "
-                "the model config and the fine-tuning settings (e.g. lora_r) are those of the run that saved it."
-            ) from None
+        load_sharded_state(state, path, metadata, hint="Check that the model config and the fine-tuning settings "
+                           "(e.g. lora_r) are those of the run that saved it.")
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-def dcp_failure(error: BaseException) -> str:
-    """The first rank's cause of a torch.distributed.checkpoint failure, in one line."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit)):
-        raise error
-    cause = next(iter(getattr(error, "failures", {}).values()), error)  # (exception, traceback) per rank
-    return " ".join(str(cause[0] if isinstance(cause, tuple) else cause).split())[:300]

@@ -8,6 +8,7 @@ everything else is the same for every strategy.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from contextlib import contextmanager
@@ -42,7 +43,8 @@ from litgpt.failpoints import failpoint
 from litgpt.io import file_sha256, load_state_dict, save_state_dict, write_yaml
 
 # torch.save reports a failed write as a RuntimeError from its zip writer, not as an OSError with an errno.
-TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+# The errors of a write that more room would fix: no space, no quota left, a file past `ulimit -f`.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -53,6 +55,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside Fabric's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def failed_write(error: BaseException) -> "OSError | None":
+    """The OSError behind a failed save: `error` itself, its cause, or one rank's failure gathered by
+    torch.distributed.checkpoint; None when the save failed for another reason."""
+    failures = getattr(error, "failures", None) or {}  # DCP's: rank -> (exception, traceback)
+    causes = [error, error.__cause__, error.__context__,
+              *(failure[0] if isinstance(failure, tuple) else failure for failure in failures.values())]
+    # A lost connection is an OSError too, but another rank's failure, not a write's.
+    return next((cause for cause in causes
+                 if isinstance(cause, OSError) and not isinstance(cause, (ConnectionError, TimeoutError))), None)
 
 
 class CheckpointManager:
@@ -192,19 +205,20 @@ class CheckpointManager:
     def disk_errors_named(self, name: str, model, optimizer) -> Iterator[None]:
         """Turn a failed write during a save (disk full, quota, file-size limit, read-only) into one message; the
         staging folder is gone by then and the previous checkpoints are untouched."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             yield
-        except Exception as error:
-            failures = getattr(error, "failures", {}) or {}  # torch.distributed.checkpoint gathers every rank's
-            causes = [error, error.__cause__, *(f[0] if isinstance(f, tuple) else f for f in failures.values())]
-            written = next((c for c in causes if isinstance(c, OSError) or (
-                isinstance(c, RuntimeError) and any(marker in str(c) for marker in TORCH_WRITE_FAILURES))), None)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException; what is no write goes on
+            written = failed_write(error)
             if written is None:
                 raise
-            reason = written.strerror if isinstance(written, OSError) and written.strerror else "a write failed"
+            where = f"Could not write checkpoint {name} in {str(self.out_dir)!r}: {written.strerror or written}"
+            if written.errno not in DISK_FULL:
+                raise UserError(f"{where}. The earlier checkpoints are as they were: fix this and continue with "
+                                "--resume auto.") from None
             raise UserError(
-                f"Could not write checkpoint {name} in {str(self.out_dir)!r}: {reason}. It needs about "
-                f"{format_bytes(checkpoint_bytes(model, self.keys, optimizer))}; "
+                f"{where}. It needs about {format_bytes(checkpoint_bytes(model, self.keys, optimizer))}; "
                 f"{format_bytes(free_bytes(self.out_dir))} are free now (check also quotas and `ulimit -f`). The "
                 "earlier checkpoints are as they were: make room and continue with --resume auto."
             ) from None

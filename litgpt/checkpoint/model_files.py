@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -10,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from litgpt.errors import UserError
+from litgpt.io import atomic_copy
 
 WEIGHTS_FILE = "lit_model.pth"
 
@@ -48,7 +48,7 @@ def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
 def copy_tokenizer_files(source: Path, destination: Path) -> None:
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, Path(destination) / name)
+            atomic_copy(Path(source) / name, Path(destination) / name)
 
 
 class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):

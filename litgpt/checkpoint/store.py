@@ -242,14 +242,15 @@ def check_free_space(out_dir: Path, needed: int, what: str) -> None:
 
 def consolidated_weights(folder: Path) -> dict:
     """The weights of a sharded checkpoint as one plain state dict (read in this one process)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from litgpt.checkpoint.sharded_reader import load_sharded_state
+
     path = Path(folder) / SHARDED_DIR
-    metadata = read_sharded_metadata(path)  # refuses a planted pickle before dcp.load unpickles it
+    metadata = read_sharded_metadata(path)  # refuses a planted pickle; the reader reuses it
     weights = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
             weights[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    load_sharded_state({"model": weights}, path, metadata, hint="Its files are incomplete or damaged.", no_dist=True)
     return weights

@@ -133,7 +133,7 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def convert_hf_checkpoint(
-    checkpoint_dir: Path, *, model_name: Optional[str] = None, dtype: Optional[str] = None
+    checkpoint_dir: Path, *, model_name: Optional[str] = None, dtype: Optional[str] = None, overwrite: bool = False
 ) -> None:
     """Convert a Hugging Face model folder into litgpt's format, written beside the tokenizer files.
 
@@ -144,6 +144,7 @@ def convert_hf_checkpoint(
         checkpoint_dir: A folder as written by `save_pretrained` or `litgpt download` (config.json and weights).
         model_name: A registered litgpt name to take the config from (its architecture must match config.json).
         dtype: Store the weights as float32, bfloat16 or float16 (default: as in the checkpoint).
+        overwrite: Replace the lit_model.pth that the folder already holds (kept until the new one is complete).
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -151,6 +152,8 @@ def convert_hf_checkpoint(
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     config = resolve_config(checkpoint_dir, model_name)
+    if (checkpoint_dir / WEIGHTS_FILE).exists() and not overwrite:
+        raise UserError(f"{str(checkpoint_dir / WEIGHTS_FILE)!r} exists already: pass --overwrite true to replace it.")
     weights = HFWeights(checkpoint_dir)
     if "text_config" in read_hf_config(checkpoint_dir):
         weights.language_model_only()

@@ -23,17 +23,40 @@ def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parame
         init_args.update({key: flag_value(value) for key, value in flat.items()})
     else:
         raise UserError(f"--optimizer must be a name such as AdamW or a class_path/init_args mapping, got {spec!r}.")
-    module_name, _, class_name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name or "torch.optim"), class_name)
-    except (ImportError, AttributeError):
-        raise UserError(f"--optimizer {class_path!r} is not an optimizer class (e.g. AdamW, torch.optim.SGD).") from None
+    cls = optimizer_class(class_path)
     if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in init_args and device.type in ("cuda", "cpu"):
         init_args["fused"] = True
     try:
         return cls([p for p in parameters if p.requires_grad], **init_args)
     except TypeError as error:
         raise UserError(f"--optimizer {class_path}: {error}") from None
+
+
+def optimizer_class(class_path: str) -> type:
+    """The `torch.optim.Optimizer` subclass a class path names ("AdamW" is torch.optim.AdamW).
+
+    A module outside torch.optim is imported only if it belongs to an installed distribution (torchao.optim,
+    bitsandbytes.optim, ...): importing runs a module's top-level code, and a name from the standard library or a file
+    in the working directory must not get that far on the strength of a config file.
+    """
+    module_name, _, class_name = class_path.rpartition(".")
+    not_an_optimizer = UserError(
+        f"--optimizer {class_path!r} is not an optimizer class (a torch.optim.Optimizer subclass such as AdamW, "
+        "torch.optim.SGD or bitsandbytes.optim.AdamW8bit)."
+    )
+    module_name = module_name or "torch.optim"
+    if module_name != "torch.optim" and not module_name.startswith("torch.optim."):
+        from importlib.metadata import packages_distributions
+
+        if module_name.partition(".")[0] not in packages_distributions():
+            raise not_an_optimizer
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        raise not_an_optimizer from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise not_an_optimizer
+    return cls
 
 
 def flag_value(text):
