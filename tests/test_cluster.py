@@ -155,6 +155,7 @@ def test_a_save_of_rank_zero_that_outlasts_the_collective_timeout_does_not_end_t
     while run.poll() is None and process_state(run.pid) != "T":
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert run.poll() is None, run.communicate()
     time.sleep(pause)
     os.kill(run.pid, signal.SIGCONT)
     stdout, stderr = run.communicate(timeout=300)
