@@ -33,7 +33,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.strip().splitlines() if not line.startswith("Seed set to")]
 
 
-# ---- one run per out_dir -------------------------------------------------------------------------------------------------
+# ---- one run per out_dir ------------------------------------------------------------------------------------------
 def write_lock(out_dir: Path, host: str, pid: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "token": "t", "started": "earlier"}))
@@ -67,7 +67,7 @@ def test_a_lock_whose_holder_is_gone_is_taken_over_and_released(data, tmp_path):
     assert not (out_dir / LOCK_FILE).exists()  # released at the end
 
 
-# ---- publishing without a gap -----------------------------------------------------------------------------------------------
+# ---- publishing without a gap ------------------------------------------------------------------------------------
 PUBLISH = textwrap.dedent("""
     import sys
     from pathlib import Path
@@ -107,7 +107,7 @@ def test_publish_leaves_a_complete_folder_under_its_name_at_every_kill_point(tmp
     assert publish_leftovers in ([], [".final.partial"]), publish_leftovers  # the next publish removes a leftover
 
 
-# ---- waiting on one rank's work ----------------------------------------------------------------------------------------------
+# ---- waiting on one rank's work -------------------------------------------------------------------------------------
 def test_waiting_on_a_worker_lasts_while_it_beats_and_ends_when_it_falls_silent(monkeypatch):
     """The real store and heartbeat: a worker beating for longer than the silence bound is waited for; a silent one
     is reported after the bound; a failed one at once."""
@@ -163,7 +163,7 @@ def test_a_save_of_rank_zero_that_outlasts_the_collective_timeout_does_not_end_t
     assert (out_dir / "final" / "lit_model.pth").is_file() and verify_checkpoint(out_dir / "step-000002") is None
 
 
-# ---- two torchrun "nodes" ------------------------------------------------------------------------------------------------------
+# ---- two torchrun "nodes" ----------------------------------------------------------------------------------------
 def torchrun_nodes(args_per_node: list[list], env_per_node: list[dict], timeout: int = 600) -> list:
     """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
     arguments and environment (a node's own disks)."""

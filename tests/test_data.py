@@ -297,6 +297,21 @@ def test_an_interrupted_tokenization_leaves_no_cache(tmp_path, tokenizer, monkey
     assert calls[0] == 2
 
 
+def test_under_srun_the_first_task_of_every_node_builds_caches(tmp_path, tokenizer, monkeypatch):
+    """srun sets no LOCAL_RANK: SLURM_LOCALID names each node's first task, also on the second node."""
+    source = tmp_path / "s.txt"
+    source.write_text("x")
+    corpus = _corpus("docs", ["Hello world."], [source])
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(RuntimeError, match="first process"):
+        ensure_token_cache(corpus, tokenizer, tmp_path / "cache")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert ensure_token_cache(corpus, tokenizer, tmp_path / "cache").meta_path.is_file()
+
+
 def test_the_cache_key_is_the_content_of_the_sources_not_where_or_when_they_were_written(tmp_path, tokenizer):
     """A corpus copied elsewhere with new mtimes (a node that installed it separately) finds the same cache folder;
     one changed byte, of the same file size, gets another."""

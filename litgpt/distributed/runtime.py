@@ -198,9 +198,9 @@ def wait_for(store, key: str, who: str, what: str, silence_seconds: float = SILE
                                 "(see its node's log); the run stops.")
             time.sleep(_POLL_SECONDS)
         outcome = store.get(f"{key}/done").decode()
-    except DistNetworkError as error:  # the store's host, rank 0's process, is gone
-        raise UserError(f"Lost contact with rank 0 while {who} was {what}: {' '.join(str(error).split())[:200]}") \
-            from None
+    except DistNetworkError:  # the store's host, rank 0's process, is gone
+        raise UserError(f"Rank 0's process, which holds the run's store, is gone (the connection to it closed) while "
+                        f"{who} was {what}; see its node's log.") from None
     if outcome != "ok":
         raise UserError(f"{who} failed while {what} (its error is printed above); the run stops.")
 
