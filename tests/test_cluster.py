@@ -39,7 +39,7 @@ def write_lock(out_dir: Path, host: str, pid: int) -> None:
     (out_dir / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "token": "t", "started": "earlier"}))
 
 
-@pytest.mark.parametrize("host", ["this", "another"])
+@pytest.mark.parametrize("host", ["this", pytest.param("another", marks=pytest.mark.slow)])
 def test_a_second_run_on_a_held_out_dir_is_refused_and_nothing_changes(data, tmp_path, host):
     """The holder is alive on this host (this test's process), or on another host where its pid cannot be judged."""
     out_dir = tmp_path / "held"
@@ -55,6 +55,7 @@ def test_a_second_run_on_a_held_out_dir_is_refused_and_nothing_changes(data, tmp
     assert snapshot(out_dir) == before
 
 
+@pytest.mark.slow
 def test_a_lock_whose_holder_is_gone_is_taken_over_and_released(data, tmp_path):
     out_dir = tmp_path / "stale"
     gone = subprocess.Popen(["true"])
