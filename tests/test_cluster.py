@@ -164,6 +164,18 @@ def test_a_save_of_rank_zero_that_outlasts_the_collective_timeout_does_not_end_t
     assert (out_dir / "final" / "lit_model.pth").is_file() and verify_checkpoint(out_dir / "step-000002") is None
 
 
+@pytest.mark.slow
+def test_when_rank_zero_dies_during_its_save_the_waiting_rank_says_so_in_one_line(data, tmp_path):
+    out_dir = tmp_path / "dead-save"
+    start = time.monotonic()
+    p = litgpt(*pretrain_args(data, out_dir, 2, "--devices", "2"), failpoint="save:weights@1/0=kill")
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert time.monotonic() - start < 120  # rank 1's stderr is this pipe too: it has left by now
+    ours = [line for line in p.stderr.splitlines() if "litgpt pretrain: error" in line]
+    assert ours == ["[rank 1] litgpt pretrain: error: Rank 0's process, which holds the run's store, is gone (the "
+                    "connection to it closed) while rank 0 was writing checkpoint step-000001; see its node's log."]
+
+
 # ---- two torchrun "nodes" ----------------------------------------------------------------------------------------
 def torchrun_nodes(args_per_node: list[list], env_per_node: list[dict], timeout: int = 600) -> list:
     """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
