@@ -31,6 +31,10 @@ MANIFEST_FILE = "manifest.json"
 
 SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a sharded checkpoint
 
+# How long ranks verifying a checkpoint together wait for the slowest: a minute plus its share at 25 MB/s.
+HASHING_BASE_SECONDS = 60.0
+HASHING_FLOOR_BYTES_PER_SECOND = 25e6
+
 
 def staging_dir(path: Path) -> Path:
     """The temporary folder a checkpoint is written into before `publish_dir` renames it into place.
@@ -171,7 +175,12 @@ def shared_verdict(folder: Path) -> "str | None":
     reason = verify_checkpoint(folder, checksums=False)  # the same on every rank: decides alike whether to go on
     if reason is None and distributed_is_up():
         part = (global_rank(), world_size())
-        reason = next((r for r in every_rank(verify_checkpoint(folder, part=part)) if r), None)
+        # A rank hashing a 140 GB file outlasts the collective timeout: the others wait for as long as the largest
+        # share takes to read from a slow shared filesystem.
+        sizes = [entry["bytes"] for entry in read_manifest(folder)["files"].values()]
+        largest_share = max(sum(sizes[index::world_size()]) for index in range(world_size()))
+        bound = HASHING_BASE_SECONDS + largest_share / HASHING_FLOOR_BYTES_PER_SECOND
+        reason = next((r for r in every_rank(verify_checkpoint(folder, part=part), bound) if r), None)
     elif reason is None:
         reason = verify_checkpoint(folder)
     return reason

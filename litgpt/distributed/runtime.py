@@ -119,13 +119,28 @@ def local_world_size() -> int:
     return world_size() if size is None else size
 
 
-def every_rank(value: object) -> list:
-    """Every rank's `value`, on every rank (collective); [value] in one process."""
+_GATHER_GROUPS: dict = {}
+
+
+def every_rank(value: object, timeout_seconds: Optional[float] = None) -> list:
+    """Every rank's `value`, on every rank (collective); [value] in one process.
+
+    `timeout_seconds`: how long a rank may wait for the others here, when it is not the run's collective timeout (each
+    rank worked on its share of something large first); the gather then runs on a gloo group of that timeout.
+    """
     distributed = _process_group()
     if distributed is None:
         return [value]
+    group = None
+    if timeout_seconds is not None:
+        import datetime
+
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        if timeout not in _GATHER_GROUPS:
+            _GATHER_GROUPS[timeout] = distributed.new_group(backend="gloo", timeout=timeout)
+        group = _GATHER_GROUPS[timeout]
     values = [None] * distributed.get_world_size()
-    distributed.all_gather_object(values, value)
+    distributed.all_gather_object(values, value, group=group)
     return values
 
 
