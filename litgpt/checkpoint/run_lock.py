@@ -24,6 +24,8 @@ from litgpt.distributed.runtime import every_rank, global_rank, local_rank, node
 from litgpt.errors import UserError
 
 LOCK_FILE = ".litgpt-run.lock"
+# How long a node's first process looks for the lock rank 0 wrote before it concludes its out_dir is another folder.
+SAME_FOLDER_WAIT_SECONDS = 15.0
 
 
 def _holder_is_gone(holder: dict) -> bool:
@@ -96,10 +98,25 @@ def release(out_dir: Path, mine: dict) -> None:
             pass  # not empty: the run wrote something
 
 
+def _find_token(out_dir: Path, token: str) -> Optional[str]:
+    """The lock's token as this node sees it; on a network filesystem a file just created on another node can take a
+    few seconds to appear (cached directory lookups), so look again for a while before concluding it is not there."""
+    deadline = time.monotonic() + SAME_FOLDER_WAIT_SECONDS
+    while True:
+        try:
+            os.listdir(out_dir)  # reading the folder revalidates a network filesystem's cached lookups
+        except OSError:
+            pass
+        seen = _read_holder(out_dir / LOCK_FILE).get("token")
+        if seen == token or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)
+
+
 def check_same_folder(out_dir: Path, token: str) -> None:
     """Every node's first process reads the lock's token through its own out_dir; refuse the run (on every rank)
     when one does not find it: that node's out_dir is another folder. Collective."""
-    seen = _read_holder(Path(out_dir) / LOCK_FILE).get("token") if local_rank() == 0 else token
+    seen = _find_token(Path(out_dir), token) if local_rank() == 0 else token
     verdicts = every_rank((node_rank(), socket.gethostname(), seen == token))
     blind = sorted({f"node {node} ({host})" for node, host, ok in verdicts if not ok})
     if blind:
