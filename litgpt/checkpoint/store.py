@@ -7,6 +7,7 @@ tokenizer and manifest.json, written last; a sharded checkpoint keeps its weight
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -59,10 +60,10 @@ def exchange(a: Path, b: Path) -> bool:
     at_cwd = -100
     if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: a filesystem without exchange (NFS, ...)
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem without exchange (NFS, ...)
         return False
-    raise OSError(errno, os.strerror(errno), str(a))
+    raise OSError(code, os.strerror(code), str(a))
 
 
 @contextmanager

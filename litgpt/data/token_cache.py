@@ -96,7 +96,7 @@ def file_fingerprints(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """Size and SHA-256 of each file, in order: what the files hold, not where they lie or when they were written, so
     that nodes holding their own copy of a corpus find the same cache.
 
-    Hashing reads every byte once (about 1 GB/s a core, next to tokenizing's few MB/s); a digest is kept in the cache
+    Hashing reads every byte once (about 0.8 GB/s a core, next to tokenizing's few MB/s); a digest is kept in the cache
     root's `source-digests.json` under the file's path, size, mtime and ctime (no writer can set ctime back), so that
     later runs and the other processes of the node only stat the files.
     """
