@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -177,8 +178,7 @@ def test_cache_holds_every_document_with_eos_and_its_meta(tmp_path, tokenizer):
     assert tokens[0] == tokenizer.bos_id and tokens[-1] == tokenizer.eos_id
     meta = json.loads(cache.meta_path.read_text())
     assert meta["num_tokens"] == tokens.size and meta["documents"] == 2 and meta["dtype"] == "uint16"
-    assert meta["source"]["files"][0]["path"] == str(source.resolve())
-    assert meta["source"]["files"][0]["size"] == 1 and "mtime_ns" in meta["source"]["files"][0]
+    assert meta["source"]["files"] == [{"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}]
     assert len(meta["tokenizer"]) == 64
     assert not list(cache.folder.glob("*.tmp"))
 
@@ -242,7 +242,7 @@ def test_cache_is_rebuilt_when_the_tokenizer_or_the_source_changes(tmp_path, tok
     texts = [(folder / name).read_text() for name in ("a.txt", "b.txt")]
     np.testing.assert_array_equal(cache_tokens(cache_dir / "textfiles-train"), expected_tokens(gpt2, texts))
 
-    # A changed source file is noticed too (its size and mtime are in the fingerprint).
+    # A changed source file is noticed too (its size and SHA-256 are in the fingerprint).
     (folder / "b.txt").write_text("A different second file, longer than before.")
     calls = count_builds(monkeypatch)
     module.prepare()
@@ -295,6 +295,46 @@ def test_an_interrupted_tokenization_leaves_no_cache(tmp_path, tokenizer, monkey
     assert not cache.is_valid(json.loads(cache.meta_path.read_text()))
     ensure_token_cache(_corpus("docs", documents, [source]), tokenizer, tmp_path / "cache")
     assert calls[0] == 2
+
+
+def test_under_srun_the_first_task_of_every_node_builds_caches(tmp_path, tokenizer, monkeypatch):
+    """srun sets no LOCAL_RANK: SLURM_LOCALID names each node's first task, also on the second node."""
+    source = tmp_path / "s.txt"
+    source.write_text("x")
+    corpus = _corpus("docs", ["Hello world."], [source])
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(RuntimeError, match="first process"):
+        ensure_token_cache(corpus, tokenizer, tmp_path / "cache")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert ensure_token_cache(corpus, tokenizer, tmp_path / "cache").meta_path.is_file()
+
+
+def test_the_cache_key_is_the_content_of_the_sources_not_where_or_when_they_were_written(tmp_path, tokenizer):
+    """A corpus copied elsewhere with new mtimes (a node that installed it separately) finds the same cache folder;
+    one changed byte, of the same file size, gets another."""
+    first = tmp_path / "node0" / "corpus"
+    first.mkdir(parents=True)
+    (first / "a.txt").write_text("The first story, long enough to tokenize.")
+    (first / "b.txt").write_text("The second story, long enough as well.")
+    copy = tmp_path / "node1" / "elsewhere"
+    copy.mkdir(parents=True)
+    for name in ("a.txt", "b.txt"):
+        (copy / name).write_bytes((first / name).read_bytes())
+        os.utime(copy / name, (time.time() + 3600, time.time() + 3600))
+
+    def cache_folder(folder: Path) -> Path:
+        module = TextFiles(folder)
+        module.connect(tokenizer, 4)
+        module.prepare()
+        return module._cache("train").folder
+
+    original = cache_folder(first)
+    assert cache_folder(copy) == original
+    (copy / "b.txt").write_text("The second story, long enough as well!")  # same size, one byte differs
+    assert cache_folder(copy) != original
 
 
 def test_other_ranks_only_read_the_cache(tmp_path, tokenizer, monkeypatch):

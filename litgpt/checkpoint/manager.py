@@ -37,7 +37,7 @@ from litgpt.checkpoint.store import (
     write_manifest,
 )
 from litgpt.config import Config
-from litgpt.distributed.runtime import every_rank, print_once
+from litgpt.distributed.runtime import every_rank, print_once, rank_zero_alone
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.io import file_sha256, load_state_dict, save_state_dict, write_yaml
@@ -169,15 +169,17 @@ class CheckpointManager:
             else:
                 weights = self.io.gather_weights(model, self.keys)
                 optimizer_state = self.io.gather_optimizer_state(model, optimizer)
-            if rank_zero:
-                with publish_dir(path, staging) as folder:
-                    self._write_folder(folder, weights, optimizer_state, state, digests)
-                failpoint("save:published")
-                if self.keep_last is not None:
-                    prune_checkpoints(self.out_dir, self.keep_last)
-                    failpoint("save:pruned")
+        # Writing and hashing a large model's full checkpoint takes what it takes: not bounded by --fsdp.timeout.
+        with rank_zero_alone(f"writing checkpoint {path.name}") as worker:
+            if worker:
+                with self.disk_errors_named(path.name, model, optimizer):
+                    with publish_dir(path, staging) as folder:
+                        self._write_folder(folder, weights, optimizer_state, state, digests)
+                    failpoint("save:published")
+                    if self.keep_last is not None:
+                        prune_checkpoints(self.out_dir, self.keep_last)
+                        failpoint("save:pruned")
         self.last_saved_step = state.step
-        fabric.barrier()
         return path
 
     def _write_folder(self, folder: Path, weights: Optional[dict], optimizer_state: Optional[dict], state,
@@ -231,22 +233,25 @@ class CheckpointManager:
         file. Every rank calls this.
         """
         last_step, final = self.out_dir / f"step-{state.step:06d}", self.out_dir / "final"
-        if self.fabric.global_rank == 0:
-            with publish_dir(final) as folder:
-                for file in last_step.iterdir():
-                    if file.name not in (TRAINING_STATE_FILE, SHARDED_DIR, MANIFEST_FILE):
-                        try:
-                            os.link(file, folder / file.name)
-                        except OSError:  # a filesystem without hard links
-                            shutil.copy2(file, folder / file.name)
-                if (last_step / SHARDED_DIR).is_dir():
-                    save_state_dict(consolidated_weights(last_step), folder / self.weights_file)
-                # The linked files were hashed for the step's manifest already: only a consolidated file is new.
-                step_digests = {name: entry["sha256"] for name, entry in read_manifest(last_step)["files"].items()}
-                write_manifest(folder, {**self.info(state), "state_dict_type": "full"}, step_digests)
-                failpoint("final:written")
-        self.fabric.barrier()
+        with rank_zero_alone("publishing final/") as worker:  # consolidating a sharded checkpoint takes its time
+            if worker:
+                self._write_final(last_step, final, state)
         return final
+
+    def _write_final(self, last_step: Path, final: Path, state) -> None:
+        with publish_dir(final) as folder:
+            for file in last_step.iterdir():
+                if file.name not in (TRAINING_STATE_FILE, SHARDED_DIR, MANIFEST_FILE):
+                    try:
+                        os.link(file, folder / file.name)
+                    except OSError:  # a filesystem without hard links
+                        shutil.copy2(file, folder / file.name)
+            if (last_step / SHARDED_DIR).is_dir():
+                save_state_dict(consolidated_weights(last_step), folder / self.weights_file)
+            # The linked files were hashed for the step's manifest already: only a consolidated file is new.
+            step_digests = {name: entry["sha256"] for name, entry in read_manifest(last_step)["files"].items()}
+            write_manifest(folder, {**self.info(state), "state_dict_type": "full"}, step_digests)
+            failpoint("final:written")
 
 
 def checkpoint_bytes(model: torch.nn.Module, keys: KeySelector, optimizer=None) -> int:

@@ -7,6 +7,7 @@ tokenizer and manifest.json, written last; a sharded checkpoint keeps its weight
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import torch
 
 from litgpt.distributed.runtime import distributed_is_up, every_rank, global_rank, print_once, world_size
 from litgpt.errors import UserError
+from litgpt.failpoints import failpoint
 from litgpt.io import atomic_write_text, file_sha256, fsync_dir, read_sharded_metadata
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -30,43 +32,91 @@ MANIFEST_FILE = "manifest.json"
 
 SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a sharded checkpoint
 
+# How long ranks verifying a checkpoint together wait for the slowest: a minute plus its share at 25 MB/s.
+HASHING_BASE_SECONDS = 60.0
+HASHING_FLOOR_BYTES_PER_SECOND = 25e6
+
 
 def staging_dir(path: Path) -> Path:
     """The temporary folder a checkpoint is written into before `publish_dir` renames it into place.
 
-    Its name is fixed so that every rank of a run writes its shards into the same one.
+    Its name is fixed so that every rank of a run writes its shards into the same one; runs do not clash over it, as
+    one run at a time holds the out_dir (`run_lock`).
     """
     return Path(path).with_name(f".{Path(path).name}.partial")
+
+
+_RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h): swap two existing paths in one step
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux renameat2); False where the system or filesystem cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem without exchange (NFS, ...)
+        return False
+    raise OSError(code, os.strerror(code), str(a))
 
 
 @contextmanager
 def publish_dir(path: Path, staging: "Path | None" = None) -> Iterator[Path]:
     """Yield a temporary folder beside `path` (or `staging`, already holding files); when the block succeeds it
-    replaces `path` in one rename.
+    takes the place of `path`.
 
-    A reader never sees a half-written checkpoint folder; a failure leaves the previous one as it was.
+    A reader never sees a half-written checkpoint folder, and never a moment without a complete one under `path`: an
+    existing folder is swapped with the new one in one step (renameat2 RENAME_EXCHANGE); where the filesystem cannot,
+    the old one is retired under a hidden name first and `restore_retired` brings it back after a kill in between. A
+    failure leaves the previous folder as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    restore_retired(path)
     if staging is None:
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        staging = staging_dir(path)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (one run at a time holds the out_dir)
+        staging.mkdir()
     try:
         yield staging
         for file in staging.rglob("*"):
             if file.is_file():
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
-        if path.exists():
-            retired = path.with_name(f".{path.name}.old")
+        fsync_dir(staging)
+        if not path.exists():
+            os.replace(staging, path)
+        elif exchange(staging, path):
+            failpoint("publish:exchanged")  # the new folder in place, the old one under the staging name
+        else:
+            retired = retired_dir(path)
             shutil.rmtree(retired, ignore_errors=True)
             os.replace(path, retired)
-            os.replace(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
+            failpoint("publish:retired")
             os.replace(staging, path)
         fsync_dir(path.parent)  # the rename itself survives a power loss only once its folder is synced
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        restore_retired(path)  # a failure between the two renames
+        shutil.rmtree(retired_dir(path), ignore_errors=True)
+
+
+def retired_dir(path: Path) -> Path:
+    return Path(path).with_name(f".{Path(path).name}.old")
+
+
+def restore_retired(path: Path) -> None:
+    """Put back a folder that a publish without RENAME_EXCHANGE retired, when it failed or was killed before the new
+    one took its place."""
+    retired = retired_dir(path)
+    if retired.is_dir() and not Path(path).exists():
+        os.replace(retired, path)
 
 
 def write_manifest(folder: Path, info: dict, digests: "dict[str, str] | None" = None) -> None:
@@ -126,7 +176,12 @@ def shared_verdict(folder: Path) -> "str | None":
     reason = verify_checkpoint(folder, checksums=False)  # the same on every rank: decides alike whether to go on
     if reason is None and distributed_is_up():
         part = (global_rank(), world_size())
-        reason = next((r for r in every_rank(verify_checkpoint(folder, part=part)) if r), None)
+        # A rank hashing a 140 GB file outlasts the collective timeout: the others wait for as long as the largest
+        # share takes to read from a slow shared filesystem.
+        sizes = [entry["bytes"] for entry in read_manifest(folder)["files"].values()]
+        largest_share = max(sum(sizes[index::world_size()]) for index in range(world_size()))
+        bound = HASHING_BASE_SECONDS + largest_share / HASHING_FLOOR_BYTES_PER_SECOND
+        reason = next((r for r in every_rank(verify_checkpoint(folder, part=part), bound) if r), None)
     elif reason is None:
         reason = verify_checkpoint(folder)
     return reason

@@ -14,9 +14,10 @@ from typing import Any, Optional, Union
 
 from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
+from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable, resolve_resume
 from litgpt.data.base import MicroBatches
-from litgpt.distributed.runtime import node_local_first, print_once
+from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
 from litgpt.tokenizer import Tokenizer, check_vocab_fits
 from litgpt.train.arguments import check_requeue, check_seq_length, write_run_args
 from litgpt.train.optimizer import base_learning_rate, build_optimizer
@@ -54,27 +55,28 @@ def launch(fabric, job: Job) -> dict:
 def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
     check_writable(job.out_dir)
-    resume_dir = resolve_resume(job.out_dir, job.resume)
-    check_requeue(job.train)
-    max_seq_length = check_seq_length(job.train, job.recipe.config)
-    tokenizer = Tokenizer(job.tokenizer_dir)
-    check_vocab_fits(tokenizer, job.recipe.config, job.tokenizer_dir)
-    job.train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
-    fabric.seed_everything(job.seed)
-    train_data, val_data = prepare_data(fabric, job, tokenizer, max_seq_length)
-    style_used = getattr(job.data, "style", None)  # finetuning data records the prompt style it laid samples out in
-    if style_used is not None and style_used.name != job.recipe.config.prompt_style:
-        # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
-        config = dataclasses.replace(job.recipe.config, prompt_style=style_used.name)
-        job = dataclasses.replace(job, recipe=dataclasses.replace(job.recipe, config=config))
-    return train_recipe(fabric, job, tokenizer, train_data, val_data, resume_dir)
+    with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
+        resume_dir = resolve_resume(job.out_dir, job.resume)
+        check_requeue(job.train)
+        max_seq_length = check_seq_length(job.train, job.recipe.config)
+        tokenizer = Tokenizer(job.tokenizer_dir)
+        check_vocab_fits(tokenizer, job.recipe.config, job.tokenizer_dir)
+        job.train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
+        fabric.seed_everything(job.seed)
+        train_data, val_data = prepare_data(fabric, job, tokenizer, max_seq_length)
+        style_used = getattr(job.data, "style", None)  # finetuning data records the prompt style it laid samples in
+        if style_used is not None and style_used.name != job.recipe.config.prompt_style:
+            # Checkpoints then name the style the model was tuned on, which `litgpt chat` will use.
+            config = dataclasses.replace(job.recipe.config, prompt_style=style_used.name)
+            job = dataclasses.replace(job, recipe=dataclasses.replace(job.recipe, config=config))
+        return train_recipe(fabric, job, tokenizer, train_data, val_data, resume_dir)
 
 
 def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
     """Tokenize once and return (train, val) datasets: global rank 0 first, then the first process of every node (its
     cache may be on a node-local disk), then the others, who find the cache."""
     job.data.connect(tokenizer, max_seq_length, job.prompt_style)
-    with node_local_first(job.timeout):
+    with node_local_first("preparing the data"):
         job.data.prepare()
     return job.data.train_dataset(), job.data.val_dataset()
 
@@ -110,11 +112,11 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     )
     metrics = trainer.fit()
     if trainer.stopped_by is None:
-        if fabric.global_rank == 0:
-            recipe.finish(job.out_dir / "final")
-            print_once(f"Saved the final checkpoint to {job.out_dir / 'final'}")
-            print_once(f"Try it: litgpt generate {job.out_dir / 'final'} --prompt \"Once upon a time\"")
-        fabric.barrier()
+        with rank_zero_alone("finishing final/") as worker:  # a LoRA merge of a large model outlasts any timeout
+            if worker:
+                recipe.finish(job.out_dir / "final")
+                print_once(f"Saved the final checkpoint to {job.out_dir / 'final'}")
+                print_once(f"Try it: litgpt generate {job.out_dir / 'final'} --prompt \"Once upon a time\"")
     return metrics
 
 
