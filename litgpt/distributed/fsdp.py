@@ -90,6 +90,16 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
     for index, block in enumerate(model.transformer.h):
         if prepare_block is not None:
             prepare_block(index, block)
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
+                    ignored_params=frozen_unshardable(block, mesh))
     # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+
+
+def frozen_unshardable(module: nn.Module, mesh) -> set[nn.Parameter]:
+    """Frozen tensors with an all-gather of their own (torchao's NF4) that FSDP2 cannot gather over a shard group of
+    one device (its single-device shortcut copies one tensor per parameter): with NO_SHARD they stay outside FSDP,
+    whole on every device, as NO_SHARD would hold them anyway."""
+    if mesh.shape[-1] > 1:
+        return set()
+    return {p for p in module.parameters() if not p.requires_grad and hasattr(p, "fsdp_pre_all_gather")}

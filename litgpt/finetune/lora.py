@@ -95,21 +95,28 @@ def setup(
     logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-lora-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
     if quantize is not None:
-        job = sharded_quantization(job, isinstance(fabric.strategy, FSDPStrategy))
+        job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
     launch(fabric, job)
 
 
-def sharded_quantization(job, sharded: bool):
-    """The job with the mode that stores its quantized base, checked: under FSDP bitsandbytes' NF4 becomes torchao's
-    NF4 (said once), other bitsandbytes modes are refused."""
+def quantization_for(job, fsdp_strategy):
+    """The job with the mode that stores its quantized base, checked against the strategy (an `FSDPStrategy` or
+    None): under FSDP bitsandbytes' NF4 becomes torchao's NF4 (said once), other bitsandbytes modes are refused."""
     import dataclasses
 
     from litgpt.distributed.runtime import print_once
     from litgpt.quantize import check_quantize_mode, storage_mode
 
-    requested = job.recipe.quantize
+    requested, sharded = job.recipe.quantize, fsdp_strategy is not None
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
+    if sharded and fsdp_strategy.fsdp.cpu_offload and fsdp_strategy.topology.mesh_shape[1] == 1:
+        layout = fsdp_strategy.topology.sharding_strategy
+        layout = "NO_SHARD" if layout == "NO_SHARD" else f"{layout} with one device per node"
+        raise UserError(
+            f"--fsdp.cpu_offload with --quantize offloads a sharded base, but {layout} keeps the whole 4-bit base on "
+            "every device: use FULL_SHARD, or leave out --fsdp.cpu_offload."
+        )
     if stored != requested:
         print_once(
             f"--quantize {requested} on several devices: the base is stored as torchao's NF4 (ao.nf4, the same 4-bit "
