@@ -105,11 +105,13 @@ def quantization_for(job, fsdp_strategy):
     import dataclasses
 
     from litgpt.distributed.runtime import print_once
-    from litgpt.quantize import check_quantize_mode, storage_mode
+    from litgpt.quantize import check_nf4_shapes, check_quantize_mode, storage_mode
 
     requested, sharded = job.recipe.quantize, fsdp_strategy is not None
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
+    if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
+        check_nf4_shapes(job.recipe.build_model(), fsdp_strategy.topology.mesh_shape[1] if sharded else 1)
     if sharded and fsdp_strategy.fsdp.cpu_offload and fsdp_strategy.topology.mesh_shape[1] == 1:
         layout = fsdp_strategy.topology.sharding_strategy
         layout = "NO_SHARD" if layout == "NO_SHARD" else f"{layout} with one device per node"
