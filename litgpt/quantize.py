@@ -79,6 +79,17 @@ def storage_mode(mode: str, sharded: bool) -> str:
     )
 
 
+def check_quantized_offload(option: str, cpu_offload: bool, shard: int, sharding_strategy: str) -> None:
+    """UserError for CPU offload (`option`) of a quantized base that FSDP does not shard: with a shard group of one
+    device (NO_SHARD, or HYBRID_SHARD with one device per node) the NF4 base stays whole on every device."""
+    if cpu_offload and shard == 1:
+        layout = "NO_SHARD" if sharding_strategy == "NO_SHARD" else f"{sharding_strategy} with one device per node"
+        raise UserError(
+            f"{option} with --quantize offloads a sharded base, but {layout} keeps the whole 4-bit base on every "
+            f"device: use FULL_SHARD, or leave out {option}."
+        )
+
+
 @contextlib.contextmanager
 def _quiet(logger_names: tuple[str, ...]) -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in logger_names]

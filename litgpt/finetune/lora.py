@@ -7,7 +7,6 @@ from typing import Literal, Optional, Union
 
 from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.data.base import DataModule
-from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
 
 
@@ -105,20 +104,17 @@ def quantization_for(job, fsdp_strategy):
     import dataclasses
 
     from litgpt.distributed.runtime import print_once
-    from litgpt.quantize import check_nf4_shapes, check_quantize_mode, storage_mode
+    from litgpt.quantize import check_nf4_shapes, check_quantize_mode, check_quantized_offload, storage_mode
 
     requested, sharded = job.recipe.quantize, fsdp_strategy is not None
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
     if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
         check_nf4_shapes(job.recipe.build_model(), fsdp_strategy.topology.mesh_shape[1] if sharded else 1)
-    if sharded and fsdp_strategy.fsdp.cpu_offload and fsdp_strategy.topology.mesh_shape[1] == 1:
-        layout = fsdp_strategy.topology.sharding_strategy
-        layout = "NO_SHARD" if layout == "NO_SHARD" else f"{layout} with one device per node"
-        raise UserError(
-            f"--fsdp.cpu_offload with --quantize offloads a sharded base, but {layout} keeps the whole 4-bit base on "
-            "every device: use FULL_SHARD, or leave out --fsdp.cpu_offload."
-        )
+    if sharded:
+        topology = fsdp_strategy.topology
+        check_quantized_offload("--fsdp.cpu_offload", fsdp_strategy.fsdp.cpu_offload, topology.mesh_shape[1],
+                                topology.sharding_strategy)
     if stored != requested:
         print_once(
             f"--quantize {requested} on several devices: the base is stored as torchao's NF4 (ao.nf4, the same 4-bit "
