@@ -19,8 +19,9 @@ keeps its quantization statistics in a `quant_state` beside the tensor, which FS
 sharded bitsandbytes weight would lose them. Under FSDP `bnb.nf4` and `bnb.nf4-dq` (the same format) are therefore
 stored as `ao.nf4`; `bnb.fp4` and `bnb.int8` are refused.
 
-Quantized layers compute in the dtype the weights had before (float32, bfloat16 or float16); an NF4Tensor dequantizes
-to the dtype of its input. For bitsandbytes, before quantizing, a tiny layer of the chosen mode is run forward and
+bitsandbytes layers compute in the dtype the weights had before (float32, bfloat16 or float16); an NF4 weight is
+dequantized in its own dtype (the training commands give it the run's compute dtype) and cast to its input's. For
+bitsandbytes, before quantizing, a tiny layer of the chosen mode is run forward and
 backward on the target device, so a mode that this bitsandbytes build cannot run there gives a UserError instead of a
 crash in the middle of training.
 
@@ -104,11 +105,11 @@ def _quiet(logger_names: tuple[str, ...]) -> Iterator[None]:
 
 
 def _import_torchao(mode: str):
-    """torchao's NF4Tensor class; its import logs, once per process, which optional compiled kernels it could not
-    load (none of them is used by NF4), which is kept off the console."""
+    """`torchao.quantization` (NF4Tensor, to_nf4). Its import logs, once per process, which optional compiled kernels
+    it could not load (NF4 uses none of them): kept off the console."""
     try:
         with _quiet(NF4_LOGGERS):
-            from torchao.quantization import NF4Tensor
+            import torchao.quantization
     except ImportError:
         raise UserError(f"--quantize {mode} needs the torchao package: {INSTALL_HINT}.") from None
     except Exception as error:  # a broken install or a torch it was not built for
@@ -116,7 +117,7 @@ def _import_torchao(mode: str):
             f"--quantize {mode}: torchao is installed but failed to import ({_first_line(error)}). "
             f"Reinstall it with {INSTALL_HINT}."
         ) from None
-    return NF4Tensor
+    return torchao.quantization
 
 
 def _import_bitsandbytes(mode: str):
@@ -211,9 +212,7 @@ def nf4_scaler_block(numel: int) -> int:
 
 def frozen_nf4(weight: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     """`weight` (out, in) quantized where it is to a frozen NF4Tensor parameter that dequantizes to `dtype`."""
-    _import_torchao("ao.nf4")
-    from torchao.quantization import to_nf4
-
+    to_nf4 = _import_torchao("ao.nf4").to_nf4
     source = weight.detach().to(dtype).contiguous()
     return nn.Parameter(to_nf4(source, NF4_BLOCK, nf4_scaler_block(source.numel())), requires_grad=False)
 
