@@ -1,5 +1,5 @@
 """FSDP2 with real processes on the CPU (gloo): every sharding strategy against a single-process run, checkpoints in
-both formats, resharded resume, torchrun across two "nodes", and the launcher checks."""
+both formats, resharded resume, torchrun across two "nodes", QLoRA with a sharded NF4 base, and the launcher checks."""
 
 from __future__ import annotations
 
@@ -520,6 +520,17 @@ def test_qlora_on_two_processes_equals_one(offload, qlora_run):
     # final/ as one process writes it: the adapters, and the model merged into the float base
     assert_same_final(two, one, "lit_model.pth", atol=1e-4)
     assert all("lora_" in key for key in load_state_dict(two / "step-000002" / "lit_model.pth.lora"))
+
+
+@pytest.mark.slow
+def test_qlora_bf16_mixed_on_two_processes_follows_one(qlora_run):
+    """bf16-mixed: FSDP gathers the adapters in bf16 (MixedPrecisionPolicy) and the NF4 weights in their own 4-bit
+    layout, dequantized to bf16 (the compute dtype); one process runs the same under autocast."""
+    bf16 = ("--precision", "bf16-mixed")
+    one, _ = qlora_run(*SINGLE_QLORA, *bf16)
+    two, _ = qlora_run(*SHARDED_QLORA, *bf16)
+    assert losses(two) == pytest.approx(losses(one), abs=0.01)
+    assert losses(two) != losses(qlora_run(*SHARDED_QLORA)[0])  # not the float32 run's
 
 
 @pytest.mark.slow
