@@ -432,10 +432,13 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
     if cpu_offload and world == 1:
         raise UserError("--cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
     shard = _shard_group(devices, num_nodes, strategy)
-    if quantize is not None and world > 1:
-        from litgpt.quantize import check_quantized_offload
+    if quantize is not None:
+        from litgpt.quantize import check_nf4_precision, check_quantized_offload, storage_mode
 
-        check_quantized_offload("--cpu_offload", cpu_offload, shard, strategy)
+        if world > 1:
+            check_quantized_offload("--cpu_offload", cpu_offload, shard, strategy)
+        if storage_mode(quantize, world > 1) == "ao.nf4":
+            check_nf4_precision(precision, sharded=shard > 1)
     if method == "lora":
         lora = lora if lora is not None else LoRASettings()
     return _Run(

@@ -447,6 +447,8 @@ def test_bad_distributed_flags(flags, message, tmp_path):
                    "--fsdp.cpu_offload", "true"],
          "--fsdp.cpu_offload with --quantize offloads a sharded base, but NO_SHARD keeps the whole 4-bit base on every "
          "device: use FULL_SHARD, or leave out --fsdp.cpu_offload."),
+        ("qlora", ["--quantize", "ao.nf4", "--devices", "1", "--precision", "bf16-true"],
+         "--precision bf16-true would dequantize torchao's NF4 weights where FSDP does not shard them"),
         ("qlora", ["--devices", "1", "--fsdp.cpu_offload", "true"],
          "--fsdp.cpu_offload true moves FSDP's sharded state to CPU memory, but one device runs without FSDP"),
         # n_embd 64: the qkv weight is one group of NF4 scales, which two ranks cannot split

@@ -19,7 +19,8 @@ from litgpt.lora import LoRALinear, LoRASettings, add_lora, lora_state_dict, mar
 from litgpt.model import GPT
 from litgpt import quantize
 from litgpt.quantize import (
-    QUANTIZE_MODES, check_nf4_shapes, check_quantize_mode, is_nf4, quantize_frozen_base, storage_mode, weight_bytes,
+    QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, is_nf4, quantize_frozen_base,
+    storage_mode, weight_bytes,
 )
 
 HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -294,3 +295,21 @@ def test_missing_torchao_says_how_to_install(monkeypatch):
         check_quantize_mode("ao.nf4")
     with pytest.raises(UserError, match="needs the torchao package"):
         check_quantize_mode("bnb.nf4", sharded=True)  # stored as torchao NF4 under FSDP
+
+
+@needs_torchao
+def test_a_true_16_bit_precision_would_dequantize_nf4_outside_fsdp():
+    """What Fabric does for bf16-true (`module.to(torch.bfloat16)`) leaves a dequantized copy beside an NF4 weight
+    that is a plain parameter, even one in bf16 already; so that combination is refused, sharding is not."""
+    layer = nn.Linear(512, 512, bias=False)
+    layer.weight = quantize.frozen_nf4(layer.weight, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="data pointer"):
+        layer.weight.untyped_storage().data_ptr()  # a wrapper: its data are the NF4 pieces
+    layer.to(torch.bfloat16)
+    assert is_nf4(layer.weight) and layer.weight.untyped_storage().data_ptr()  # now it holds a real bf16 copy too
+    assert layer.weight.untyped_storage().nbytes() == 512 * 512 * 2
+    with pytest.raises(UserError, match="--precision bf16-true would dequantize torchao's NF4 weights"):
+        check_nf4_precision("bf16-true", sharded=False)
+    for precision in ("32-true", "bf16-mixed"):
+        check_nf4_precision(precision, sharded=False)
+    check_nf4_precision("bf16-true", sharded=True)

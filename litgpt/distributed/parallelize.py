@@ -57,7 +57,7 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:
     that already hold data (loaded before sharding) stay as they are; ties are kept (each parameter is swapped in
     place, as `to_empty` does for sharded parameters)."""
     for module in model.modules():
-        for name, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and param.is_meta:
                 fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, fresh)

@@ -104,13 +104,17 @@ def quantization_for(job, fsdp_strategy):
     import dataclasses
 
     from litgpt.distributed.runtime import print_once
-    from litgpt.quantize import check_nf4_shapes, check_quantize_mode, check_quantized_offload, storage_mode
+    from litgpt.quantize import (
+        check_nf4_precision, check_nf4_shapes, check_quantize_mode, check_quantized_offload, storage_mode,
+    )
 
     requested, sharded = job.recipe.quantize, fsdp_strategy is not None
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
     if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
-        check_nf4_shapes(job.recipe.build_model(), fsdp_strategy.topology.mesh_shape[1] if sharded else 1)
+        shard = fsdp_strategy.topology.mesh_shape[1] if sharded else 1
+        check_nf4_shapes(job.recipe.build_model(), shard)
+        check_nf4_precision(job.precision, sharded=shard > 1)
     if sharded:
         topology = fsdp_strategy.topology
         check_quantized_offload("--fsdp.cpu_offload", fsdp_strategy.fsdp.cpu_offload, topology.mesh_shape[1],

@@ -100,9 +100,8 @@ class Recipe:
                     compile_blocks: bool, load_initial: bool) -> nn.Module:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
         `load_initial` is False because a resumed checkpoint replaces every weight)."""
-        from litgpt.distributed.parallelize import parallelize
-
         from litgpt.distributed.fsdp import FSDPStrategy
+        from litgpt.distributed.parallelize import parallelize
 
         if self.quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
             return self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
@@ -120,8 +119,10 @@ class Recipe:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
-        from litgpt.quantize import is_nf4, quantize_frozen_base
+        from litgpt.quantize import check_nf4_precision, is_nf4, quantize_frozen_base
 
+        if self.quantize == "ao.nf4":
+            check_nf4_precision(precision, sharded=False)
         path = Path(self.initial_weights)
         assign_weights(model, load_state_dict(path), str(path), self.is_initial_key)
         with torch.no_grad():
@@ -150,11 +151,13 @@ class Recipe:
         """
         from litgpt.checkpoint.model_files import check_weights_match
         from litgpt.distributed.parallelize import parallelize
-        from litgpt.quantize import block_targets, check_nf4_shapes, frozen_nf4
+        from litgpt.quantize import block_targets, check_nf4_precision, check_nf4_shapes, frozen_nf4
 
         if self.quantize != "ao.nf4":
             raise RuntimeError(f"FSDP stores a quantized base as ao.nf4, not {self.quantize}")
-        check_nf4_shapes(model, fabric.strategy.topology.mesh_shape[1])
+        shard = fabric.strategy.topology.mesh_shape[1]
+        check_nf4_shapes(model, shard)
+        check_nf4_precision(precision, sharded=shard > 1)
         path = Path(self.initial_weights)
         state_dict = load_state_dict(path)
         expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
