@@ -28,9 +28,10 @@ What is counted, per device:
   reduce-scatter after every micro-batch).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
 - gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
-  compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one prefetched) and, in the backward pass, the
-  root (embedding, final norm, head) throughout; with SHARD_GRAD_OP every unit stays gathered from its forward until
-  its backward. The shard group comes from `litgpt.distributed.topology.Topology`, as in training.
+  compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one
+  prefetched) and, in the backward pass, the root (embedding, final norm, head) throughout; with SHARD_GRAD_OP
+  every unit stays gathered from its forward until its backward. The shard group comes from
+  `litgpt.distributed.topology.Topology`, as in training.
   On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
   autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
   instead of the activations.
@@ -1079,7 +1080,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{'total':<{width}} {'':>12} {_fmt(plan.total):>12}")
     if plan.loading:
         label = "loading (quantizing)"
-        lines.append(f"{label:<{width}} {'':>12} {_fmt(plan.loading):>12}  quantizing the base before training, + overhead")
+        detail = "quantizing the base before training, + overhead"
+        lines.append(f"{label:<{width}} {'':>12} {_fmt(plan.loading):>12}  {detail}")
     when = " (at loading)" if plan.device_memory - plan.margin != plan.total else ""
     if plan.fits:
         verdict = f"fits in {_fmt(plan.device_memory)}: {_fmt(plan.margin)} to spare{when}"

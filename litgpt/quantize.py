@@ -207,7 +207,7 @@ def block_targets(block: nn.Module) -> list[tuple[str, nn.Linear]]:
     return targets
 
 
-# ---- torchao NF4 ------------------------------------------------------------------------------------------------------
+# ---- torchao NF4 -----------------------------------------------------------------------------------------------------
 def is_nf4(tensor: Optional[torch.Tensor]) -> bool:
     """Whether `tensor` (or this rank's piece of a sharded one) is a torchao NF4Tensor (torchao is not imported)."""
     torchao = sys.modules.get("torchao.quantization")

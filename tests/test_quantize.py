@@ -222,9 +222,8 @@ def test_ao_nf4_stores_about_4_bits_per_weight(dtype):
     quantize_frozen_base(model, "ao.nf4")
     nf4 = {name: param for name, param in model.named_parameters() if is_nf4(param)}
     # Every linear weight of the blocks, and nothing else, is NF4: frozen, in its dtype, shaped as before.
-    assert set(nf4) == {
-        f"transformer.h.{i}.{layer}.weight" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj")
-    }
+    layers = ("attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj")
+    assert set(nf4) == {f"transformer.h.{i}.{layer}.weight" for i in range(2) for layer in layers}
     assert all(not p.requires_grad and p.dtype == dtype and p.shape == shapes[name] for name, p in nf4.items())
     itemsize = torch.finfo(dtype).bits // 8
     expected = sum(nf4_bytes_by_hand(p.numel(), itemsize) for p in nf4.values())
@@ -275,7 +274,8 @@ def test_ao_nf4_qlora_is_close_to_float_and_trains_the_adapters_only():
 def test_ao_nf4_shapes_that_cannot_be_split_are_refused():
     model = make_model(n_embd=128)  # attn.proj 128 x 128: 256 blocks of 64, one group of scales
     check_nf4_shapes(model, shard=1)
-    with pytest.raises(UserError, match=r"cannot split transformer\.h\.0\.attn\.proj\.weight \(128, 128\) over 2 devices"):
+    message = r"cannot split transformer\.h\.0\.attn\.proj\.weight \(128, 128\) over 2 devices"
+    with pytest.raises(UserError, match=message):
         check_nf4_shapes(model, shard=2)
     check_nf4_shapes(make_model(n_embd=256), shard=2)
 
@@ -284,7 +284,8 @@ def test_only_nf4_modes_can_be_sharded():
     assert storage_mode("bnb.int8", sharded=False) == "bnb.int8"
     assert [storage_mode(mode, sharded=True) for mode in ("ao.nf4", "bnb.nf4", "bnb.nf4-dq")] == ["ao.nf4"] * 3
     for mode in ("bnb.fp4", "bnb.int8"):
-        with pytest.raises(UserError, match=rf"--quantize {mode} cannot be sharded by FSDP.*ao\.nf4, bnb\.nf4, bnb\.nf4-dq"):
+        message = rf"--quantize {mode} cannot be sharded by FSDP.*ao\.nf4, bnb\.nf4, bnb\.nf4-dq"
+        with pytest.raises(UserError, match=message):
             storage_mode(mode, sharded=True)
 
 
