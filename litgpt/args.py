@@ -122,7 +122,8 @@ class FSDPArgs:
             memory); NO_SHARD replicates everything (data parallel).
         state_dict_type: full: rank 0 writes one consolidated lit_model.pth; sharded: every rank writes its shards
             into a torch.distributed.checkpoint folder (fast for large models; `litgpt consolidate` makes one file).
-        cpu_offload: Keep parameters, gradients and optimizer state in CPU memory (GPU memory for activations only).
+        cpu_offload: Keep parameters, gradients and optimizer state in CPU memory (GPU memory for activations only;
+            several devices only; with --quantize the sharded 4-bit base too, which NO_SHARD does not shard).
         timeout: Seconds a collective may wait for the other ranks before the run fails (a rank that died).
     """
 

@@ -90,8 +90,8 @@ def main(
         compile: Compile the one-token decoding step with torch.compile: the first reply pays the compilation
             (seconds to a minute), later tokens run faster, on the CPU as on GPUs.
         multiline: Read messages of several lines, each ended by a line holding only !submit.
-        quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
-            (needs `pip install 'litgpt[quantize]'`).
+        quantize: Quantize the weights with bitsandbytes (bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8) or torchao
+            (ao.nf4); needs `pip install 'litgpt[quantize]'`.
     """
     check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)

@@ -359,8 +359,8 @@ def main(
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         compile: Compile the one-token decoding step with torch.compile: the first sample pays the compilation
             (seconds to a minute), later tokens run faster, on the CPU as on GPUs.
-        quantize: Quantize the weights with bitsandbytes: bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
-            (needs `pip install 'litgpt[quantize]'`).
+        quantize: Quantize the weights with bitsandbytes (bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8) or torchao
+            (ao.nf4); needs `pip install 'litgpt[quantize]'`.
     """
     check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)

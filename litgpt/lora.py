@@ -99,8 +99,9 @@ class LoRALinear(nn.Linear):
     `parts` maps a name suffix to a row range [start, stop): each part has its own `lora_A{suffix}` (r, in_features)
     and `lora_B{suffix}` (stop - start, r). A plain adapter is one part, suffix "", over all rows.
 
-    The base weight and bias are the very parameters of the layer it replaces (ties are kept). After quantization
-    (`litgpt.quantize`) they live in a child module `base_layer` instead and `weight`/`bias` are None.
+    The base weight and bias are the very parameters of the layer it replaces (ties are kept). After bitsandbytes
+    quantization (`litgpt.quantize`) they live in a child module `base_layer` instead and `weight`/`bias` are None;
+    after ao.nf4 `weight` is a frozen torchao NF4Tensor.
     """
 
     def __init__(
@@ -246,7 +247,9 @@ class LoRALinear(nn.Linear):
         self.merged = True
 
     def _check_mergeable(self) -> None:
-        if self.weight is None:
+        from litgpt.quantize import is_nf4
+
+        if self.weight is None or is_nf4(self.weight):
             raise UserError("LoRA adapters cannot be merged into a quantized base weight; merge with the float base.")
         if self.weight.is_meta:
             raise RuntimeError("The base weight is on the meta device: load the base weights before merging.")

@@ -19,16 +19,19 @@ What is counted, per device:
 - parameters: the resident (sharded) copy. Trainable ones in the master dtype (float32 for 32-true and the -mixed
   precisions, 16 bits for the -true ones). Frozen LoRA base weights too, since the training entry points cast the
   whole model to the master dtype; with --quantize the blocks' linear weights (`litgpt.quantize.quantize_targets`)
-  are stored in 4 or 8 bits instead (after the whole base was loaded in the master dtype: that moment is planned
-  too).
+  are stored in 4 or 8 bits instead: bitsandbytes' layout on one device, torchao's NF4 under FSDP (bnb.nf4 and
+  bnb.nf4-dq are stored so there), which is sharded like any weight. The base is quantized from the memory-mapped
+  file one weight at a time (under FSDP one block's whole NF4 weights before the block is sharded): that moment,
+  `loading`, is planned too.
 - gradients: one per trainable parameter, in the master dtype, sharded like it. With gradient accumulation the
   earlier micro-batches' gradients are held while the next one runs forward (sharded: the sharded strategies
   reduce-scatter after every micro-batch).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
 - gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
-  compute dtype before it runs: two blocks at a time (one running, one prefetched) and, in the backward pass, the
-  root (embedding, final norm, head) throughout; with SHARD_GRAD_OP every unit stays gathered from its forward until
-  its backward. The shard group comes from `litgpt.distributed.topology.Topology`, as in training.
+  compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one
+  prefetched) and, in the backward pass, the root (embedding, final norm, head) throughout; with SHARD_GRAD_OP
+  every unit stays gathered from its forward until its backward. The shard group comes from
+  `litgpt.distributed.topology.Topology`, as in training.
   On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
   autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
   instead of the activations.
@@ -45,7 +48,8 @@ What is counted, per device:
   chunk loop, the hidden states' gradient and the gradients of the head's trainable weights (under autocast also
   each chunk's 16-bit product before it is added to the float32 one).
 - work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
-  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight.
+  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight (for
+  torchao's NF4 what its dequantization holds at once: int64 codes, half-size lookups and the result).
 
 The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how the plan
 adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `_math_attention`):
@@ -53,8 +57,8 @@ adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `
 - 16-bit compute is run in bfloat16 (float16 has the same sizes). A -mixed precision on one device runs under the
   CPU's autocast, whose op lists are taken for CUDA's: for the ops of this model they agree (linear layers, matmuls
   and attention in 16 bits; norms and float32 softmax as they are).
-- --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul saves
-  what a frozen float linear saves: the weight (not an activation), never its input.
+- --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul and
+  torchao's `linear_nf4` save what a frozen float linear saves: the weight (not an activation), never its input.
 - mixture of experts: routing depends on the data, which fake tensors do not have. Each expert gets an even share of
   the k x tokens routed rows (the total is what the memory follows); `torch.where`'s `nonzero` returns that share.
 - --device cuda, where kernels differ from the CPU's:
@@ -102,6 +106,16 @@ CUDA_CONTEXT_BYTES = 1 * GiB  # CUDA context and library workspaces (0.82 GiB me
 CUDA_FRAGMENTATION = 0.10  # the caching allocator reserves more than it hands out: a share of the peak
 CPU_RUNTIME_BYTES = GiB // 2  # resident size of Python + torch + litgpt before the model (0.42 GiB, torch 2.13)
 BNB_BLOCK = 64  # bitsandbytes' 4-bit quantization block (one absmax per 64 weights)
+# torchao 0.18's NF4 dequantization holds, per weight: the 4-bit codes unpacked to int64 (8 bytes), then the looked-up
+# values, their scaled copies and the interleaved result (3 in the compute dtype); measured in tests/test_plan.py.
+NF4_DEQUANTIZE_INT64 = 8
+NF4_DEQUANTIZE_COPIES = 3
+# Quantizing one weight to NF4 on the device: the 16-bit weight from the file, its copy in the compute dtype, the
+# uint8 codes before packing and two temporaries in the compute dtype per weight, plus the nearest-code search over
+# chunks of 2**20 weights (16 codes: a distance and its absolute value) in the compute dtype.
+NF4_QUANTIZE_FIXED = 2 + 1
+NF4_QUANTIZE_COPIES = 3
+NF4_QUANTIZE_CHUNK = 2 * 16 * 2**20
 
 ROWS = (
     ("parameters", "parameters"),
@@ -226,8 +240,9 @@ def main(
         lora_projection: Adapt the attention output projection.
         lora_mlp: Adapt the MLP.
         lora_head: Adapt the output head.
-        quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4 or bnb.int8
-            (method lora on a single device).
+        quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
+            (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
+            stored so), as the training commands do; bnb.fp4 and bnb.int8 run on one device only.
         activation_checkpointing: What the backward pass recomputes, as --train.activation_checkpointing takes it:
             false, true (or full: every block), N or every:N (one block in N), or ops (every block keeps its matmul
             and attention outputs).
@@ -297,6 +312,12 @@ class _Run:
     accumulate_gradients: bool
     shard: int  # the shard group: how many devices one copy of the state is split over
     loss_chunk_size: int = 0  # positions per chunk of the head and loss
+
+    @property
+    def stored_quantize(self) -> Optional[str]:  # how the training commands store the quantized base
+        from litgpt.quantize import storage_mode
+
+        return storage_mode(self.quantize, self.fsdp) if self.quantize else None
 
     @property
     def world(self) -> int:
@@ -375,8 +396,7 @@ def estimate(
     overhead = _overhead(peak, run.device)
     total = peak + overhead
     device_memory = int(device_memory_gb * GiB)
-    # The training commands load the whole base onto the device in the master dtype, then quantize it there.
-    loading = layout.total_params * run.master if run.quantize else 0
+    loading = _quantized_loading(run, layout) if run.quantize else 0
     needed = max(total, loading + _overhead(loading, run.device) if loading else 0)
     details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
     return MemoryPlan(
@@ -426,16 +446,19 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
     if not (isinstance(device_memory_gb, (int, float)) and device_memory_gb > 0):
         raise UserError(f"--device_memory_gb must be a number > 0, got {device_memory_gb!r}.")
     if quantize is not None:
-        check_quantize_mode(quantize)
+        check_quantize_mode(quantize, sharded=world > 1)
         if method != "lora":
             raise UserError("--quantize stores frozen base weights: it needs --method lora.")
-        if world > 1:
-            raise UserError(
-                f"--quantize runs on a single device, but devices x num_nodes is {world}: use --devices 1 "
-                "--num_nodes 1, or drop --quantize to shard the model with FSDP."
-            )
     if cpu_offload and world == 1:
         raise UserError("--cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
+    shard = _shard_group(devices, num_nodes, strategy)
+    if quantize is not None:
+        from litgpt.quantize import check_nf4_precision, check_quantized_offload, storage_mode
+
+        if world > 1:
+            check_quantized_offload("--cpu_offload", cpu_offload, shard, strategy)
+        if storage_mode(quantize, world > 1) == "ao.nf4":
+            check_nf4_precision(precision, sharded=shard > 1)
     if method == "lora":
         lora = lora if lora is not None else LoRASettings()
     chunk = _loss_chunk(config, micro_batch_size * seq_length, loss_chunk_size)
@@ -445,7 +468,7 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
         lora=lora if method == "lora" else None, quantize=quantize,
         activation_checkpointing=ActivationCheckpointing.parse(activation_checkpointing, "--activation_checkpointing"),
         cpu_offload=cpu_offload,
-        accumulate_gradients=accumulate_gradients, shard=_shard_group(devices, num_nodes, strategy),
+        accumulate_gradients=accumulate_gradients, shard=shard,
         loss_chunk_size=chunk,
     )
 
@@ -476,7 +499,7 @@ def _resident_state(run: _Run, layout: "_Layout") -> dict:
 
     def stored_bytes(p: "_Param") -> int:
         if p.quantized:
-            return _quantized_bytes(p.shape, run.quantize)
+            return _quantized_weight_bytes(run, p.shape)
         return _shard_numel(p.shape, run.shard) * run.master
 
     parameters = sum(stored_bytes(p) for p in layout.params)
@@ -493,6 +516,7 @@ def _resident_state(run: _Run, layout: "_Layout") -> dict:
     if run.cpu_offload:
         state["host_per_node"] = run.devices * (parameters + gradients + optimizer_state)
         state["resident"] = dict(parameters=0, gradients=0, optimizer_state=0)
+        state["gradients_held"] = 0  # FSDP2 moves each reduce-scattered gradient to CPU memory
     return state
 
 
@@ -545,7 +569,7 @@ def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
 def _gathered_params(run: _Run, layout: "_Layout", saved: "SavedActivations") -> dict:
     """FSDP's gathered units, or on one device autocast's 16-bit weight copies, at each moment of the step."""
     unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
-    block_bytes = sorted(unsharded(ps) * run.compute for ps in layout.blocks)
+    block_bytes = sorted(sum(_gathered_bytes(run, p) for p in ps) for ps in layout.blocks)
     root_bytes = unsharded(layout.root) * run.compute
     gathered = dict(root=root_bytes if run.fsdp else 0, forward_end=0)
     if run.fsdp:
@@ -599,7 +623,7 @@ def _block_backward(run: _Run, layout: "_Layout") -> dict:
         weight_grads = top_trainable * (run.compute + reduce_bytes)
     else:
         weight_grads = 0 if run.accumulate_gradients else top_trainable * run.master
-    dequantized = max(layout.quantized_numel, default=0) * run.param_compute if run.quantize else 0
+    dequantized = _dequantize_bytes(run, max(layout.quantized_numel, default=0)) if run.quantize else 0
     root_trainable = unsharded([p for p in layout.root if p.trainable])
     if run.fsdp:
         root_grads = root_trainable * run.compute  # the root reduces its gradients after the whole backward
@@ -651,7 +675,7 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
     if run.cpu_offload:
         placement = "in CPU memory"
     details = {
-        "parameters": f"{placement}, {master}" + (f", blocks' linears {run.quantize}" if run.quantize else ""),
+        "parameters": f"{placement}, {master}" + (f", blocks' linears {run.stored_quantize}" if run.quantize else ""),
         "gradients": f"{placement}, {master}"
         + (" (+ the root's unsharded in the backward pass)" if run.fsdp and backward["root_grads"] else ""),
         "optimizer_state": f"2 moments, {placement}, {master}",
@@ -660,18 +684,24 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
         "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
         "vocab, + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
-        + "1 block's backward" + (" + 1 dequantized weight" if run.quantize else ""),
+        + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else ""),
     }
     notes = []
     if loading:
+        steps = "each block's whole NF4 weights, then only its shards" if run.fsdp else "one weight at a time"
         notes.append(
-            f"--quantize: the base is loaded onto the device in {master} before it is quantized: "
+            f"--quantize: the base is quantized from the memory-mapped file onto the device ({steps}): at most "
             f"{_fmt(loading)} (+ overhead) at that moment, before training starts."
+        )
+    if run.quantize and run.stored_quantize != run.quantize:
+        notes.append(
+            f"--quantize {run.quantize} on several devices: planned as torchao NF4 (ao.nf4), as the training commands "
+            "store it (FSDP2 shards it and all-gathers it in 4 bits)."
         )
     if run.method == "lora" and run.quantize is None:
         notes.append(
             f"The frozen base weights are stored in {master} (the training commands cast the whole model "
-            "to the master dtype); --quantize on one device stores the blocks' linear weights in 4 or 8 bits."
+            "to the master dtype); --quantize stores the blocks' linear weights in 4 or 8 bits."
         )
     if run.fsdp and run.sharding_strategy == "HYBRID_SHARD" and run.num_nodes == 1:
         notes.append("HYBRID_SHARD on one node shards over its devices, as FULL_SHARD does.")
@@ -794,6 +824,59 @@ def _quantized_bytes(shape: tuple[int, ...], mode: str) -> int:
         # the absmax of each block quantized to 8 bits, with a float32 scale per 256 of them and an offset
         return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4
     return -(-numel // 2) + 4 * blocks  # nf4 / fp4: 4-bit values and a float32 absmax per block
+
+
+def _nf4_bytes(shape: tuple[int, ...], itemsize: int, shard: int = 1) -> int:
+    """torchao's NF4Tensor of one weight on one rank: the 4-bit codes, an int8 scaler per 64 weights and a scale per
+    group of scalers (in the dtype it dequantizes to) are split by rows over `shard` ranks; every rank keeps the
+    scalers' mean and the 16 code values."""
+    from litgpt.quantize import NF4_BLOCK, nf4_scaler_block
+
+    numel = math.prod(shape)
+    blocks = numel // NF4_BLOCK
+    split = numel // 2 + blocks + blocks // nf4_scaler_block(numel) * itemsize
+    return -(-split // shard) + 17 * itemsize
+
+
+def _quantized_weight_bytes(run: _Run, shape: tuple[int, ...]) -> int:
+    """One quantized weight as the run stores it on a device: bitsandbytes' layout, or torchao's NF4 (in the compute
+    dtype) split over the shard group."""
+    if run.stored_quantize == "ao.nf4":
+        return _nf4_bytes(shape, run.compute, run.shard)
+    return _quantized_bytes(shape, run.quantize)
+
+
+def _gathered_bytes(run: _Run, p: _Param) -> int:
+    """One parameter as FSDP all-gathers it: in the compute dtype, an NF4 weight in its own 4-bit layout (kept out of
+    FSDP, never gathered, over a shard group of one)."""
+    if p.quantized:
+        return _nf4_bytes(p.shape, run.compute) if run.shard > 1 else 0
+    return math.prod(p.shape) * run.compute
+
+
+def _dequantize_bytes(run: _Run, numel: int) -> int:
+    """What dequantizing one weight of `numel` elements holds at once for the matmul."""
+    if run.stored_quantize == "ao.nf4":
+        return numel * (NF4_DEQUANTIZE_INT64 + NF4_DEQUANTIZE_COPIES * run.compute)
+    return numel * run.param_compute
+
+
+def _quantized_loading(run: _Run, layout: _Layout) -> int:
+    """The device's peak while the training commands quantize the base from the memory-mapped file, one weight at a
+    time: the quantized weights so far (none with cpu_offload: FSDP moves each block's shards to CPU memory as it
+    shards the block), under FSDP the whole NF4 weights of the block about to be sharded, and the work of quantizing
+    the largest weight."""
+    quantized = [p for p in layout.params if p.quantized]
+    largest = max(layout.quantized_numel, default=0)
+    so_far = 0 if run.cpu_offload else sum(_quantized_weight_bytes(run, p.shape) for p in quantized)
+    if run.stored_quantize == "ao.nf4":
+        work = largest * (NF4_QUANTIZE_FIXED + NF4_QUANTIZE_COPIES * run.compute) + NF4_QUANTIZE_CHUNK * run.compute
+    else:
+        work = largest * run.master  # the weight on the device, before bitsandbytes quantizes it there
+    whole_block = 0
+    if run.fsdp:
+        whole_block = max(sum(_nf4_bytes(p.shape, run.compute) for p in ps if p.quantized) for ps in layout.blocks)
+    return so_far + whole_block + work
 
 
 def _mlp_width(config: Config) -> int:
@@ -1097,8 +1180,9 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{'overhead':<{width}} {'':>12} {_fmt(plan.overhead):>12}")
     lines.append(f"{'total':<{width}} {'':>12} {_fmt(plan.total):>12}")
     if plan.loading:
-        label = "loading, before quantizing"
-        lines.append(f"{label:<{width}} {'':>12} {_fmt(plan.loading):>12}  the whole base before training, + overhead")
+        label = "loading (quantizing)"
+        detail = "quantizing the base before training, + overhead"
+        lines.append(f"{label:<{width}} {'':>12} {_fmt(plan.loading):>12}  {detail}")
     when = " (at loading)" if plan.device_memory - plan.margin != plan.total else ""
     if plan.fits:
         verdict = f"fits in {_fmt(plan.device_memory)}: {_fmt(plan.margin)} to spare{when}"
@@ -1106,7 +1190,9 @@ def format_plan(plan: MemoryPlan) -> str:
         verdict = f"does NOT fit in {_fmt(plan.device_memory)}: {_fmt(-plan.margin)} short{when}"
     lines.append(f"{'device memory':<{width}} {'':>12} {_fmt(plan.device_memory):>12}  {verdict}")
     if plan.cpu_offload:
-        lines.append(f"{'host memory per node':<{width}} {'':>12} {_fmt(plan.host_memory_per_node):>12}")
+        per_device = _fmt(plan.host_memory_per_node // plan.devices)
+        lines.append(f"{'host memory per node':<{width}} {'':>12} {_fmt(plan.host_memory_per_node):>12}  "
+                     f"{plan.devices} device(s) x {per_device}: sharded parameters, gradients, optimizer state")
     if plan.notes:
         lines.append("")
         lines.extend(f"- {note}" for note in plan.notes)

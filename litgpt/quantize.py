@@ -1,4 +1,4 @@
-"""Quantized frozen base weights with bitsandbytes (QLoRA, arXiv:2305.14314); bitsandbytes is optional.
+"""Quantized frozen base weights (QLoRA, arXiv:2305.14314) with bitsandbytes or torchao; both are optional.
 
 `quantize_frozen_base(model, mode)` stores the weight of every linear layer of the transformer blocks (q/k/v,
 attention output, every MLP and expert linear) in 4 or 8 bits, whether or not the layer carries LoRA adapters. The
@@ -8,20 +8,36 @@ adapters, norms, embeddings, the output head and the mixture-of-experts router s
 - the router is tiny and its top-k choice is discontinuous, so quantization noise there changes which experts run.
 
 Modes: `bnb.nf4` (4-bit NormalFloat), `bnb.nf4-dq` (nf4 with quantized quantization statistics, "double
-quantization"), `bnb.fp4` (4-bit float) and `bnb.int8` (LLM.int8() with outlier threshold 6). Quantized layers
-compute in the dtype the weights had before (float32, bfloat16 or float16). Before quantizing, a tiny layer of the
-chosen mode is run forward and backward on the target device, so a mode that this bitsandbytes build cannot run
-there gives a UserError instead of a crash in the middle of training.
+quantization"), `bnb.fp4` (4-bit float) and `bnb.int8` (LLM.int8() with outlier threshold 6), all bitsandbytes; and
+`ao.nf4`, torchao's `NF4Tensor`: the same 4-bit NormalFloat, double-quantized (an int8 scaler per 64 weights, a float
+scale per 256 scalers: about 4.13 bits per weight).
+
+Only `ao.nf4` can be sharded by FSDP2 (`SHARDABLE_MODES`, `storage_mode`). An NF4Tensor implements FSDP2's all-gather
+extension (`fsdp_pre_all_gather` / `fsdp_post_all_gather`): its packed 4-bit data and its scalers are split over the
+ranks and all-gathered as they are, in 4 bits, and the gathered tensor is an NF4Tensor again. bitsandbytes' Params4bit
+keeps its quantization statistics in a `quant_state` beside the tensor, which FSDP2 neither shards nor gathers, so a
+sharded bitsandbytes weight would lose them. Under FSDP `bnb.nf4` and `bnb.nf4-dq` (the same format) are therefore
+stored as `ao.nf4`; `bnb.fp4` and `bnb.int8` are refused.
+
+bitsandbytes layers compute in the dtype the weights had before (float32, bfloat16 or float16); an NF4 weight is
+dequantized in its own dtype (the training commands give it the run's compute dtype) and cast to its input's. For
+bitsandbytes, before quantizing, a tiny layer of the chosen mode is run forward and
+backward on the target device, so a mode that this bitsandbytes build cannot run there gives a UserError instead of a
+crash in the middle of training.
 
 Order: build (on meta), `add_lora`, load the base weights, cast the model to its training dtype, then quantize.
-A later `model.to(device)` or `model.to(dtype)` is safe (integer storage is never cast), but the quantized layers keep
-computing in the dtype they were quantized from.
+A later `model.to(device)` is safe, and so is `model.to(dtype)` for bitsandbytes (integer storage is never cast) and
+for an NF4 weight already in that dtype; the quantized layers keep computing in the dtype they were quantized from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional, Union
+import logging
+import math
+import sys
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -29,16 +45,90 @@ import torch.nn as nn
 from litgpt.errors import UserError
 from litgpt.lora import LoRALinear, is_lora_key
 
-QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8")
+QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4")
+# What FSDP2 can shard: torchao's NF4, and bitsandbytes' NF4 modes, which a sharded run stores as torchao NF4.
+SHARDABLE_MODES = ("ao.nf4", "bnb.nf4", "bnb.nf4-dq")
 INSTALL_HINT = "pip install 'litgpt[quantize]'"
 INT8_THRESHOLD = 6.0
+NF4_BLOCK = 64  # torchao NF4: one int8 scaler per 64 weights ...
+NF4_SCALER_BLOCK = 256  # ... and one scale (in the weight's dtype) per 256 scalers
+NF4_LOGGERS = ("torchao", "torch.utils._pytree")  # what torchao's import logs: missing optional kernels, deprecations
 
 
-def check_quantize_mode(mode: str) -> None:
-    """UserError for an unknown mode or when bitsandbytes cannot be imported."""
+def check_quantize_mode(mode: str, sharded: bool = False) -> None:
+    """UserError for an unknown mode, a mode FSDP cannot shard (`sharded`), or when the library that stores it
+    cannot be imported."""
     if mode not in QUANTIZE_MODES:
         raise UserError(f"Unknown quantization {mode!r}; use one of {', '.join(QUANTIZE_MODES)}.")
-    _import_bitsandbytes(mode)
+    mode = storage_mode(mode, sharded)
+    if mode == "ao.nf4":
+        _import_torchao(mode)
+    else:
+        _import_bitsandbytes(mode)
+
+
+def storage_mode(mode: str, sharded: bool) -> str:
+    """The mode that stores the base: under FSDP (`sharded`) bitsandbytes' NF4 modes become `ao.nf4`, the same 4-bit
+    NormalFloat in a tensor FSDP2 can shard; bnb.fp4 and bnb.int8 are refused."""
+    if not sharded or mode == "ao.nf4":
+        return mode
+    if mode in SHARDABLE_MODES:
+        return "ao.nf4"
+    raise UserError(
+        f"--quantize {mode} cannot be sharded by FSDP (bitsandbytes keeps its quantization state outside the weight "
+        f"tensor): on several devices use one of {', '.join(SHARDABLE_MODES)} (stored as torchao NF4), or --devices 1."
+    )
+
+
+def check_quantized_offload(option: str, cpu_offload: bool, shard: int, sharding_strategy: str) -> None:
+    """UserError for CPU offload (`option`) of a quantized base that FSDP does not shard: with a shard group of one
+    device (NO_SHARD, or HYBRID_SHARD with one device per node) the NF4 base stays whole on every device."""
+    if cpu_offload and shard == 1:
+        layout = "NO_SHARD" if sharding_strategy == "NO_SHARD" else f"{sharding_strategy} with one device per node"
+        raise UserError(
+            f"{option} with --quantize offloads a sharded base, but {layout} keeps the whole 4-bit base on every "
+            f"device: use FULL_SHARD, or leave out {option}."
+        )
+
+
+def check_nf4_precision(precision: str, sharded: bool) -> None:
+    """UserError for torchao NF4 weights that Fabric would dequantize: a 16-bit -true precision casts the whole
+    module (`module.to(dtype)`), and `.to(dtype)` of an NF4Tensor returns a dequantized copy, which `nn.Module`
+    keeps beside the 4-bit data. A sharded NF4 weight (a DTensor in that dtype already) is left as it is."""
+    if precision in ("bf16-true", "16-true") and not sharded:
+        raise UserError(
+            f"--precision {precision} would dequantize torchao's NF4 weights where FSDP does not shard them (one "
+            "device, or NO_SHARD): use --precision bf16-mixed, bnb.nf4 on one device, or FULL_SHARD on several."
+        )
+
+
+@contextlib.contextmanager
+def _quiet(logger_names: tuple[str, ...]) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in logger_names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _import_torchao(mode: str):
+    """`torchao.quantization` (NF4Tensor, to_nf4). Its import logs, once per process, which optional compiled kernels
+    it could not load (NF4 uses none of them): kept off the console."""
+    try:
+        with _quiet(NF4_LOGGERS):
+            import torchao.quantization
+    except ImportError:
+        raise UserError(f"--quantize {mode} needs the torchao package: {INSTALL_HINT}.") from None
+    except Exception as error:  # a broken install or a torch it was not built for
+        raise UserError(
+            f"--quantize {mode}: torchao is installed but failed to import ({_first_line(error)}). "
+            f"Reinstall it with {INSTALL_HINT}."
+        ) from None
+    return torchao.quantization
 
 
 def _import_bitsandbytes(mode: str):
@@ -59,13 +149,19 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def quantize_frozen_base(model: nn.Module, mode: str, device: Optional[Union[str, torch.device]] = None) -> None:
-    """Replace the frozen base weights of the blocks' linear layers of `model` by bitsandbytes quantized ones.
+def quantize_frozen_base(
+    model: nn.Module, mode: str, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None
+) -> None:
+    """Replace the frozen base weights of the blocks' linear layers of `model` by quantized ones.
 
-    Plain `nn.Linear` layers become bitsandbytes layers (same state-dict prefix); a `LoRALinear` keeps its adapters in
-    float and gets its base as a child `base_layer` (its `weight` and `bias` become None). The weights must be loaded
-    (not on the meta device). They are quantized on `device` (default: where they are), layer by layer, so a model
-    loaded on the CPU can be quantized straight onto a GPU. Adapters and other parameters are not moved.
+    bitsandbytes: plain `nn.Linear` layers become bitsandbytes layers (same state-dict prefix); a `LoRALinear` keeps
+    its adapters in float and gets its base as a child `base_layer` (its `weight` and `bias` become None).
+    ao.nf4: every layer stays what it is and its `weight` becomes a frozen NF4Tensor parameter that dequantizes to
+    `dtype` (default: the weight's dtype; bitsandbytes ignores it); `F.linear` on it computes in the input's dtype.
+
+    The weights must be loaded (not on the meta device). They are quantized on `device` (default: where they are),
+    layer by layer, so a model loaded on the CPU can be quantized straight onto a GPU. Adapters and other parameters
+    are not moved.
     """
     check_quantize_mode(mode)
     targets = quantize_targets(model)
@@ -75,8 +171,13 @@ def quantize_frozen_base(model: nn.Module, mode: str, device: Optional[Union[str
     if any(module.weight.is_meta for _, _, module in targets):
         raise RuntimeError("Load the base weights before quantizing: the model is on the meta device.")
     target = torch.device(device) if device is not None else first.device
-    for dtype in sorted({module.weight.dtype for _, _, module in targets}, key=str):
-        check_mode_runs(mode, target, dtype)
+    if mode == "ao.nf4":
+        check_nf4_shapes(model, shard=1)
+        for _, _, module in targets:
+            module.weight = frozen_nf4(module.weight.to(target), dtype or module.weight.dtype)
+        return
+    for weight_dtype in sorted({module.weight.dtype for _, _, module in targets}, key=str):
+        check_mode_runs(mode, target, weight_dtype)
 
     for block, name, module in targets:
         quantized = quantized_linear(module.weight, module.bias, mode, target)
@@ -91,15 +192,57 @@ def quantize_frozen_base(model: nn.Module, mode: str, device: Optional[Union[str
 
 def quantize_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(block, name in the block, layer) of every linear layer whose float weight `quantize_frozen_base` quantizes."""
+    return [(block, name, module) for block in model.transformer.h for name, module in block_targets(block)]
+
+
+def block_targets(block: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name in the block, layer) of the block's linear layers whose weight is still float (the router excepted)."""
     targets = []
-    for block in model.transformer.h:
-        for name, module in block.named_modules():
-            if isinstance(module, LoRALinear):
-                if module.weight is not None:
-                    targets.append((block, name, module))
-            elif type(module) is nn.Linear and not name.endswith("mlp.gate"):
-                targets.append((block, name, module))
+    for name, module in block.named_modules():
+        if isinstance(module, LoRALinear):
+            if module.weight is not None and not is_nf4(module.weight):
+                targets.append((name, module))
+        elif type(module) is nn.Linear and not name.endswith("mlp.gate") and not is_nf4(module.weight):
+            targets.append((name, module))
     return targets
+
+
+# ---- torchao NF4 -----------------------------------------------------------------------------------------------------
+def is_nf4(tensor: Optional[torch.Tensor]) -> bool:
+    """Whether `tensor` (or this rank's piece of a sharded one) is a torchao NF4Tensor (torchao is not imported)."""
+    torchao = sys.modules.get("torchao.quantization")
+    local = getattr(tensor, "_local_tensor", tensor)
+    return torchao is not None and isinstance(local, torchao.NF4Tensor)
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """Scalers per scale for a weight of `numel` elements: torchao's 256, or the largest power of two that divides
+    its number of 64-blocks (small layers), so that whole scaler blocks cover the weight."""
+    return math.gcd(NF4_SCALER_BLOCK, numel // NF4_BLOCK)
+
+
+def frozen_nf4(weight: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """`weight` (out, in) quantized where it is to a frozen NF4Tensor parameter that dequantizes to `dtype`."""
+    to_nf4 = _import_torchao("ao.nf4").to_nf4
+    source = weight.detach().to(dtype).contiguous()
+    return nn.Parameter(to_nf4(source, NF4_BLOCK, nf4_scaler_block(source.numel())), requires_grad=False)
+
+
+def check_nf4_shapes(model: nn.Module, shard: int) -> None:
+    """UserError unless every weight `quantize_targets` finds can be stored as NF4 and split over `shard` ranks
+    (FSDP2 splits rows; each rank's piece must be whole 64-blocks and whole scaler blocks)."""
+    for block_index, block in enumerate(model.transformer.h):
+        for name, module in block_targets(block):
+            rows, numel = module.weight.shape[0], module.weight.numel()
+            scalers = numel // NF4_BLOCK
+            if numel % NF4_BLOCK or rows % shard or (scalers // nf4_scaler_block(numel)) % shard:
+                where = f"transformer.h.{block_index}.{name}.weight {tuple(module.weight.shape)}"
+                if shard == 1:
+                    raise UserError(f"--quantize ao.nf4 cannot store {where}: NF4 needs a multiple of 64 weights.")
+                raise UserError(
+                    f"--quantize ao.nf4 cannot split {where} over {shard} devices: each device's rows must hold whole "
+                    f"blocks of {NF4_BLOCK} weights and whole groups of their scales. Use another number of devices."
+                )
 
 
 def quantized_linear(
@@ -176,13 +319,20 @@ def check_mode_runs(mode: str, device: Union[str, torch.device], dtype: torch.dt
 
 def weight_bytes(module: nn.Module, skip_lora: bool = True) -> int:
     """Bytes of the parameters of `module` plus the statistics bitsandbytes keeps beside quantized weights
-    (block scales, code books, double-quantization state, int8 row scales); shared tensors count once."""
+    (block scales, code books, double-quantization state, int8 row scales); shared tensors count once. An NF4Tensor
+    counts its packed data, scalers and scales; a sharded parameter (DTensor) this rank's piece."""
     seen: set[tuple[int, int]] = set()
     total = 0
 
     def add(tensor) -> None:
         nonlocal total
+        tensor = getattr(tensor, "_local_tensor", tensor)
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.numel() == 0:
+            return
+        if is_nf4(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                add(getattr(tensor, name))
             return
         key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
         if key not in seen:

@@ -567,13 +567,13 @@ def test_qlora_stores_the_base_in_four_bits():
     linear = 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008)
     assert plain.parameters - qlora.parameters == linear * 2 - _quantized_bytes((linear,), "bnb.nf4")
     assert qlora.parameters < plain.parameters / 3
-    # The training commands load the whole base in bf16 onto the device before quantizing it.
-    assert qlora.loading == plain.parameters and plain.loading == 0
-    assert "loading, before quantizing" in format_plan(qlora)
+    # The training commands quantize the memory-mapped base onto the device one weight at a time: the quantized
+    # weights so far and the largest one in bf16 (the fused q, k, v projection).
+    assert qlora.loading == _quantized_bytes((linear,), "bnb.nf4") + 3 * 4096 * 4096 * 2 and plain.loading == 0
+    assert "loading (quantizing)" in format_plan(qlora)
     big = estimate(Config.from_name("Llama-2-70b-hf"), method="lora", precision="bf16-true", quantize="bnb.nf4",
                    seq_length=512, activation_checkpointing=True)
-    assert big.total < 80 * GiB < big.loading and not big.fits  # 35 GiB in nf4, but 128 GiB to load
-    assert "short (at loading)" in format_plan(big)
+    assert big.loading < big.total < 80 * GiB and big.fits  # 35 GiB in nf4, loaded weight by weight
 
 
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"])
@@ -590,6 +590,96 @@ def test_quantized_bytes_match_bitsandbytes(mode):
     if getattr(layer.weight, "SCB", None) is not None:
         storages.append(layer.weight.SCB)
     assert sum(t.untyped_storage().nbytes() for t in storages) == _quantized_bytes((384, 256), mode)
+
+
+QLORA_70B = dict(
+    method="lora", lora=LoRASettings(r=64, query=True, key=True, value=True, projection=True, mlp=True),
+    quantize="bnb.nf4", micro_batch_size=2, seq_length=2048, activation_checkpointing=True, devices=2,
+    device_memory_gb=24,
+)
+
+
+def nf4_rank_bytes(numel: int, shard: int, itemsize: int = 2) -> int:
+    """torchao's NF4 of one weight on one of `shard` ranks, by hand: 4 bits, an int8 scaler per 64 weights and a scale
+    per 256 scalers split by rows; the scalers' mean and the 16 codes on every rank."""
+    return (numel // 2 + numel // 64 + numel // (64 * 256) * itemsize) // shard + 17 * itemsize
+
+
+def test_qlora_under_fsdp_shards_the_nf4_base():
+    """bnb.nf4 on two devices is planned as the training commands store it: torchao NF4, half of it per device,
+    all-gathered in 4 bits; with --cpu_offload the sharded state moves to the host row."""
+    config = Config.from_name("Llama-2-70b-hf")
+    plan = estimate(config, **QLORA_70B)
+    linears = [(8192 + 2 * 1024) * 8192, 8192 * 8192] + [28672 * 8192] * 3  # qkv, proj, fc_1, fc_2, mlp proj
+    nf4 = 80 * sum(nf4_rank_bytes(n, 2) for n in linears)
+    floats = plan.total_params - 80 * sum(linears)  # adapters, norms, embeddings, head: float32 master, sharded
+    assert plan.parameters == nf4 + floats * 4 // 2
+    assert nf4 * 8 / (80 * sum(linears) / 2) == pytest.approx(4.127, abs=0.002)  # bits per weight per rank
+    assert plan.gathered_params < estimate(config, **{**QLORA_70B, "quantize": None}).gathered_params / 2
+    assert "planned as torchao NF4 (ao.nf4)" in format_plan(plan)
+    # the issue's target: 2 x 24 GiB with CPU offload
+    offloaded = estimate(config, **QLORA_70B, cpu_offload=True)
+    assert offloaded.parameters == offloaded.gradients == offloaded.optimizer_state == 0
+    assert offloaded.host_memory_per_node == 2 * (plan.parameters + plan.optimizer_state + plan.trainable_params * 2)
+    assert offloaded.fits and offloaded.margin > 5 * GiB and offloaded.loading < offloaded.total
+    assert not plan.fits  # without offload the 4-bit base alone takes 17 GiB of each device
+    table = format_plan(offloaded)
+    assert "host memory per node" in table and "in CPU memory, float32, blocks' linears ao.nf4" in table
+
+
+@pytest.mark.parametrize("shard", [1, 2, 4])
+def test_nf4_bytes_match_torchao(shard):
+    """The plan's NF4 bytes against torchao's tensor, split by rows as FSDP2 splits it (`torch.chunk`)."""
+    from litgpt.plan import _nf4_bytes
+    from litgpt.quantize import frozen_nf4
+
+    weight = frozen_nf4(torch.randn(512, 256), torch.bfloat16)
+    piece = torch.chunk(weight, shard)[0]
+    names, _ = piece.__tensor_flatten__()
+    stored = sum(getattr(piece, name).untyped_storage().nbytes() for name in names) if shard == 1 else sum(
+        getattr(piece, name).numel() * getattr(piece, name).element_size() for name in names)
+    assert stored == _nf4_bytes((512, 256), 2, shard) == nf4_rank_bytes(512 * 256, shard)
+
+
+def test_nf4_dequantization_peak_matches_torchao():
+    """What torchao's dequantization of one NF4 weight holds at once, counted storage by storage as it runs."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from litgpt.plan import NF4_DEQUANTIZE_COPIES, NF4_DEQUANTIZE_INT64
+    from litgpt.quantize import frozen_nf4
+
+    class LiveBytes(TorchDispatchMode):
+        """Bytes of the storages the ops allocate that are alive at once (a view shares its base's storage)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.alive: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                storage = tensor.untyped_storage() if type(tensor) is torch.Tensor else None
+                if storage is not None and storage.data_ptr() not in self.alive and storage.nbytes():
+                    self.alive.add(storage.data_ptr())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
+            return out
+
+        def free(self, pointer: int, nbytes: int) -> None:
+            self.alive.discard(pointer)
+            self.live -= nbytes
+
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = frozen_nf4(torch.randn(1024, 1024), dtype)
+        with LiveBytes() as tracker:
+            dequantized = weight.get_original_weight()
+        per_weight = NF4_DEQUANTIZE_INT64 + NF4_DEQUANTIZE_COPIES * dequantized.element_size()
+        assert tracker.peak == pytest.approx(weight.numel() * per_weight, rel=0.02)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------------
@@ -629,8 +719,11 @@ def test_cli_json_and_model_config(capsys):
         (["--model_name", "tiny-llama-1.1b", "--num_nodes", "0"], "--num_nodes must be"),
         (["--model_name", "tiny-llama-1.1b", "--micro_batch_size", "0"], "--micro_batch_size must be"),
         (["--model_name", "tiny-llama-1.1b", "--seq_length", "4096"], "longer than the model's block size 2048"),
-        (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "bnb.nf4", "--devices", "2"],
-         "--quantize runs on a single device"),
+        (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "bnb.int8", "--devices", "2"],
+         "--quantize bnb.int8 cannot be sharded by FSDP"),
+        (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "bnb.nf4", "--devices", "2",
+          "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
+         "--cpu_offload with --quantize offloads a sharded base, but NO_SHARD keeps the whole 4-bit base"),
         (["--model_name", "tiny-llama-1.1b", "--quantize", "bnb.nf4"], "needs --method lora"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "nf4"], "Unknown quantization"),
         (["--model_name", "tiny-llama-1.1b", "--cpu_offload", "true"], "--cpu_offload is an FSDP option"),

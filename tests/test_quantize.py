@@ -1,7 +1,7 @@
-"""QLoRA: a bitsandbytes-quantized frozen base with float adapters that train.
+"""QLoRA: a bitsandbytes- or torchao-quantized frozen base with float adapters that train.
 
-Tests that need bitsandbytes are skipped, with the reason, only when it cannot be imported
-(`pip install 'litgpt[quantize]'` installs it).
+Tests that need bitsandbytes or torchao are skipped, with the reason, only when it cannot be imported
+(`pip install 'litgpt[quantize]'` installs both). The sharded (FSDP) runs are in test_distributed.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from litgpt.errors import UserError
 from litgpt.lora import LoRALinear, LoRASettings, add_lora, lora_state_dict, mark_only_lora_as_trainable, merge_lora_weights
 from litgpt.model import GPT
 from litgpt import quantize
-from litgpt.quantize import QUANTIZE_MODES, check_quantize_mode, quantize_frozen_base, weight_bytes
+from litgpt.quantize import (
+    QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, is_nf4, quantize_frozen_base,
+    storage_mode, weight_bytes,
+)
 
 HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
 if HAVE_BNB:
@@ -29,6 +32,9 @@ if HAVE_BNB:
 else:
     BNB_PROBLEM = "bitsandbytes is not installed (pip install 'litgpt[quantize]')"
 needs_bnb = pytest.mark.skipif(not HAVE_BNB, reason=BNB_PROBLEM if not HAVE_BNB else "")
+HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="torchao is not installed (pip install 'litgpt[quantize]')")
+BNB_MODES = [mode for mode in QUANTIZE_MODES if mode.startswith("bnb.")]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -134,7 +140,7 @@ def test_nf4_qlora_trains_the_adapters_only():
 
 
 @needs_bnb
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", BNB_MODES)
 def test_every_mode_works(mode):
     """Every mode quantizes, trains and generates here: a refusal (UserError "cannot run") fails the test. The refusal
     itself is tested with a broken layer in test_a_mode_the_device_cannot_run_is_a_user_error."""
@@ -196,3 +202,115 @@ def test_meta_model_is_refused():
         model = GPT(Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, padding_multiple=64))
     with pytest.raises(RuntimeError, match="meta"):
         quantize_frozen_base(model, "bnb.nf4")
+
+
+# ---- torchao NF4 (ao.nf4), the mode FSDP can shard -------------------------------------------------------------------
+def nf4_bytes_by_hand(numel: int, itemsize: int) -> int:
+    """torchao's NF4 layout: 4 bits per weight, an int8 scaler per 64 weights, a scale (in the weight's dtype) per
+    256 scalers (fewer in a small layer: whole scaler groups cover the weight), the scalers' mean and the 16 codes."""
+    blocks = numel // 64
+    scaler_block = next(size for size in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % size == 0)
+    return numel // 2 + blocks + (blocks // scaler_block) * itemsize + itemsize + 16 * itemsize
+
+
+@needs_torchao
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ao_nf4_stores_about_4_bits_per_weight(dtype):
+    model = make_model(dtype=dtype, n_layer=2, n_embd=256)
+    add_lora(model, LoRASettings(query=True, value=True, mlp=True))
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    quantize_frozen_base(model, "ao.nf4")
+    nf4 = {name: param for name, param in model.named_parameters() if is_nf4(param)}
+    # Every linear weight of the blocks, and nothing else, is NF4: frozen, in its dtype, shaped as before.
+    layers = ("attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj")
+    assert set(nf4) == {f"transformer.h.{i}.{layer}.weight" for i in range(2) for layer in layers}
+    assert all(not p.requires_grad and p.dtype == dtype and p.shape == shapes[name] for name, p in nf4.items())
+    itemsize = torch.finfo(dtype).bits // 8
+    expected = sum(nf4_bytes_by_hand(p.numel(), itemsize) for p in nf4.values())
+    assert weight_bytes(nn.ParameterList(nf4.values())) == expected
+    bits = 8 * expected / sum(p.numel() for p in nf4.values())
+    assert 4.125 < bits < 4.2, bits
+    # Adapters, norms, embeddings and head stay float.
+    assert all(p.dtype == dtype for name, p in model.named_parameters() if name not in nf4)
+
+
+@needs_torchao
+def test_ao_nf4_qlora_is_close_to_float_and_trains_the_adapters_only():
+    model, reference = make_model(n_embd=256), make_model(n_embd=256)
+    add_lora(model, LoRASettings(r=8, alpha=16, dropout=0.0, mlp=True, projection=True))
+    quantize_frozen_base(model, "ao.nf4", dtype=torch.bfloat16)  # dequantized in bf16, fed float32 inputs
+    mark_only_lora_as_trainable(model)
+    with torch.no_grad():
+        quantized_logits, float_logits = model(BATCH), reference(BATCH)
+    assert quantized_logits.dtype == torch.float32
+    assert 0 < ((quantized_logits - float_logits).norm() / float_logits.norm()) < 0.2
+
+    frozen = {name: param.get_original_weight() if is_nf4(param) else param.detach().clone()
+              for name, param in model.named_parameters() if not param.requires_grad}
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    assert len(trainable) == len(lora_state_dict(model))
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(10):
+        loss = loss_of(model, BATCH)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    for name, param in model.named_parameters():
+        if name in frozen:
+            now = param.get_original_weight() if is_nf4(param) else param
+            assert param.grad is None and torch.equal(now, frozen[name]), name
+        else:
+            assert param.grad is not None, name
+    with pytest.raises(UserError, match="quantized"):
+        merge_lora_weights(model)
+    with pytest.raises(RuntimeError, match="already quantized"):
+        quantize_frozen_base(model, "ao.nf4")
+
+
+@needs_torchao
+def test_ao_nf4_shapes_that_cannot_be_split_are_refused():
+    model = make_model(n_embd=128)  # attn.proj 128 x 128: 256 blocks of 64, one group of scales
+    check_nf4_shapes(model, shard=1)
+    message = r"cannot split transformer\.h\.0\.attn\.proj\.weight \(128, 128\) over 2 devices"
+    with pytest.raises(UserError, match=message):
+        check_nf4_shapes(model, shard=2)
+    check_nf4_shapes(make_model(n_embd=256), shard=2)
+
+
+def test_only_nf4_modes_can_be_sharded():
+    assert storage_mode("bnb.int8", sharded=False) == "bnb.int8"
+    assert [storage_mode(mode, sharded=True) for mode in ("ao.nf4", "bnb.nf4", "bnb.nf4-dq")] == ["ao.nf4"] * 3
+    for mode in ("bnb.fp4", "bnb.int8"):
+        message = rf"--quantize {mode} cannot be sharded by FSDP.*ao\.nf4, bnb\.nf4, bnb\.nf4-dq"
+        with pytest.raises(UserError, match=message):
+            storage_mode(mode, sharded=True)
+
+
+def test_missing_torchao_says_how_to_install(monkeypatch):
+    for name in ("torchao", "torchao.quantization"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UserError, match=r"ao\.nf4 needs the torchao package: pip install 'litgpt\[quantize\]'"):
+        check_quantize_mode("ao.nf4")
+    with pytest.raises(UserError, match="needs the torchao package"):
+        check_quantize_mode("bnb.nf4", sharded=True)  # stored as torchao NF4 under FSDP
+
+
+@needs_torchao
+def test_a_true_16_bit_precision_would_dequantize_nf4_outside_fsdp():
+    """What Fabric does for bf16-true (`module.to(torch.bfloat16)`) leaves a dequantized copy beside an NF4 weight
+    that is a plain parameter, even one in bf16 already; so that combination is refused, sharding is not."""
+    layer = nn.Linear(512, 512, bias=False)
+    layer.weight = quantize.frozen_nf4(layer.weight, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="data pointer"):
+        layer.weight.untyped_storage().data_ptr()  # a wrapper: its data are the NF4 pieces
+    layer.to(torch.bfloat16)
+    assert is_nf4(layer.weight) and layer.weight.untyped_storage().data_ptr()  # now it holds a real bf16 copy too
+    assert layer.weight.untyped_storage().nbytes() == 512 * 512 * 2
+    with pytest.raises(UserError, match="--precision bf16-true would dequantize torchao's NF4 weights"):
+        check_nf4_precision("bf16-true", sharded=False)
+    for precision in ("32-true", "bf16-mixed"):
+        check_nf4_precision(precision, sharded=False)
+    check_nf4_precision("bf16-true", sharded=True)

@@ -55,6 +55,11 @@ def build_fabric(
             file=sys.stderr,
         )
     check_launcher(devices, num_nodes, os.environ)
+    if fsdp is not None and fsdp.cpu_offload and strategy_for_world is None and devices * num_nodes == 1:
+        raise UserError(
+            "--fsdp.cpu_offload true moves FSDP's sharded state to CPU memory, but one device runs without FSDP: "
+            "use it with devices x num_nodes > 1, or leave it out."
+        )
     strategy = "auto"
     if strategy_for_world is not None:
         strategy = strategy_for_world(devices * num_nodes)

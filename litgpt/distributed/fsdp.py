@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from typing import Callable, Optional
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
@@ -71,15 +72,34 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: torch.device) -> None:
-    """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head."""
+def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: torch.device,
+                prepare_block: Optional[Callable[[int, nn.Module], None]] = None) -> None:
+    """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
+
+    `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
+    there), so a rank holds the whole of at most one block's weights that exist before sharding. Parameters that
+    are not on the meta device must be on `device`; FSDP keeps this rank's piece of them (in CPU memory with
+    `cpu_offload`) and frees the rest.
+    """
     mixed = {"bf16-mixed": torch.bfloat16}.get(precision)
     # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
     mp_policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward.
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    for index, block in enumerate(model.transformer.h):
+        if prepare_block is not None:
+            prepare_block(index, block)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
+                    ignored_params=frozen_unshardable(block, mesh))
     # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+
+
+def frozen_unshardable(module: nn.Module, mesh) -> set[nn.Parameter]:
+    """Frozen tensors with an all-gather of their own (torchao's NF4) that FSDP2 cannot gather over a shard group of
+    one device (its single-device shortcut copies one tensor per parameter): with NO_SHARD they stay outside FSDP,
+    whole on every device, as NO_SHARD would hold them anyway."""
+    if mesh.shape[-1] > 1:
+        return set()
+    return {p for p in module.parameters() if not p.requires_grad and hasattr(p, "fsdp_pre_all_gather")}

@@ -7,7 +7,7 @@ The model file knows nothing of this; recipes call `parallelize`.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ def parallelize(
     initialize: Callable[[nn.Module], None],
     activation_checkpointing: Union[bool, int, str, ActivationCheckpointing],
     compile_blocks: bool = False,
+    prepare_block: Optional[Callable[[int, nn.Module], None]] = None,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, activation checkpointing,
     compilation (`compile_blocks`), sharding, then materialization and initialization (`initialize`), so no process
@@ -34,6 +35,8 @@ def parallelize(
 
     `activation_checkpointing` is any setting `ActivationCheckpointing.parse` reads (false, true, N, every:N, ops).
     Initialization is rank-aware: a sharded model gets the same weights as a single-process model from the same seed.
+    `prepare_block(index, block)` (FSDP only) gives a block weights of its own just before it is sharded (QLoRA's
+    NF4 base, see `litgpt.distributed.fsdp.shard_model`); materialization and initialization leave those as they are.
     """
     if precision in ("bf16-true", "16-true"):
         model.to(PRECISION_DTYPES[precision])
@@ -44,11 +47,27 @@ def parallelize(
         compile_each_block(model)
     strategy = fabric.strategy
     if isinstance(strategy, FSDPStrategy):
-        shard_model(model, strategy.device_mesh, strategy.fsdp, precision, fabric.device)
-    model.to_empty(device=fabric.device)
+        shard_model(model, strategy.device_mesh, strategy.fsdp, precision, fabric.device, prepare_block)
+    elif prepare_block is not None:
+        raise RuntimeError("prepare_block is applied just before sharding: it needs the FSDP strategy.")
+    materialize_meta_tensors(model, fabric.device)
     with torch.no_grad(), FullTensorInit():
         initialize(model)
     return model
+
+
+def materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)` for the tensors still on the meta device: allocated, not initialized. Tensors
+    that already hold data (loaded before sharding) stay as they are; ties are kept (each parameter is swapped in
+    place, as `to_empty` does for sharded parameters)."""
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and param.is_meta:
+                fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, fresh)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def compile_each_block(model: torch.nn.Module) -> None:

@@ -7,7 +7,6 @@ from typing import Literal, Optional, Union
 
 from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
 from litgpt.data.base import DataModule
-from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
 
 
@@ -15,7 +14,7 @@ def setup(
     checkpoint_dir: Path,
     out_dir: Path = Path("out/finetune/lora"),
     precision: Optional[str] = None,
-    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8"]] = None,
+    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4"]] = None,
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
     fsdp: FSDPArgs = FSDPArgs(),
@@ -53,8 +52,10 @@ def setup(
         checkpoint_dir: The base model: a folder with lit_model.pth, model_config.yaml and the tokenizer.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
         precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
-        quantize: QLoRA: store the frozen base weights quantized with bitsandbytes (bnb.nf4, bnb.nf4-dq, bnb.fp4,
-            bnb.int8; needs `pip install 'litgpt[quantize]'`).
+        quantize: QLoRA: store the frozen base weights of the blocks quantized: with bitsandbytes (bnb.nf4,
+            bnb.nf4-dq, bnb.fp4, bnb.int8) or as torchao's NF4 (ao.nf4); needs `pip install 'litgpt[quantize]'`.
+            On several devices FSDP shards the 4-bit base (all-gathered in 4 bits): ao.nf4, and bnb.nf4 / bnb.nf4-dq
+            stored as ao.nf4 (the same 4-bit NormalFloat); bnb.fp4 and bnb.int8 run on one device only.
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
@@ -83,10 +84,6 @@ def setup(
         r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
         projection=lora_projection, mlp=lora_mlp, head=lora_head,
     )
-    if quantize is not None:
-        from litgpt.quantize import check_quantize_mode
-
-        check_quantize_mode(quantize)
     job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=settings, quantize=quantize)
 
     from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
@@ -96,9 +93,35 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-lora-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    if quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
-        raise UserError(
-            "--quantize (QLoRA) runs on one device: bitsandbytes' quantized weights cannot be sharded. Use --devices 1, "
-            "or leave out --quantize and let FSDP shard the model over the devices."
-        )
+    if quantize is not None:
+        job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
     launch(fabric, job)
+
+
+def quantization_for(job, fsdp_strategy):
+    """The job with the mode that stores its quantized base, checked against the strategy (an `FSDPStrategy` or
+    None): under FSDP bitsandbytes' NF4 becomes torchao's NF4 (said once), other bitsandbytes modes are refused."""
+    import dataclasses
+
+    from litgpt.distributed.runtime import print_once
+    from litgpt.quantize import (
+        check_nf4_precision, check_nf4_shapes, check_quantize_mode, check_quantized_offload, storage_mode,
+    )
+
+    requested, sharded = job.recipe.quantize, fsdp_strategy is not None
+    check_quantize_mode(requested, sharded)
+    stored = storage_mode(requested, sharded)
+    if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
+        shard = fsdp_strategy.topology.mesh_shape[1] if sharded else 1
+        check_nf4_shapes(job.recipe.build_model(), shard)
+        check_nf4_precision(job.precision, sharded=shard > 1)
+    if sharded:
+        topology = fsdp_strategy.topology
+        check_quantized_offload("--fsdp.cpu_offload", fsdp_strategy.fsdp.cpu_offload, topology.mesh_shape[1],
+                                topology.sharding_strategy)
+    if stored != requested:
+        print_once(
+            f"--quantize {requested} on several devices: the base is stored as torchao's NF4 (ao.nf4, the same 4-bit "
+            "NormalFloat), which FSDP2 shards and all-gathers in 4 bits; bitsandbytes' 4-bit weights cannot be sharded."
+        )
+    return dataclasses.replace(job, recipe=dataclasses.replace(job.recipe, quantize=stored))

@@ -21,6 +21,7 @@ from litgpt.config import Config
 from litgpt.io import load_state_dict
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
 from litgpt.merge_lora import LORA_WEIGHTS_FILE
+from litgpt.precision import PRECISION_DTYPES
 from litgpt.train.loss import LossFunction, loss_function
 
 
@@ -35,7 +36,8 @@ class Recipe:
             them from `initial_weights` (finetuning; LoRA adapters are drawn from theirs).
         initial_weights: a lit_model.pth loaded over the initialization: every weight, or the frozen base with LoRA.
         lora: train low-rank adapters on a frozen base instead of every weight; checkpoints hold the adapters alone.
-        quantize: QLoRA: the frozen base is stored quantized (bitsandbytes, one device).
+        quantize: QLoRA: the frozen base is stored quantized (`litgpt.quantize.QUANTIZE_MODES`; under FSDP only
+            ao.nf4, torchao's NF4, which FSDP2 shards and all-gathers in 4 bits).
         loss: the name of the loss in `litgpt.train.loss.LOSSES`.
     """
 
@@ -97,8 +99,12 @@ class Recipe:
                     compile_blocks: bool, load_initial: bool) -> nn.Module:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
         `load_initial` is False because a resumed checkpoint replaces every weight)."""
+        from litgpt.distributed.fsdp import FSDPStrategy
         from litgpt.distributed.parallelize import parallelize
 
+        if self.quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
+            return self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
+                                                       compile_blocks)
         if self.quantize is not None:
             return self._materialize_quantized(fabric, model, precision, activation_checkpointing)
         model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
@@ -112,19 +118,63 @@ class Recipe:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
-        from litgpt.quantize import quantize_frozen_base
+        from litgpt.quantize import check_nf4_precision, is_nf4, quantize_frozen_base
 
+        if self.quantize == "ao.nf4":
+            check_nf4_precision(precision, sharded=False)
         path = Path(self.initial_weights)
         assign_weights(model, load_state_dict(path), str(path), self.is_initial_key)
         with torch.no_grad():
             self.initialize(model)
-        quantize_frozen_base(model, self.quantize, fabric.device)
+        # ao.nf4 dequantizes in the compute dtype (the dtype a -true precision's Fabric casts the module to, which
+        # then leaves the NF4 weights alone); bitsandbytes computes in the dtype the weights were stored in.
+        quantize_frozen_base(model, self.quantize, fabric.device, PRECISION_DTYPES[precision])
         if precision in ("32-true", "bf16-mixed"):  # float32 master copies of what stays unquantized
             for param in model.parameters():
-                if param.dtype in (torch.float16, torch.bfloat16):
+                if param.dtype in (torch.float16, torch.bfloat16) and not is_nf4(param):
                     param.data = param.data.float()
         if activation_checkpointing:
             apply_activation_checkpointing(model, activation_checkpointing)
+        return model
+
+    def _materialize_quantized_sharded(self, fabric, model: nn.Module, precision: str,
+                                       activation_checkpointing: ActivationCheckpointing,
+                                       compile_blocks: bool) -> nn.Module:
+        """QLoRA under FSDP2 (`ao.nf4`): `parallelize` with each block's base linears quantized from the
+        memory-mapped file just before the block is sharded; the rest of the base is copied in after.
+
+        Every rank reads each whole weight of the file and quantizes it, so all ranks hold the same NF4 values a
+        single process would (the double-quantization statistics cover the whole weight), and FSDP keeps this rank's
+        rows. Peak per rank while loading: its NF4 shards so far, one block's whole NF4 weights, one weight in its
+        stored and in its compute dtype, and torchao's quantization temporaries for that weight; never the model.
+        With `cpu_offload` the shards go to CPU memory as each block is sharded.
+        """
+        from litgpt.checkpoint.model_files import check_weights_match
+        from litgpt.distributed.parallelize import parallelize
+        from litgpt.quantize import block_targets, check_nf4_precision, check_nf4_shapes, frozen_nf4
+
+        if self.quantize != "ao.nf4":
+            raise RuntimeError(f"FSDP stores a quantized base as ao.nf4, not {self.quantize}")
+        shard = fabric.strategy.topology.mesh_shape[1]
+        check_nf4_shapes(model, shard)
+        check_nf4_precision(precision, sharded=shard > 1)
+        path = Path(self.initial_weights)
+        state_dict = load_state_dict(path)
+        expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
+        check_weights_match(expected, state_dict, str(path))
+        dtype = PRECISION_DTYPES[precision]
+        quantized = set()
+
+        def quantize_block(index: int, block: nn.Module) -> None:
+            for name, layer in block_targets(block):
+                key = f"transformer.h.{index}.{name}.weight"
+                layer.weight = frozen_nf4(state_dict[key].to(fabric.device), dtype)
+                quantized.add(key)
+
+        model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks,
+                            prepare_block=quantize_block)
+        rest = {key: value for key, value in state_dict.items() if key not in quantized}
+        copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized)
         return model
 
     def finish(self, final_dir: Path) -> None:
