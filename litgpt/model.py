@@ -404,7 +404,9 @@ class RMSNormFunction(torch.autograd.Function):
             grad_normed = (grad * weight).to(x.dtype).float()
         # d(x * r)/dx with r = 1 / rms(x): r * (g - n * mean(g * n)), n the normalized input.
         grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(dim=-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight if ctx.needs_input_grad[1] else None, None, None
+        # The weight's gradient is returned even when it is frozen (autograd drops it): compilers that trace this
+        # backward (thunder) do not know ctx.needs_input_grad.
+        return grad_x.to(x.dtype), grad_weight, None, None
 
 
 def _sum_to_last_dim(t: torch.Tensor) -> torch.Tensor:

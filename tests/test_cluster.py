@@ -22,6 +22,7 @@ from litgpt.checkpoint.run_lock import LOCK_FILE
 from litgpt.checkpoint.store import restore_retired, verify_checkpoint, write_manifest
 from litgpt.distributed import runtime
 from litgpt.errors import UserError
+from test_distributed import torchrun_nodes as two_torchrun_nodes
 from test_fault_tolerance import ROOT, child_environment, data, free_port, litgpt, pretrain_args  # noqa: F401
 
 
@@ -178,21 +179,9 @@ def test_when_rank_zero_dies_during_its_save_the_waiting_rank_says_so_in_one_lin
 
 # ---- two torchrun "nodes" ----------------------------------------------------------------------------------------
 def torchrun_nodes(args_per_node: list[list], env_per_node: list[dict], timeout: int = 600) -> list:
-    """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
-    arguments and environment (a node's own disks)."""
-    port = str(free_port())
-    launches = []
-    for node_rank, (args, env) in enumerate(zip(args_per_node, env_per_node)):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-                   "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port, "-m", "litgpt",
-                   *map(str, args), "--devices", "2", "--num_nodes", "2"]
-        launches.append(subprocess.Popen(command, cwd=ROOT, env=child_environment(**env), text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    results = []
-    for process in launches:
-        stdout, stderr = process.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return results
+    """`test_distributed.torchrun_nodes` with the flags of a 2 nodes x 2 devices run."""
+    args = [[*node_args, "--devices", "2", "--num_nodes", "2"] for node_args in args_per_node]
+    return two_torchrun_nodes(args, env_per_node, timeout)
 
 
 def without_cache_dir(args: list) -> list:

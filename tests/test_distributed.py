@@ -36,6 +36,9 @@ TRAIN = [
     "--train.lr_warmup_steps", "1", "--train.log_interval", "1", "--train.save_interval", "2",
     "--train.max_seq_length", "64", "--train.max_norm", "1.0", "--eval.interval", "1000", "--eval.max_iters", "1",
     "--optimizer.class_path", "torch.optim.AdamW", "--optimizer.init_args.lr", "0.003",
+    # Adam divides by sqrt(v) + eps: with the default 1e-8 an embedding row that sees a token once gets a full
+    # lr-sized step from a gradient near 1e-8, whose last bits depend on the reduction order of the world size.
+    "--optimizer.init_args.eps", "1e-6",
 ]
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
@@ -140,15 +143,21 @@ def litgpt(*args, env: dict | None = None, timeout: int = 600) -> subprocess.Com
 
 def torchrun_two_nodes(*args, timeout: int = 600) -> list[subprocess.CompletedProcess]:
     """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine: a 2 x 2 world."""
+    return torchrun_nodes([args, args], [{}, {}], timeout)
+
+
+def torchrun_nodes(args_per_node: list, env_per_node: list[dict], timeout: int = 600) -> list:
+    """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
+    arguments and extra environment variables (a node's own disks, say)."""
     port = free_port()
     launches = []
-    for node_rank in (0, 1):
+    for node_rank, (args, env) in enumerate(zip(args_per_node, env_per_node)):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
             "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
             "-m", "litgpt", *map(str, args),
         ]
-        launches.append(subprocess.Popen(command, cwd=ROOT, env=child_environment(), text=True,
+        launches.append(subprocess.Popen(command, cwd=ROOT, env=child_environment(**env), text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     for process in launches:

@@ -96,6 +96,29 @@ def test_quantized_base_takes_a_fraction_of_the_memory(dtype, mode, at_least):
     assert all(value.dtype == dtype for value in lora_state_dict(model).values())
 
 
+def assert_only_the_adapters_train(model: nn.Module, frozen_value) -> None:
+    """Ten AdamW steps on the trainable parameters: the loss falls, exactly the LoRA adapters get gradients, and every
+    frozen weight (as `frozen_value(param)` reads it) is unchanged."""
+    frozen = {name: frozen_value(param) for name, param in model.named_parameters() if not param.requires_grad}
+    assert frozen and all(".lora_" not in name for name in frozen)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    assert len(trainable) == len(lora_state_dict(model))
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(10):
+        loss = loss_of(model, BATCH)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert param.grad is None and torch.equal(frozen_value(param), frozen[name]), name
+        else:
+            assert param.grad is not None, name
+
+
 @needs_bnb
 def test_nf4_qlora_trains_the_adapters_only():
     model = make_model()
@@ -115,24 +138,7 @@ def test_nf4_qlora_trains_the_adapters_only():
         quantized_logits, float_logits = model(BATCH), reference(BATCH)
     assert ((quantized_logits - float_logits).norm() / float_logits.norm()) < 0.2
 
-    frozen = {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
-    assert frozen and all(".lora_" not in name for name in frozen)
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    assert len(trainable) == len(lora_state_dict(model))
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    losses = []
-    for _ in range(10):
-        loss = loss_of(model, BATCH)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
-    for name, param in model.named_parameters():
-        if name in frozen:
-            assert param.grad is None and torch.equal(param, frozen[name]), name
-        else:
-            assert param.grad is not None, name
+    assert_only_the_adapters_train(model, frozen_value=lambda param: param.detach().clone())
     assert any(torch.count_nonzero(value) for key, value in lora_state_dict(model).items() if ".lora_B" in key)
 
     with pytest.raises(UserError, match="quantized"):
@@ -245,25 +251,9 @@ def test_ao_nf4_qlora_is_close_to_float_and_trains_the_adapters_only():
     assert quantized_logits.dtype == torch.float32
     assert 0 < ((quantized_logits - float_logits).norm() / float_logits.norm()) < 0.2
 
-    frozen = {name: param.get_original_weight() if is_nf4(param) else param.detach().clone()
-              for name, param in model.named_parameters() if not param.requires_grad}
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    assert len(trainable) == len(lora_state_dict(model))
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    losses = []
-    for _ in range(10):
-        loss = loss_of(model, BATCH)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
-    for name, param in model.named_parameters():
-        if name in frozen:
-            now = param.get_original_weight() if is_nf4(param) else param
-            assert param.grad is None and torch.equal(now, frozen[name]), name
-        else:
-            assert param.grad is not None, name
+    assert_only_the_adapters_train(
+        model, frozen_value=lambda param: param.get_original_weight() if is_nf4(param) else param.detach().clone()
+    )
     with pytest.raises(UserError, match="quantized"):
         merge_lora_weights(model)
     with pytest.raises(RuntimeError, match="already quantized"):

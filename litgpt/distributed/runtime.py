@@ -183,7 +183,7 @@ def working(store, key: str) -> Iterator[None]:
     thread.start()
     try:
         yield
-    except BaseException:
+    except BaseException:  # tell the waiters this rank failed, then re-raise
         stop.set()
         try:
             store.set(f"{key}/done", "failed")
