@@ -1,9 +1,8 @@
 """The one way litgpt reads a torch.distributed.checkpoint folder: nothing in it is unpickled beyond tensors and plain
 containers.
 
-torch's own reader unpickles `.metadata` with plain pickle and its default planner unpickles every non-tensor item (the
-optimizer's `param_groups`, say) with weights_only=False: a folder whose files someone rewrote would run their code on
-every rank. Here `.metadata` is read once, by `litgpt.io.read_sharded_metadata`'s restricted
+torch's own reader unpickles `.metadata` with plain pickle and its default planner fully unpickles every non-tensor item
+(the optimizer's `param_groups`, say): a folder whose files someone rewrote would run their code on every rank. Here `.metadata` is read once, by `litgpt.io.read_sharded_metadata`'s restricted
 unpickler, and handed to the reader; bytes items are loaded weights-only; tensor items torch already loads weights-only.
 """
 
