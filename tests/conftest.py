@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
     position = {id(item): index for index, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), position[id(item)]))
 
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): intra-op threads
+    only cost time there, a lot of it on a busy machine, and one thread makes results repeatable; restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 SLURM_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm-localhost.sh"
 
 

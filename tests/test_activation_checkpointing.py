@@ -44,12 +44,7 @@ CONFIGS = {
 MODES = ["full", "every:2", "every:3", "ops"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the setting -----------------------------------------------------------------------------------------------------

@@ -27,13 +27,7 @@ from litgpt.lora import (
 )
 from litgpt.model import GPT
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: intra-op threads only cost time, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 BASE = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=100, block_size=32, padding_multiple=64)

@@ -22,13 +22,7 @@ from litgpt.lora import LoRASettings, add_lora, load_base_weights, lora_state_di
 from litgpt.merge_lora import merge_lora
 from litgpt.model import GPT
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: intra-op threads only cost time, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 CONFIG = dict(

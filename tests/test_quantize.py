@@ -37,13 +37,7 @@ needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="torchao is not inst
 BNB_MODES = [mode for mode in QUANTIZE_MODES if mode.startswith("bnb.")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: intra-op threads only cost time, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> GPT:

@@ -26,13 +26,7 @@ SMALL = dict(
 OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "weight_decay": 0.1}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models run fastest (and repeatably) on one thread; restore afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
