@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("litgpt.generate:main", "Generate text from a prompt."),
     "chat": ("litgpt.chat:main", "Chat with a model interactively."),
     "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
+    "compress_moe": ("litgpt.compress_moe:main", "Keep the most-routed experts of a mixture-of-experts model."),
     "consolidate": ("litgpt.consolidate:main", "Turn a sharded checkpoint into one lit_model.pth."),
     "plan": ("litgpt.plan:main", "Estimate the memory per device of a training run before starting it."),
 }
