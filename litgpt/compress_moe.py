@@ -237,7 +237,11 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
         for input_ids, lengths in batches:
             positions = torch.arange(input_ids.shape[1])
             current["mask"] = (positions[None, :] < lengths[:, None]).flatten().to(device)
+            batch_weight.clear()
+            batch_tokens.clear()
             model(input_ids.to(device), return_hidden=True)  # the head's logits are not needed
+            if len(batch_weight) != config.n_layer:  # a MoE layer that applies its router weight without the module
+                raise RuntimeError(f"the routers (mlp.gate) of layers {sorted(batch_weight)} ran, not of all layers")
             weight += torch.stack([batch_weight[layer] for layer in range(config.n_layer)]).double().cpu()
             tokens += torch.stack([batch_tokens[layer] for layer in range(config.n_layer)]).cpu()
             num_samples, num_tokens = num_samples + len(lengths), num_tokens + int(lengths.sum())
