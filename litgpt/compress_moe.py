@@ -111,7 +111,8 @@ def main(
     state_dict = load_state_dict(checkpoint_dir / "lit_model.pth")
     merged_into = [{} for _ in kept]
     if strategy == "merge":
-        merged_into = [nearest_kept_experts(state_dict, layer, layer_kept) for layer, layer_kept in enumerate(kept)]
+        experts = experts_by_layer(state_dict)
+        merged_into = [nearest_kept_experts(experts[layer], layer_kept) for layer, layer_kept in enumerate(kept)]
     compressed = compress_state_dict(state_dict, kept, merged_into, routing.weight)
     report = compression_report(checkpoint_dir, strategy, calibration_length(calibration, config), routing, kept,
                                 merged_into)
@@ -259,40 +260,45 @@ def select_experts(routing_weight: torch.Tensor, num_experts: int) -> list[int]:
     return sorted(ranked[:num_experts])
 
 
-def expert_tensors(state_dict: dict, layer: int, expert: int) -> dict[str, torch.Tensor]:
-    """An expert's weights by their name inside the expert (fc_1.weight, fc_2.weight, proj.weight, biases)."""
-    prefix = f"transformer.h.{layer}.mlp.experts.{expert}."
-    return {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+def experts_by_layer(state_dict: dict) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
+    """{layer: {expert: {name inside the expert (fc_1.weight, fc_2.weight, proj.weight, biases): tensor}}}."""
+    experts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, value in state_dict.items():
+        match = EXPERT_KEY.fullmatch(key)
+        if match is not None:
+            experts.setdefault(int(match[1]), {}).setdefault(int(match[2]), {})[match[3]] = value
+    return experts
 
 
-def nearest_kept_experts(state_dict: dict, layer: int, kept: list[int]) -> dict[int, int]:
-    """{dropped expert: the kept expert whose flattened weights have the highest cosine similarity to its own}, ties
-    to the lower kept index."""
-    n_expert = state_dict[f"transformer.h.{layer}.mlp.gate.weight"].shape[0]
+def nearest_kept_experts(layer_experts: dict[int, dict[str, torch.Tensor]], kept: list[int]) -> dict[int, int]:
+    """{dropped expert: the kept expert whose weights, all flattened into one vector, have the highest cosine
+    similarity to its own}, ties to the lower kept index."""
+    dropped = [expert for expert in sorted(layer_experts) if expert not in kept]
+    if not dropped:
+        return {}
 
-    def flat(expert: int) -> torch.Tensor:
-        tensors = expert_tensors(state_dict, layer, expert)
-        return torch.cat([tensors[name].float().flatten() for name in sorted(tensors)])
+    def unit_vectors(experts: list[int]) -> torch.Tensor:
+        flat = [torch.cat([layer_experts[e][name].float().flatten() for name in sorted(layer_experts[e])])
+                for e in experts]
+        return torch.nn.functional.normalize(torch.stack(flat), dim=1)
 
-    kept_vectors = torch.stack([flat(expert) for expert in kept])
+    similarity = (unit_vectors(dropped) @ unit_vectors(kept).T).tolist()  # (dropped, kept): one matmul per layer
     nearest = {}
-    for dropped in (expert for expert in range(n_expert) if expert not in kept):
-        similarity = torch.nn.functional.cosine_similarity(kept_vectors, flat(dropped)[None], dim=-1).tolist()
-        best = max(range(len(kept)), key=lambda i: (similarity[i], -kept[i]))
-        nearest[dropped] = kept[best]
+    for expert, row in zip(dropped, similarity):
+        nearest[expert] = kept[max(range(len(kept)), key=lambda i: (row[i], -kept[i]))]
     return nearest
 
 
-def merged_expert(state_dict: dict, layer: int, expert: int, folded: list[int], weight: torch.Tensor) -> dict:
+def merged_expert(layer_experts: dict[int, dict[str, torch.Tensor]], expert: int, folded: list[int],
+                  weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """The routing-weight-weighted average of `expert` and the experts `folded` into it (computed in float32)."""
     group = [expert, *folded]
     total = sum(float(weight[e]) for e in group)
-    own = expert_tensors(state_dict, layer, expert)
+    own = layer_experts[expert]
     if not folded or total == 0:
         return own
-    members = {e: expert_tensors(state_dict, layer, e) for e in group}
     return {
-        name: (sum(members[e][name].float() * (float(weight[e]) / total) for e in group)).to(tensor.dtype)
+        name: sum(layer_experts[e][name].float() * (float(weight[e]) / total) for e in group).to(tensor.dtype)
         for name, tensor in own.items()
     }
 
@@ -301,19 +307,20 @@ def compress_state_dict(
     state_dict: dict, kept: list[list[int]], merged_into: list[dict[int, int]], weight: torch.Tensor
 ) -> dict:
     """The source weights with, per layer, the kept router rows and the kept (or merged) experts numbered 0..K-1."""
-    experts = {}  # (layer, new index) -> {name: tensor}
+    experts = experts_by_layer(state_dict)
+    new_experts = {}  # (layer, new index) -> {name: tensor}
     for layer, layer_kept in enumerate(kept):
         for new_index, expert in enumerate(layer_kept):
-            folded = [dropped for dropped, target in merged_into[layer].items() if target == expert]
-            experts[layer, new_index] = merged_expert(state_dict, layer, expert, sorted(folded), weight[layer])
+            folded = sorted(dropped for dropped, target in merged_into[layer].items() if target == expert)
+            new_experts[layer, new_index] = merged_expert(experts[layer], expert, folded, weight[layer])
     compressed = {}
     for key, value in state_dict.items():
         match = EXPERT_KEY.fullmatch(key)
         if match is not None:
             layer, expert, name = int(match[1]), int(match[2]), match[3]
             if expert in kept[layer]:
-                new_index = kept[layer].index(expert)
-                compressed[f"transformer.h.{layer}.mlp.experts.{new_index}.{name}"] = experts[layer, new_index][name]
+                new = kept[layer].index(expert)
+                compressed[f"transformer.h.{layer}.mlp.experts.{new}.{name}"] = new_experts[layer, new][name]
         elif key.endswith(".mlp.gate.weight"):
             layer = int(key.split(".")[2])
             compressed[key] = value[kept[layer]].contiguous()

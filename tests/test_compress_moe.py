@@ -18,7 +18,9 @@ from checkpoint_helpers import write_random_checkpoint
 from test_bad_input import clean_environment, tree_state
 
 from litgpt.checkpoint.model_files import load_model_weights
-from litgpt.compress_moe import collect_routing, compress_state_dict, nearest_kept_experts, select_experts
+from litgpt.compress_moe import (
+    collect_routing, compress_state_dict, experts_by_layer, nearest_kept_experts, select_experts
+)
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.io import load_state_dict
@@ -135,7 +137,7 @@ def test_merge_is_the_routing_weighted_average_with_the_nearest_kept_expert():
     source = model.state_dict()
     routing = collect_routing(model, [(TOKENS, LENGTHS)])
     kept = [select_experts(routing.weight[0], 2)]
-    merged_into = [nearest_kept_experts(source, 0, kept[0])]
+    merged_into = [nearest_kept_experts(experts_by_layer(source)[0], kept[0])]
     assert kept == [[2, 3]] and merged_into == [{0: 3, 1: 2}]
     compressed = compress_state_dict(source, kept, merged_into, routing.weight)
     w = hand_routing(renormalize=True)
@@ -149,9 +151,8 @@ def test_merge_is_the_routing_weighted_average_with_the_nearest_kept_expert():
 
 
 def test_nearest_kept_expert_ties_go_to_the_lower_index():
-    ones = {f"transformer.h.0.mlp.experts.{e}.fc_1.weight": torch.ones(2, 2) for e in range(3)}
-    state_dict = {**ones, "transformer.h.0.mlp.gate.weight": torch.zeros(3, 2)}
-    assert nearest_kept_experts(state_dict, 0, [1, 2]) == {0: 1}
+    same = {e: {"fc_1.weight": torch.ones(2, 2) * (e + 1)} for e in range(4)}
+    assert nearest_kept_experts(same, [1, 3]) == {0: 1, 2: 1}
 
 
 # ---- through the CLI and transformers -------------------------------------------------------------------------
