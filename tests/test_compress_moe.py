@@ -298,12 +298,14 @@ BAD_INPUT = [
     (["{w}/moe", "--num_experts", "2", "--strategy", "prune"], "--strategy 'prune' is not one of top_routed, merge"),
     (["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/taken"], "taken' already exists and is not empty"),
     (["{w}/moe", "--num_experts", "2", "--calibration.samples", "0"], "--calibration.samples must be at least 1"),
+    (["{w}/moe", "--num_experts", "2", "--calibration.max_seq_length", "65"], "and the model's block size 64"),
+    (["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/moe", "--overwrite", "true"], "is the checkpoint being"),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[
     "num-experts-zero", "num-experts-above-count", "num-experts-below-per-token", "dense-model", "no-weights",
-    "unknown-strategy", "out-dir-exists", "no-samples"])
+    "unknown-strategy", "out-dir-exists", "no-samples", "seq-length-over-block-size", "out-dir-is-the-source"])
 def test_bad_input(world, args, message):
     before = tree_state(world)
     if "--out_dir" not in args:
