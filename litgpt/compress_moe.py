@@ -223,12 +223,12 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
             real = current["mask"]
             if logits.shape[0] != real.numel():  # the layer routed something other than the batch's tokens
                 raise RuntimeError(f"layer {layer}'s router saw {logits.shape[0]} tokens, the batch has {real.numel()}")
-            top_weights, top_experts = route(logits[real], config.n_expert_per_token, config.moe_renormalize)
-            summed = torch.zeros(config.n_expert, device=logits.device).index_add_(
-                0, top_experts.flatten(), top_weights.flatten()
-            )
-            batch_weight[layer] = summed
-            batch_tokens[layer] = torch.bincount(top_experts.flatten(), minlength=config.n_expert)
+            top_weights, top_experts = route(logits, config.n_expert_per_token, config.moe_renormalize)
+            real = real[:, None].expand_as(top_experts).flatten()  # padding counts 0 (a mask, not a host sync)
+            experts = top_experts.flatten()
+            zeros = torch.zeros(config.n_expert, device=logits.device)
+            batch_weight[layer] = zeros.index_add(0, experts, top_weights.flatten() * real)
+            batch_tokens[layer] = zeros.long().index_add(0, experts, real.long())
 
         return hook
 

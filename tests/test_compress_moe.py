@@ -289,23 +289,34 @@ def world(tmp_path_factory) -> Path:
     return root
 
 
+def case(case_id: str, args: list[str], message: str, slow: bool = False):
+    return pytest.param(args, message, id=case_id, marks=[pytest.mark.slow] if slow else [])
+
+
+# The issue's cases run by default; the others (a second or so each, for starting Python) with the slow tests.
 BAD_INPUT = [
-    (["{w}/moe", "--num_experts", "0"], "--num_experts 0 is out of range: the model has 4 experts per layer"),
-    (["{w}/moe", "--num_experts", "5"], "--num_experts 5 is out of range"),
-    (["{w}/moe", "--num_experts", "1"], "routes each token to 2, so keep between 2 and 4"),
-    (["{w}/dense", "--num_experts", "2"], "is dense (LLaMAMLP): compress_moe needs a mixture-of-experts checkpoint"),
-    (["{w}/no_weights", "--num_experts", "2"], "no_weights' has no lit_model.pth"),
-    (["{w}/moe", "--num_experts", "2", "--strategy", "prune"], "--strategy 'prune' is not one of top_routed, merge"),
-    (["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/taken"], "taken' already exists and is not empty"),
-    (["{w}/moe", "--num_experts", "2", "--calibration.samples", "0"], "--calibration.samples must be at least 1"),
-    (["{w}/moe", "--num_experts", "2", "--calibration.max_seq_length", "65"], "and the model's block size 64"),
-    (["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/moe", "--overwrite", "true"], "is the checkpoint being"),
+    case("num-experts-zero", ["{w}/moe", "--num_experts", "0"],
+         "--num_experts 0 is out of range: the model has 4 experts per layer"),
+    case("num-experts-above-count", ["{w}/moe", "--num_experts", "5"], "--num_experts 5 is out of range"),
+    case("num-experts-below-per-token", ["{w}/moe", "--num_experts", "1"],
+         "routes each token to 2, so keep between 2 and 4"),
+    case("dense-model", ["{w}/dense", "--num_experts", "2"],
+         "is dense (LLaMAMLP): compress_moe needs a mixture-of-experts checkpoint"),
+    case("no-weights", ["{w}/no_weights", "--num_experts", "2"], "no_weights' has no lit_model.pth"),
+    case("unknown-strategy", ["{w}/moe", "--num_experts", "2", "--strategy", "prune"],
+         "--strategy 'prune' is not one of top_routed, merge"),
+    case("out-dir-exists", ["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/taken"],
+         "taken' already exists and is not empty"),
+    case("no-samples", ["{w}/moe", "--num_experts", "2", "--calibration.samples", "0"],
+         "--calibration.samples must be at least 1", slow=True),
+    case("seq-length-over-block-size", ["{w}/moe", "--num_experts", "2", "--calibration.max_seq_length", "65"],
+         "and the model's block size 64", slow=True),
+    case("out-dir-is-the-source", ["{w}/moe", "--num_experts", "2", "--out_dir", "{w}/moe", "--overwrite", "true"],
+         "is the checkpoint being compressed", slow=True),
 ]
 
 
-@pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[
-    "num-experts-zero", "num-experts-above-count", "num-experts-below-per-token", "dense-model", "no-weights",
-    "unknown-strategy", "out-dir-exists", "no-samples", "seq-length-over-block-size", "out-dir-is-the-source"])
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
 def test_bad_input(world, args, message):
     before = tree_state(world)
     if "--out_dir" not in args:
