@@ -86,7 +86,7 @@ def main(
         device: Where calibration runs: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         overwrite: Replace an out_dir that is not empty (the old folder stays until the new one is complete).
     """
-    from litgpt.checkpoint.model_files import find_checkpoint_dir
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
     from litgpt.config import Config
 
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
@@ -108,7 +108,7 @@ def main(
     routing = collect_routing(model, batches)
     del model
     kept = [select_experts(weights, num_experts) for weights in routing.weight]
-    state_dict = load_state_dict(checkpoint_dir / "lit_model.pth")
+    state_dict = load_state_dict(checkpoint_dir / WEIGHTS_FILE)
     merged_into = [{} for _ in kept]
     if strategy == "merge":
         experts = experts_by_layer(state_dict)
