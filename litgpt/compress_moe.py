@@ -3,7 +3,8 @@
 Calibration data goes through the model once; a forward hook on every MoE layer's router (`mlp.gate`) turns its
 logits into the routing the model applies (softmax over all experts, the top `n_expert_per_token`, renormalized when
 `moe_renormalize`) and sums, per expert, the routing weight it receives and the tokens routed to it. The experts with
-the most weight stay; the new checkpoint holds their router rows and weights under new, consecutive indices.
+the most weight stay (`--strategy merge` folds the others into their nearest kept expert); the new checkpoint holds
+their router rows and weights, in the source's dtype, under new, consecutive indices.
 """
 
 from __future__ import annotations
