@@ -728,8 +728,11 @@ def _experts_weight_grad(grad, x, groups, kernel: str, n_expert: int) -> torch.T
 
 
 def _plain_weight(weight: Optional[torch.Tensor]) -> bool:
-    """A weight the grouped kernels can read: a floating-point tensor, no quantized tensor subclass."""
-    return weight is not None and type(weight) in (torch.Tensor, nn.Parameter) and weight.is_floating_point()
+    """A weight the grouped kernels can read: floating point and not quantized (bitsandbytes keeps integers, or no
+    `weight` under LoRA; torchao's NF4 is a tensor subclass that only runs as F.linear)."""
+    from litgpt.quantize import is_nf4
+
+    return weight is not None and weight.is_floating_point() and not is_nf4(weight)
 
 
 def _lora(linear: nn.Module) -> bool:
@@ -738,16 +741,14 @@ def _lora(linear: nn.Module) -> bool:
 
 
 def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> bool:
-    """Whether torch._grouped_mm runs these matrices without a host sync: on the CPU for 16/32-bit floats; on CUDA
-    through its CUTLASS kernel, bf16 on sm90/sm100 (elsewhere it falls back to a loop that reads the group ends back
-    to the host). Every row it reads must start on a 16-byte boundary."""
-    if device.type == "cpu":
-        dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    elif device.type == "cuda" and torch.cuda.is_available():
-        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(device)[0] in (9, 10) else ()
-    else:
-        dtypes = ()
-    return dtype in dtypes and all(size * dtype.itemsize % 16 == 0 for size in sizes)
+    """Whether torch._grouped_mm runs these matrices without a host sync: bf16 (the one dtype of its meta kernel, so
+    of torch.compile and fake tensors too), on the CPU or through its CUTLASS kernel on CUDA sm90/sm100 (elsewhere
+    it falls back to a loop that reads the group ends back to the host). Every row must start on a 16-byte boundary."""
+    if dtype != torch.bfloat16 or device.type not in ("cpu", "cuda"):
+        return False
+    if device.type == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] in (9, 10)):
+        return False
+    return all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import litgpt.model
 from test_model import _hf_moe_block
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,6 +83,15 @@ def kernel_of(moe: LLaMAMoE, x: torch.Tensor) -> str:
     return moe._kernel(x, x.dtype)
 
 
+@pytest.fixture
+def grouped_float32(monkeypatch):
+    """torch._grouped_mm in float32: its CPU kernel runs it (its meta kernel, hence the layer, takes only bf16), so
+    the grouped path can be checked at float32 precision."""
+    supported = litgpt.model._grouped_mm_supported
+    monkeypatch.setattr(litgpt.model, "_grouped_mm_supported",
+                        lambda device, dtype, sizes: supported(device, torch.bfloat16, sizes) and dtype != torch.float64)
+
+
 # ---- equal to the loop, forward and gradients ------------------------------------------------------------------------
 @pytest.mark.parametrize(("k", "renormalize"), [(1, True), (2, True), (2, False), (3, False)])
 @pytest.mark.parametrize(
@@ -91,7 +102,7 @@ def kernel_of(moe: LLaMAMoE, x: torch.Tensor) -> str:
         (torch.float32, {"moe_intermediate_size": 30}, "blocks"),  # rows of 120 bytes: not 16-byte aligned
     ],
 )
-def test_grouped_moe_equals_the_loop(dtype, overrides, kernel, k, renormalize):
+def test_grouped_moe_equals_the_loop(dtype, overrides, kernel, k, renormalize, grouped_float32):
     moe = make_moe(dtype, n_expert=5, k=k, renormalize=renormalize, **overrides)
     x = positive_input(3, 7, 64, dtype=dtype)
     assert kernel_of(moe, x) == kernel
@@ -103,6 +114,15 @@ def test_grouped_moe_equals_the_loop(dtype, overrides, kernel, k, renormalize):
     assert_same(grouped, outputs_and_grads(loop_reference, moe, x), tol)
 
 
+def test_bf16_runs_grouped_and_matches_the_loop():
+    """bf16 is the dtype the layer runs torch._grouped_mm in for real; the loop runs the same bf16 matmuls per expert
+    (bf16 rounding only: each product is accumulated in float32 by both)."""
+    moe = make_moe(torch.bfloat16)
+    x = positive_input(2, 9, 64, dtype=torch.bfloat16)
+    assert kernel_of(moe, x) == "grouped"
+    assert_same(outputs_and_grads(LLaMAMoE.__call__, moe, x), outputs_and_grads(loop_reference, moe, x), 2e-2)
+
+
 def test_blocks_with_many_rows_per_expert_equal_the_loop():
     """More rows than one block per expert (the block size follows the mean rows per expert)."""
     moe = make_moe(torch.float64, n_expert=3, k=2)
@@ -111,14 +131,14 @@ def test_blocks_with_many_rows_per_expert_equal_the_loop():
                        1e-12) is None
 
 
-def test_lora_on_the_experts_equals_the_loop():
+def test_lora_on_the_experts_equals_the_loop(grouped_float32):
     """LoRA adapters on every expert linear (litgpt.lora) run inside the grouped multiplication: equal to the expert
     modules (LoRALinear) run one by one, and the adapters get the same gradients."""
     torch.manual_seed(0)
     config = Config(**BASE, n_expert=4, n_expert_per_token=2)
     model = GPT(config).double()
     model.init_weights()
-    add_lora(model, LoRASettings(r=4, alpha=8, dropout=0.0, query=False, value=False, mlp=True))
+    add_lora(model, LoRASettings(r=8, alpha=16, dropout=0.0, query=False, value=False, mlp=True))
     moe = model.transformer.h[0].mlp
     with torch.no_grad():
         for name, param in moe.named_parameters():
@@ -128,13 +148,13 @@ def test_lora_on_the_experts_equals_the_loop():
     assert any("lora_B" in name for name in grouped[2])
     assert_same(grouped, loop, 1e-12)
     x32 = x.float()
-    assert kernel_of(moe.float(), x32) == "grouped"  # rank 4 in float32: 16-byte rows
+    assert kernel_of(moe.float(), x32) == "grouped"  # rank 8: 16-byte rows
     assert_same(outputs_and_grads(LLaMAMoE.__call__, moe, x32), outputs_and_grads(loop_reference, moe, x32), 1e-6)
 
 
 # ---- equal to transformers' blocks -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("n_expert", "k", "renormalize"), [(4, 2, True), (8, 3, True), (4, 1, False), (8, 3, False)])
-def test_grouped_moe_equals_transformers_forward_and_gradients(n_expert, k, renormalize):
+def test_grouped_moe_equals_transformers_forward_and_gradients(n_expert, k, renormalize, grouped_float32):
     """Mixtral's block (renormalized) and Qwen3-MoE's (not), weights copied across (transformers 5 fuses them)."""
     moe = make_moe(torch.float32, n_expert=n_expert, k=k, renormalize=renormalize)
     hf = _hf_moe_block(moe.config, moe)
@@ -165,7 +185,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_forward_reads_nothing_back_to_the_host(dtype):
     moe = make_moe(dtype)
     x = torch.randn(2, 9, 64, dtype=dtype)
@@ -177,7 +197,7 @@ def test_forward_reads_nothing_back_to_the_host(dtype):
     assert torch.ops.aten.nonzero.default in reads.calls  # the check sees the loop's syncs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_backward_keeps_no_stacked_copy_of_the_experts(dtype):
     """Autograd keeps the parameters themselves, never a stacked copy of them: what the layer saves beyond the
     parameters is its activations, which do not grow with the number of experts."""
@@ -193,7 +213,7 @@ def test_backward_keeps_no_stacked_copy_of_the_experts(dtype):
         assert all(t.numel() < stacked for t in others), [t.shape for t in others]
         saved[n_expert] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in others}.values())
     # 16 experts instead of 4: only the router's (tokens, n_expert) probabilities and the (n_expert,) routing grow.
-    growth = 18 * 12 * 4 + 12 * 8 + (0 if dtype == torch.float32 else 2 * 12 * 64 * 32 * 8)
+    growth = 18 * 12 * 4 + 12 * 8 + (0 if dtype == torch.bfloat16 else 2 * 12 * 64 * 32 * 8)
     assert saved[16] - saved[4] <= growth, saved
 
 
