@@ -704,16 +704,17 @@ class _ExpertsLinear(torch.autograd.Function):
 
 
 def _stack(weights, n_parts: int) -> torch.Tensor:
-    """(n_expert, sum of the parts' rows, in) from the experts' weights listed expert by expert."""
-    if n_parts == 1:
-        return torch.stack(weights)
+    """(n_expert, sum of the parts' rows, in) from the experts' weights listed expert by expert, in one copy."""
+    if all(w.shape == weights[0].shape for w in weights[:n_parts]):
+        stacked = torch.stack(weights)
+        return stacked.view(-1, n_parts * stacked.size(1), stacked.size(2))
     return torch.stack([torch.cat(weights[i : i + n_parts]) for i in range(0, len(weights), n_parts)])
 
 
 def _experts_mm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, kernel: str) -> torch.Tensor:
     """x (rows, in) @ w[e] (in, out) for each expert's rows."""
     if kernel == "grouped":
-        return torch._grouped_mm(x, w, offs=groups)
+        return _grouped_mm(x, w, groups)
     blocks = x.view(groups.numel(), -1, x.size(1))
     return torch.bmm(blocks, w.index_select(0, groups)).view(x.size(0), w.size(2))
 
@@ -721,10 +722,31 @@ def _experts_mm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, kernel: 
 def _experts_weight_grad(grad, x, groups, kernel: str, n_expert: int) -> torch.Tensor:
     """sum over each expert's rows of grad^T x: (n_expert, out, in)."""
     if kernel == "grouped":
-        return torch._grouped_mm(grad.t(), x, offs=groups)
+        return _grouped_mm(grad.t(), x, groups)
     n_blocks = groups.numel()
     per_block = torch.bmm(grad.view(n_blocks, -1, grad.size(1)).transpose(1, 2), x.view(n_blocks, -1, x.size(1)))
     return per_block.new_zeros(n_expert, *per_block.shape[1:]).index_add_(0, groups, per_block)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs=offs): (rows, in) x (groups, in, out) -> (rows, out), or (out, rows) x (rows, in)
+    -> (groups, out, in). torch's meta kernel (fake tensors, torch.compile) takes bf16 alone where its CPU kernel
+    also runs 16- and 32-bit floats: those go through an op of our own that knows the shapes."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_op(a, b, offs)
+
+
+@torch.library.custom_op("litgpt::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.size(0), b.size(2))
+    return a.new_empty(offs.size(0), a.size(0), b.size(1))
 
 
 def _plain_weight(weight: Optional[torch.Tensor]) -> bool:
@@ -741,14 +763,16 @@ def _lora(linear: nn.Module) -> bool:
 
 
 def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> bool:
-    """Whether torch._grouped_mm runs these matrices without a host sync: bf16 (the one dtype of its meta kernel, so
-    of torch.compile and fake tensors too), on the CPU or through its CUTLASS kernel on CUDA sm90/sm100 (elsewhere
-    it falls back to a loop that reads the group ends back to the host). Every row must start on a 16-byte boundary."""
-    if dtype != torch.bfloat16 or device.type not in ("cpu", "cuda"):
-        return False
-    if device.type == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] in (9, 10)):
-        return False
-    return all(size * dtype.itemsize % 16 == 0 for size in sizes)
+    """Whether torch._grouped_mm runs these matrices without a host sync: on the CPU for 16- and 32-bit floats, on
+    CUDA through its CUTLASS kernel, bf16 on sm90/sm100 (elsewhere it falls back to a loop that reads the group ends
+    back to the host). Every row it reads must start on a 16-byte boundary."""
+    if device.type == "cpu":
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    elif device.type == "cuda" and torch.cuda.is_available():
+        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(device)[0] in (9, 10) else ()
+    else:
+        dtypes = ()
+    return dtype in dtypes and all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import litgpt.model
 from test_model import _hf_moe_block
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -83,14 +81,6 @@ def kernel_of(moe: LLaMAMoE, x: torch.Tensor) -> str:
     return moe._kernel(x, x.dtype)
 
 
-@pytest.fixture
-def grouped_float32(monkeypatch):
-    """torch._grouped_mm in float32: its CPU kernel runs it (its meta kernel, hence the layer, takes only bf16), so
-    the grouped path can be checked at float32 precision."""
-    supported = litgpt.model._grouped_mm_supported
-    monkeypatch.setattr(litgpt.model, "_grouped_mm_supported",
-                        lambda device, dtype, sizes: supported(device, torch.bfloat16, sizes) and dtype != torch.float64)
-
 
 # ---- equal to the loop, forward and gradients ------------------------------------------------------------------------
 @pytest.mark.parametrize(("k", "renormalize"), [(1, True), (2, True), (2, False), (3, False)])
@@ -102,7 +92,7 @@ def grouped_float32(monkeypatch):
         (torch.float32, {"moe_intermediate_size": 30}, "blocks"),  # rows of 120 bytes: not 16-byte aligned
     ],
 )
-def test_grouped_moe_equals_the_loop(dtype, overrides, kernel, k, renormalize, grouped_float32):
+def test_grouped_moe_equals_the_loop(dtype, overrides, kernel, k, renormalize):
     moe = make_moe(dtype, n_expert=5, k=k, renormalize=renormalize, **overrides)
     x = positive_input(3, 7, 64, dtype=dtype)
     assert kernel_of(moe, x) == kernel
@@ -131,7 +121,7 @@ def test_blocks_with_many_rows_per_expert_equal_the_loop():
                        1e-12) is None
 
 
-def test_lora_on_the_experts_equals_the_loop(grouped_float32):
+def test_lora_on_the_experts_equals_the_loop():
     """LoRA adapters on every expert linear (litgpt.lora) run inside the grouped multiplication: equal to the expert
     modules (LoRALinear) run one by one, and the adapters get the same gradients."""
     torch.manual_seed(0)
@@ -154,7 +144,7 @@ def test_lora_on_the_experts_equals_the_loop(grouped_float32):
 
 # ---- equal to transformers' blocks -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("n_expert", "k", "renormalize"), [(4, 2, True), (8, 3, True), (4, 1, False), (8, 3, False)])
-def test_grouped_moe_equals_transformers_forward_and_gradients(n_expert, k, renormalize, grouped_float32):
+def test_grouped_moe_equals_transformers_forward_and_gradients(n_expert, k, renormalize):
     """Mixtral's block (renormalized) and Qwen3-MoE's (not), weights copied across (transformers 5 fuses them)."""
     moe = make_moe(torch.float32, n_expert=n_expert, k=k, renormalize=renormalize)
     hf = _hf_moe_block(moe.config, moe)
