@@ -278,3 +278,43 @@ def test_router_aux_loss_coef_round_trips_through_conversion(model_type):
 def test_published_coefficients():
     assert Config.from_name("Mixtral-8x7B-v0.1").router_aux_loss_coef == 0.02
     assert Config.from_name("Qwen3-30B-A3B").router_aux_loss_coef == 0.001
+
+
+# ---- FSDP2 with activation checkpointing -----------------------------------------------------------------------------
+def _total_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).logsumexp(-1).mean() + model.router_aux_loss()
+
+
+def _fsdp_rank(rank: int, port: int, tokens: list, expected: dict) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = tiny_model(0.1)
+        apply_activation_checkpointing(model, "full")
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        _total_loss(model, tokens[rank]).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad.full_tensor(), expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_with_checkpointing_equals_one_process():
+    """Two ranks, each block sharded (FSDP2 unshards it around its forward and backward) and checkpointed: the
+    gradients of cross-entropy-like loss + router loss equal the mean of one process' over the ranks' batches."""
+    from test_distributed import free_port
+
+    tokens = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
+    model = tiny_model(0.1)
+    for batch in tokens:
+        (_total_loss(model, batch) / 2).backward()
+    expected = {name: param.grad for name, param in model.named_parameters()}
+    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), tokens, expected), nprocs=2)
