@@ -6,8 +6,10 @@ same weights and input.
     python benchmarks/moe.py --device cuda --dtype bfloat16 --tokens 16384
 
 The shape is a Qwen3-30B-A3B layer scaled down to fit a CPU (Qwen3-30B-A3B: n_embd 2048, 128 experts, k 8,
-moe_intermediate_size 768). Each implementation takes `--warmup` untimed steps, then `--steps` timed ones; the
-median step gives tokens/s. Every output is checked against the loop's first. The JSON result goes to
+moe_intermediate_size 768). The implementations take `--warmup` untimed steps, then `--steps` timed ones, in turn;
+the median step gives tokens/s, timed by the process' CPU time on the CPU (with OMP_NUM_THREADS=1 the work done,
+whatever a shared host's neighbours do; wall time beside it) and by wall time on CUDA. Every output is checked
+against the loop's. The JSON result goes to
 benchmarks/results/moe-<device>-<date>.json unless --output says otherwise.
 """
 
@@ -65,21 +67,16 @@ def transformers_block(moe: LLaMAMoE, experts_implementation: str):
     return block
 
 
-def time_steps(fn, x: torch.Tensor, grad: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], torch.Tensor]:
-    """Seconds of each timed forward + backward step, and the first output."""
+def one_step(fn, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """Wall and process CPU seconds of one forward + backward step, and its output."""
     synchronize = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-    times, first = [], None
-    for step in range(warmup + steps):
-        x.grad = None
-        synchronize()
-        start = time.perf_counter()
-        out = fn(x)
-        out.backward(grad)
-        synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        first = out.detach() if first is None else first
-    return times, first
+    x.grad = None
+    synchronize()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(x)
+    out.backward(grad)
+    synchronize()
+    return time.perf_counter() - wall, time.process_time() - cpu, out.detach()
 
 
 def main() -> None:
@@ -114,24 +111,38 @@ def main() -> None:
         "transformers eager": transformers_block(moe, "eager"),
         "transformers grouped_mm": transformers_block(moe, "grouped_mm"),
     }
-    rows, reference = [], None
-    for name, fn in candidates.items():
-        if args.only and not any(name.startswith(prefix) for prefix in args.only):
+    candidates = {name: fn for name, fn in candidates.items()
+                  if not args.only or any(name.startswith(prefix) for prefix in args.only)}
+    rows, outputs = {name: dict(name=name, wall_s=[], cpu_s=[]) for name in candidates}, {}
+    # Steps taken in turn (one of each implementation per round), so a busy neighbour slows them alike.
+    for step in range(args.warmup + args.steps):
+        for name, fn in candidates.items():
+            if "error" in rows[name]:
+                continue
+            try:
+                wall, cpu, out = one_step(fn, x, grad)
+            except (RuntimeError, NotImplementedError, ValueError) as error:
+                rows[name]["error"] = str(error).splitlines()[0]
+                continue
+            outputs.setdefault(name, out)
+            if step >= args.warmup:
+                rows[name]["wall_s"].append(wall)
+                rows[name]["cpu_s"].append(cpu)
+    # On the CPU the process' CPU time (one thread: the work done, whatever the neighbours do); on CUDA wall time.
+    clock = "cpu_s" if args.device == "cpu" else "wall_s"
+    reference = next(iter(outputs.values()))
+    for name, row in rows.items():
+        if "error" in row:
+            print(f"{name}: {row['error']}")
             continue
-        try:
-            times, out = time_steps(fn, x, grad, args.warmup, args.steps)
-        except (RuntimeError, NotImplementedError, ValueError) as error:
-            rows.append(dict(name=name, error=str(error).splitlines()[0]))
-            print(f"{name}: {rows[-1]['error']}")
-            continue
-        reference = out if reference is None else reference
-        error = ((out - reference).abs().max() / reference.abs().max()).item()
-        median = statistics.median(times)
-        rows.append(dict(name=name, step_s=times, tokens_per_s=args.tokens / median, max_rel_diff=error))
-        print(f"{name:32s} {args.tokens / median:10,.0f} tokens/s  (median step {median:.3f} s, diff {error:.1e})")
+        row["tokens_per_s"] = args.tokens / statistics.median(row[clock])
+        row["max_rel_diff"] = ((outputs[name] - reference).abs().max() / reference.abs().max()).item()
+        print(f"{name:32s} {row['tokens_per_s']:10,.0f} tokens/s  (median {clock} {statistics.median(row[clock]):.3f}, "
+              f"wall {statistics.median(row['wall_s']):.3f} s, diff {row['max_rel_diff']:.1e})")
+    rows = list(rows.values())
 
     base = next((r["tokens_per_s"] for r in rows if "tokens_per_s" in r), None)
-    print(f"\n| implementation | tokens/s | vs loop |\n| --- | ---: | ---: |")
+    print(f"\n| implementation | tokens/s ({clock}) | vs loop |\n| --- | ---: | ---: |")
     for r in rows:
         if "tokens_per_s" in r:
             print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x |")
@@ -140,7 +151,7 @@ def main() -> None:
         threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
         shape=dict(n_embd=args.n_embd, n_expert=args.n_expert, k=args.k,
                    moe_intermediate_size=args.moe_intermediate_size, tokens=args.tokens),
-        warmup=args.warmup, steps=args.steps, results=rows,
+        warmup=args.warmup, steps=args.steps, clock=clock, results=rows,
     )
     output = args.output or Path(__file__).parent / "results" / f"moe-{args.device}-{result['date']}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
