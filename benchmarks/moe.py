@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only", nargs="*", help="run only the implementations whose names start so (loop, litgpt, transformers)")
+    parser.add_argument("--only", nargs="*", help="implementations whose names start so (loop, litgpt, transformers)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 

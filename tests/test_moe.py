@@ -113,6 +113,16 @@ def test_bf16_runs_grouped_and_matches_the_loop():
     assert_same(outputs_and_grads(LLaMAMoE.__call__, moe, x), outputs_and_grads(loop_reference, moe, x), 2e-2)
 
 
+def test_autocast_runs_the_experts_in_its_dtype():
+    """Under autocast (bf16-mixed on one device) the experts compute in bf16, as the loop's nn.Linear calls do."""
+    moe = make_moe(torch.float32)
+    x = positive_input(2, 9, 64, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, loop = outputs_and_grads(LLaMAMoE.__call__, moe, x), outputs_and_grads(loop_reference, moe, x)
+    assert ours[0].dtype == loop[0].dtype == torch.float32  # the sum of the weighted experts, in x's dtype
+    assert_same(ours, loop, 2e-2)
+
+
 def test_blocks_with_many_rows_per_expert_equal_the_loop():
     """More rows than one block per expert (the block size follows the mean rows per expert)."""
     moe = make_moe(torch.float64, n_expert=3, k=2)
