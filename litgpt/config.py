@@ -61,6 +61,8 @@ class Config:
     n_expert_per_token: int = 0
     moe_intermediate_size: Optional[int] = None  # None: intermediate_size
     moe_renormalize: bool = True  # rescale the top-k router weights to sum to one (Mixtral; Qwen3's norm_topk_prob)
+    # Weight of the router's load-balancing loss in training (GPT.router_aux_loss); 0 turns it off.
+    router_aux_loss_coef: float = 0.0
 
     # Rotary position embeddings
     rotary_percentage: float = 1.0
@@ -108,6 +110,8 @@ class Config:
                 )
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
+        if not self.router_aux_loss_coef >= 0:
+            raise UserError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):

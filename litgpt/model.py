@@ -7,7 +7,7 @@ parallelism. Parameters may be created on the `meta` device and materialized lat
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,10 @@ class GPT(nn.Module):
             positions = input_pos
             kv_length = cache.k.size(2)
 
+        for block in self.transformer.h:
+            if isinstance(block.mlp, LLaMAMoE):
+                block.mlp.router_stats = None  # each MoE layer records this pass' routing (router_aux_loss)
+
         x = self.transformer.wte(idx)
         if c.scale_embeddings:
             x = x * torch.tensor(c.n_embd**0.5, dtype=x.dtype)
@@ -119,6 +123,26 @@ class GPT(nn.Module):
         if c.final_logit_softcapping is not None:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
+
+    def router_aux_loss(self) -> Optional[torch.Tensor]:
+        """The load-balancing loss of the latest forward pass, times `config.router_aux_loss_coef`, in the autograd
+        graph; None without MoE layers or with a coefficient of 0.
+
+        Switch Transformer's loss as Mixtral and Qwen3-MoE define it (transformers' `load_balancing_loss_func`):
+        n_expert * sum_e f_e * P_e, where f_e is the fraction of top-k assignments that went to expert e and P_e the
+        mean router probability of e, both taken over every token of every MoE layer together.
+        """
+        coef = self.config.router_aux_loss_coef
+        layers = [block.mlp for block in self.transformer.h if isinstance(block.mlp, LLaMAMoE)]
+        if not layers or not coef:
+            return None
+        stats = [layer.router_stats for layer in layers]
+        if any(s is None for s in stats):
+            raise RuntimeError("router_aux_loss() reads the routing of a forward pass: call the model first.")
+        rows = sum(s.rows for s in stats)
+        fraction = torch.stack([s.counts for s in stats]).sum(dim=0) / rows
+        probability = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
+        return coef * self.config.n_expert * (fraction * probability).sum()
 
     # ---- initialization -------------------------------------------------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True) -> "GPT":
@@ -500,7 +524,15 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class LLaMAMoE(nn.Module):
-    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router."""
+    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router.
+
+    The (token, slot) pairs are sorted by expert so that each expert's rows are contiguous, and every expert linear
+    layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
+    routing and nothing is read back to the host, so the forward pass does not wait for the device and
+    `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
+    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` an `nn.Linear`
+    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    """
 
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -509,23 +541,251 @@ class LLaMAMoE(nn.Module):
             LLaMAMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_expert)
         )
         self.config = config
+        # What the load-balancing loss needs from the latest forward pass (`GPT.router_aux_loss`).
+        self.router_stats: Optional[RouterStats] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
+        k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
-        router = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = router.topk(self.config.n_expert_per_token, dim=-1)
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(k, dim=-1)
         if self.config.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert_idx, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(chosen == expert_idx)
-            if token_idx.numel() == 0:
-                continue
-            contribution = expert(x[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, contribution)
-        return out.view(B, T, C)
+        dtype = _compute_dtype(x)
+        route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
+        if self.router_stats is None and self.config.router_aux_loss_coef:
+            # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the loss'
+            # graph) when activation checkpointing runs the block again in the backward pass.
+            self.router_stats = RouterStats(route.counts(), probs.sum(dim=0), x.size(0))
+        rows = x.index_select(0, route.token)
+        if route.kernel == "modules":
+            y = self._expert_modules(rows, route)
+        elif dtype == x.dtype:
+            y = route.from_layout(self._experts(route.to_layout(rows), route))
+        else:  # autocast: the experts run in its dtype, cast here once (it does not know torch._grouped_mm)
+            with torch.autocast(x.device.type, enabled=False):
+                y = route.from_layout(self._experts(route.to_layout(rows.to(dtype)), route))
+        # Back to (token, slot) order; every token has exactly k slots, so the weighted sum is a reshape.
+        y = y.index_select(0, route.inverse).view(-1, k, C)
+        return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype).view(B, T, C)
+
+    def _kernel(self, x: torch.Tensor, dtype: torch.dtype) -> str:
+        """How the experts run, decided once per forward pass: "grouped" (torch._grouped_mm), "blocks" (one bmm over
+        blocks of rows padded per expert, where the device or dtype has no grouped kernel) or "modules" (each expert
+        module on its own rows, for quantized or biased linear layers, which only run as modules)."""
+        first = self.experts[0]
+        linears = (first.fc_1, first.fc_2, first.proj)
+        if any(not _plain_weight(linear.weight) or linear.bias is not None for linear in linears):
+            return "modules"
+        sizes = [self.config.n_embd, self.config.moe_intermediate_size]
+        if _lora(first.fc_1):
+            sizes.append(first.fc_1.r)  # the adapters' rows of r elements
+        return "grouped" if _grouped_mm_supported(x.device, dtype, sizes) else "blocks"
+
+    def _experts(self, x: torch.Tensor, route: "Routing") -> torch.Tensor:
+        """The SwiGLU experts on the rows of `x` laid out by expert; fc_1 and fc_2 run as one multiplication."""
+        gate, up = self._linear(x, route, "fc_1", "fc_2")
+        return self._linear(GatedProduct.apply(gate, up, "silu"), route, "proj")[0]
+
+    def _expert_modules(self, x: torch.Tensor, route: "Routing") -> torch.Tensor:
+        # The one host read of this layer: a module takes a tensor of its own rows, whose size the host must know.
+        chunks = x.split(route.counts().long().tolist())
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)])
+
+    def _linear(self, x: torch.Tensor, route: "Routing", *names: str) -> list[torch.Tensor]:
+        """Every expert's linear layer `name` (several names: their outputs side by side in one multiplication)."""
+        layers = [[getattr(expert, name) for expert in self.experts] for name in names]
+        weights = [layer.weight.to(x.dtype) for per_expert in zip(*layers) for layer in per_expert]
+        out = _ExpertsLinear.apply(x, route.groups, route.kernel, len(names), *weights)
+        outs = list(out.split([per_name[0].out_features for per_name in layers], dim=-1))
+        for i, per_name in enumerate(layers):
+            if _lora(per_name[0]):
+                outs[i] = outs[i] + self._lora_update(x, route, per_name)
+        return outs
+
+    @staticmethod
+    def _lora_update(x: torch.Tensor, route: "Routing", layers: list) -> torch.Tensor:
+        """LoRA's scaling * dropout(x) A^T B^T with each row's own expert's factors (`litgpt.lora.LoRALinear`)."""
+        first = layers[0]
+        a = [layer.lora_A.to(x.dtype) for layer in layers]
+        b = [layer.lora_B.to(x.dtype) for layer in layers]
+        low = _ExpertsLinear.apply(first.lora_dropout(x), route.groups, route.kernel, 1, *a) * first.scaling
+        return _ExpertsLinear.apply(low, route.groups, route.kernel, 1, *b)
+
+
+class RouterStats(NamedTuple):
+    """One MoE layer's routing in one forward pass: top-k assignments per expert (float, no gradient), the router
+    probabilities summed over the tokens per expert (in the autograd graph), and the number of tokens."""
+
+    counts: torch.Tensor
+    prob_sum: torch.Tensor
+    rows: int
+
+
+class Routing:
+    """Where each (token, slot) pair goes, computed on the device from the chosen experts alone.
+
+    `token[i]` is the token of the i-th row sorted by expert (a stable sort, so each expert's rows stay in token
+    order), `ends[e]` the end of expert e's rows and `inverse` the sorted row of each (token, slot) pair. `groups`
+    tells the kernel which rows are whose: the int32 `ends` for "grouped", the expert of each block for "blocks".
+    """
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self.block_size = 0
+        self.padded_rows: Optional[torch.Tensor] = None  # "blocks": each sorted row's place among the padded rows
+
+    @classmethod
+    def sort(cls, chosen: torch.Tensor, n_expert: int, kernel: str) -> "Routing":
+        route = cls(kernel)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        sorted_experts = flat.index_select(0, order)
+        route.token = order.div(chosen.size(1), rounding_mode="floor")
+        route.ends = torch.searchsorted(sorted_experts, torch.arange(n_expert, device=flat.device), right=True)
+        route.inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        route.groups = route.ends.to(torch.int32)
+        if kernel == "blocks":
+            route._pad_to_blocks(sorted_experts)
+        return route
+
+    def counts(self) -> torch.Tensor:
+        """Rows per expert, as float."""
+        return torch.diff(self.ends, prepend=self.ends.new_zeros(1)).float()
+
+    def _pad_to_blocks(self, sorted_experts: torch.Tensor) -> None:
+        """Give each expert whole blocks of `block_size` rows (zero rows fill its last one), so that every block
+        belongs to one expert and all experts run as one bmm. The number of blocks is the bound over all routings,
+        (rows + n_expert * (block_size - 1)) / block_size, so shapes stay static; a block size of at least the mean
+        rows per expert keeps it at most about twice the number of experts."""
+        n_expert, rows = self.ends.numel(), sorted_experts.numel()
+        size = self.block_size = max(16, 1 << (max(1, -(-rows // n_expert)) - 1).bit_length())
+        counts = self.counts().long()
+        padded_counts = (counts + size - 1) // size * size
+        padded_ends = padded_counts.cumsum(0)
+        shift = (padded_ends - padded_counts) - (self.ends - counts)  # padded start - sorted start, per expert
+        self.padded_rows = torch.arange(rows, device=sorted_experts.device) + shift.index_select(0, sorted_experts)
+        starts = torch.arange(-(-(rows + n_expert * (size - 1)) // size), device=sorted_experts.device) * size
+        self.groups = torch.searchsorted(padded_ends, starts, right=True).clamp_(max=n_expert - 1)
+
+    def to_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert -> the kernel's rows (zero-padded blocks for "blocks")."""
+        if self.kernel != "blocks":
+            return x
+        return x.new_zeros(self.groups.numel() * self.block_size, x.size(1)).index_copy(0, self.padded_rows, x)
+
+    def from_layout(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.kernel != "blocks" else y.index_select(0, self.padded_rows)
+
+
+class _ExpertsLinear(torch.autograd.Function):
+    """x @ W_e^T for the rows of each expert e, W_e being the expert's `n_parts` weights (out, in) stacked along
+    their rows. The experts' weights are stacked for the multiplication in the forward pass and again in the backward
+    pass: autograd would otherwise save the stacked copy, one more copy of every expert's weights per layer kept
+    until the backward pass, where this saves only the parameters themselves (alive anyway; under FSDP2 the block's
+    unsharded ones, gathered again for the backward pass) and the small routing tensors. Measured on the layer of
+    benchmarks/moe.py (64 experts, 4096 tokens, float32): 370 MiB kept instead of 562; the price is a second copy
+    of the weights in the backward pass (8% of the layer's step on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, groups, kernel: str, n_parts: int, *weights):
+        ctx.save_for_backward(x, groups, *weights)
+        ctx.kernel, ctx.n_parts = kernel, n_parts
+        return _experts_mm(x, _stack(weights, n_parts).transpose(1, 2), groups, kernel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, groups, *weights = ctx.saved_tensors
+        grad = grad.contiguous()  # an expanded gradient (stride 0) is no valid operand of a grouped matmul
+        stacked = _stack(weights, ctx.n_parts)
+        grad_x = _experts_mm(grad, stacked, groups, ctx.kernel) if ctx.needs_input_grad[0] else None
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[4:]):
+            grad_stacked = _experts_weight_grad(grad, x, groups, ctx.kernel, stacked.size(0))
+            sizes = [w.size(0) for w in weights[: ctx.n_parts]]
+            grad_weights = [part for expert in grad_stacked for part in expert.split(sizes)]
+        return grad_x, None, None, None, *grad_weights
+
+
+def _stack(weights, n_parts: int) -> torch.Tensor:
+    """(n_expert, sum of the parts' rows, in) from the experts' weights listed expert by expert, in one copy."""
+    if all(w.shape == weights[0].shape for w in weights[:n_parts]):
+        stacked = torch.stack(weights)
+        return stacked.view(-1, n_parts * stacked.size(1), stacked.size(2))
+    return torch.stack([torch.cat(weights[i : i + n_parts]) for i in range(0, len(weights), n_parts)])
+
+
+def _experts_mm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, kernel: str) -> torch.Tensor:
+    """x (rows, in) @ w[e] (in, out) for each expert's rows."""
+    if kernel == "grouped":
+        return _grouped_mm(x, w, groups)
+    blocks = x.view(groups.numel(), -1, x.size(1))
+    return torch.bmm(blocks, w.index_select(0, groups)).view(x.size(0), w.size(2))
+
+
+def _experts_weight_grad(grad, x, groups, kernel: str, n_expert: int) -> torch.Tensor:
+    """sum over each expert's rows of grad^T x: (n_expert, out, in)."""
+    if kernel == "grouped":
+        return _grouped_mm(grad.t(), x, groups)
+    n_blocks = groups.numel()
+    per_block = torch.bmm(grad.view(n_blocks, -1, grad.size(1)).transpose(1, 2), x.view(n_blocks, -1, x.size(1)))
+    return per_block.new_zeros(n_expert, *per_block.shape[1:]).index_add_(0, groups, per_block)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs=offs): (rows, in) x (groups, in, out) -> (rows, out), or (out, rows) x (rows, in)
+    -> (groups, out, in). torch's meta kernel (fake tensors, torch.compile) takes bf16 alone where its CPU kernel
+    also runs 16- and 32-bit floats: those go through an op of our own that knows the shapes."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_op(a, b, offs)
+
+
+@torch.library.custom_op("litgpt::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.size(0), b.size(2))
+    return a.new_empty(offs.size(0), a.size(0), b.size(1))
+
+
+def _plain_weight(weight: Optional[torch.Tensor]) -> bool:
+    """A weight the grouped kernels can read: floating point and not quantized (bitsandbytes keeps integers, or no
+    `weight` under LoRA; torchao's NF4 is a tensor subclass that only runs as F.linear)."""
+    from litgpt.quantize import is_nf4
+
+    return weight is not None and weight.is_floating_point() and not is_nf4(weight)
+
+
+def _lora(linear: nn.Module) -> bool:
+    """Whether an expert linear layer carries LoRA factors not merged into its weight (`litgpt.lora.LoRALinear`)."""
+    return hasattr(linear, "lora_A") and not linear.merged
+
+
+def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> bool:
+    """Whether torch._grouped_mm runs these matrices without a host sync: on the CPU for 16- and 32-bit floats, on
+    CUDA through its CUTLASS kernel, bf16 on sm90/sm100 (elsewhere it falls back to a loop that reads the group ends
+    back to the host). Every row it reads must start on a 16-byte boundary."""
+    if device.type == "cpu":
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    elif device.type == "cuda" and torch.cuda.is_available():
+        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(device)[0] in (9, 10) else ()
+    else:
+        dtypes = ()
+    return dtype in dtypes and all(size * dtype.itemsize % 16 == 0 for size in sizes)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's when it is on, else x's."""
+    device = x.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def build_mlp(config: Config) -> nn.Module:

@@ -24,6 +24,7 @@ _V03 = dict(_V02, vocab_size=32768, padded_vocab_size=32768)
 _MIXTRAL = dict(
     hf_model_type="mixtral", rope_base=1000000.0,
     mlp_class_name="LLaMAMoE", n_expert=8, n_expert_per_token=2, moe_intermediate_size=14336,
+    router_aux_loss_coef=0.02,
 )
 
 CONFIGS = variants(

@@ -36,7 +36,7 @@ _QWEN_3 = dict(
     vocab_size=151936, padded_vocab_size=151936, tie_embeddings=False, prompt_style="chatml",
 )
 _MOE = dict(hf_model_type="qwen3_moe", mlp_class_name="LLaMAMoE", n_expert=128, n_expert_per_token=8,
-            moe_renormalize=True)
+            moe_renormalize=True, router_aux_loss_coef=0.001)
 QWEN_3 = variants(
     "Qwen",
     _QWEN_3,

@@ -189,6 +189,8 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
                 moe_renormalize=bool(hf.get("norm_topk_prob", False)),
             )
         values["n_expert_per_token"] = hf["num_experts_per_tok"]
+        # transformers' default for both families when config.json has none
+        values["router_aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.001)
 
     values.update(_rope_from_hf(hf, family, where))
     values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
@@ -344,6 +346,8 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
         )
     if family.model_type == "gemma3_text":
         hf["rope_local_base_freq"] = c.rope_local_base
+    if c.mlp_class_name == "LLaMAMoE":
+        hf["router_aux_loss_coef"] = c.router_aux_loss_coef
     if family.model_type == "mixtral":
         hf.update(num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_per_token)
         hf["intermediate_size"] = c.moe_intermediate_size
