@@ -59,8 +59,8 @@ adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `
   and attention in 16 bits; norms and float32 softmax as they are).
 - --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul and
   torchao's `linear_nf4` save what a frozen float linear saves: the weight (not an activation), never its input.
-- mixture of experts: routing depends on the data, which fake tensors do not have. Each expert gets an even share of
-  the k x tokens routed rows (the total is what the memory follows); `torch.where`'s `nonzero` returns that share.
+- mixture of experts: the routed rows are sorted by expert into tensors of fixed shape (k x tokens rows), so the
+  memory does not depend on which expert a token goes to, and the fake run needs no routing of its own.
 - --device cuda, where kernels differ from the CPU's:
   - attention: in float32 with grouped keys (n_query_groups < n_head) no fused CUDA kernel applies, and the fake run
     selects PyTorch's math path (`sdpa_kernel(SDPBackend.MATH)`), which keeps the (batch, heads, seq, seq) softmax.
@@ -94,7 +94,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from litgpt.args import ActivationCheckpointing
 from litgpt.config import Config
-from litgpt.distributed.activation_checkpointing import KEPT_OPS
+from litgpt.distributed.activation_checkpointing import is_kept
 from litgpt.errors import UserError
 
 METHODS = ("full", "lora")
@@ -718,7 +718,8 @@ def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gath
     else:
         notes.append(f"Overhead assumed: {_fmt(CPU_RUNTIME_BYTES)}, the resident size of Python and torch themselves.")
     if config.mlp_class_name == "LLaMAMoE":
-        notes.append("Mixture of experts: the routed rows are spread evenly over the experts (k per token).")
+        notes.append("Mixture of experts: the routed rows (k per token, sorted by expert) have fixed shapes: the plan "
+                     "holds whatever the routing.")
     if backward["math_attention"]:
         notes.append(
             "No fused CUDA attention kernel takes float32 with grouped keys: the math path keeps a (batch, heads, seq, "
@@ -953,7 +954,7 @@ def _measure(config: Config, batch: int, seq: int, precision: str, fsdp: bool, d
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake)
         idx = torch.zeros((batch, seq), dtype=torch.long)
-        stack.enter_context(_Kernels(config, device, tape))
+        stack.enter_context(_Kernels(device, tape))
         if device == "cuda":
             stack.enter_context(_NativeDropout())
         if _math_attention(config, device, precision):
@@ -1069,22 +1070,17 @@ def _math_attention(config: Config, device: str, precision: str) -> bool:
 
 
 class _Kernels(TorchDispatchMode):
-    """Below autograd in the fake run: notes autocast's weight copies and the outputs op-level checkpointing keeps,
-    routes a mixture of experts evenly (fake tensors hold no data to route by) and, for --device cuda, gives kernels'
-    results CUDA's dtypes and layouts."""
+    """Below autograd in the fake run: notes autocast's weight copies and the outputs op-level checkpointing keeps
+    and, for --device cuda, gives kernels' results CUDA's dtypes and layouts."""
 
-    def __init__(self, config: Config, device: str, tape: _SavedTensors) -> None:
+    def __init__(self, device: str, tape: _SavedTensors) -> None:
         super().__init__()
-        self.n_expert = max(config.n_expert, 1)
         self.cuda = device == "cuda"
         self.tape = tape
-        self.routed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         aten = torch.ops.aten
         kwargs = kwargs or {}
-        if func is aten.nonzero.default:
-            return self.route(args[0])
         out = func(*args, **kwargs)
         if func is aten._to_copy.default:
             self.tape.copied(args[0], out)
@@ -1094,16 +1090,9 @@ class _Kernels(TorchDispatchMode):
             if args[0].dtype == torch.float32 or kwargs.get("attn_mask") is not None:
                 # CUDA's memory-efficient kernel writes its output as (B, T, H, hs), seen as (B, H, T, hs).
                 out = (out[0].transpose(1, 2).contiguous().transpose(1, 2), *out[1:])
-        if func in KEPT_OPS:
+        if is_kept(func):
             self.tape.kept_output(out)
         return out
-
-    def route(self, condition: torch.Tensor) -> torch.Tensor:
-        """`torch.where(chosen == expert)`: this expert's even share of the routed (token, slot) pairs."""
-        share, rest = divmod(condition.numel(), self.n_expert)
-        rows = share + (self.routed % self.n_expert < rest)
-        self.routed += 1
-        return torch.empty((rows, condition.dim()), dtype=torch.long, device=condition.device)
 
 
 class _NativeDropout(TorchFunctionMode):

@@ -256,22 +256,43 @@ def test_router_aux_loss_is_none_without_moe_or_coefficient():
         tiny_model(0.01).router_aux_loss()
 
 
-def test_router_aux_loss_with_activation_checkpointing():
+class GroupedMatmuls(TorchDispatchMode):
+    """Counts the experts' grouped matrix multiplications (torch's, or litgpt's op around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten._grouped_mm.default, torch.ops.litgpt.grouped_mm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "ops"])
+def test_router_aux_loss_with_activation_checkpointing(checkpointing):
     """The recomputation in the backward pass leaves the loss of the forward pass in place: the gradients of the
-    total loss equal those of a model that keeps every activation."""
+    total loss equal those of a model that keeps every activation. Op-level checkpointing keeps the experts'
+    matmuls: its backward pass runs no more of them than without checkpointing; full checkpointing reruns them."""
     tokens = torch.randint(0, 100, (2, 11))
-    grads = []
-    for checkpointing in (False, True):
+    grads, backward_matmuls = [], []
+    for checkpointed in (False, True):
         model = tiny_model(0.5)
-        if checkpointing:
-            apply_activation_checkpointing(model, "full")
+        if checkpointed:
+            apply_activation_checkpointing(model, checkpointing)
         loss = model(tokens).logsumexp(-1).mean() + model.router_aux_loss()
         recorded = [block.mlp.router_stats.prob_sum for block in model.transformer.h]
-        loss.backward()
+        with GroupedMatmuls() as counter:
+            loss.backward()
+        backward_matmuls.append(counter.calls)
         assert [block.mlp.router_stats.prob_sum for block in model.transformer.h] == recorded
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert backward_matmuls[0] > 0
+    if checkpointing == "ops":
+        assert backward_matmuls[1] == backward_matmuls[0]
+    else:
+        assert backward_matmuls[1] > backward_matmuls[0]
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])

@@ -20,6 +20,7 @@ KEPT_OPS = frozenset({
     aten.addmm.default,
     aten.bmm.default,
     aten.baddbmm.default,
+    aten._grouped_mm.default,  # a mixture of experts' expert matmuls (litgpt::grouped_mm wraps it where needed)
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
@@ -27,8 +28,13 @@ KEPT_OPS = frozenset({
 })
 
 
+def is_kept(func) -> bool:
+    """Whether op-level checkpointing keeps the output of `func` (litgpt's own ops are the experts' matmuls)."""
+    return func in KEPT_OPS or getattr(func, "namespace", None) == "litgpt"
+
+
 def _keep_expensive_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if is_kept(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_checkpoint_contexts():
