@@ -174,16 +174,48 @@ def test_round_trip_ours_to_peft_and_back(tmp_path, base):
         torch.testing.assert_close(back[name], tensor, rtol=0, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["phi3", "gpt_neox"])
+def test_fused_hugging_face_modules_both_ways(tmp_path, case):
+    """Phi-3 fuses q/k/v and gate/up, GPT-NeoX interleaves q/k/v per head: our parts become one adapter of stacked
+    rank there, and a PEFT adapter on the fused module gives each of our parts the shared A and its rows of B."""
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    save_hf_model(case, base)
+    convert_hf_checkpoint(base)
+    settings = LoRASettings(r=2, alpha=5, query=True, key=False, value=True, projection=True, mlp=True, head=True)
+    ours = make_lora_run(tmp_path / "run", base, settings)
+    convert_lit_checkpoint(tmp_path / "run", tmp_path / "hf")
+    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
+                                             tmp_path / "hf" / "adapter").eval()
+    assert max_diff(ours, adapted) <= 1e-4
+
+    targets = {"phi3": ["qkv_proj", "gate_up_proj", "o_proj"], "gpt_neox": ["query_key_value", "dense_h_to_4h"]}
+    adapted, folder = make_peft_adapter(tmp_path, base, r=3, lora_alpha=4, target_modules=targets[case])
+    convert_hf_checkpoint(folder, pretrained_checkpoint_dir=base)
+    merge_lora(folder)
+    assert max_diff(load_plain(folder), adapted) <= 1e-4
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------------
 def _set_config(folder: Path, **values) -> None:
     path = folder / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
 
 
+def _rename_keys(folder: Path, old: str, new: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    save_file({key.replace(old, new): value for key, value in load_file(path).items()}, path)
+
+
 BAD_ADAPTERS = {
     "ia3": (lambda folder: _set_config(folder, peft_type="IA3"), "PEFT IA3 adapter"),
     "dora": (lambda folder: _set_config(folder, use_dora=True), "DoRA"),
     "embedding-target": (None, "embed_tokens"),
+    "unknown-module": (lambda folder: _rename_keys(folder, "q_proj", "qq_proj"), "not a linear layer"),
     "other-base": (lambda folder: _set_config(folder, base_model_name_or_path=str(folder / "nowhere")),
                    "--pretrained_checkpoint_dir"),
 }

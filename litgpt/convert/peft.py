@@ -37,6 +37,9 @@ ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# PEFT names modules as the model class does, which can differ from the checkpoint's keys: transformers 5 calls
+# GPT-NeoX's output head `lm_head` (checkpoints, and adapters made with transformers 4, say `embed_out`).
+MODULE_NAMES = {"embed_out": "lm_head"}
 # PEFT LoRA options whose non-default value changes the adapted model in ways litgpt's LoRA cannot hold.
 _UNSUPPORTED_OPTIONS = {
     "use_dora": "DoRA (use_dora)",
@@ -76,8 +79,9 @@ def linear_groups(config: Config, weights: dict[str, torch.Size]) -> Iterator[Li
             hf_rows = tuple(zip(bounds[:-1], bounds[1:]))
         else:
             hf_rows = ((0, total),)
-        strip = lambda names: tuple(name.removesuffix(".weight") for name in names)  # noqa: E731
-        yield LinearGroup(rule, strip(rule.lit), lit_rows, strip(rule.hf), hf_rows)
+        lit = tuple(name.removesuffix(".weight") for name in rule.lit)
+        hf = tuple(MODULE_NAMES.get(name, name) for name in (name.removesuffix(".weight") for name in rule.hf))
+        yield LinearGroup(rule, lit, lit_rows, hf, hf_rows)
 
 
 def plain_shapes(config: Config) -> dict[str, torch.Size]:
@@ -291,6 +295,8 @@ def read_peft_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]],
     saved_base: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
         name = key.removeprefix(PEFT_PREFIX)
+        module, dot, rest = name.partition(".")
+        name = MODULE_NAMES.get(module, module) + dot + rest
         factor = re.fullmatch(r"(.+)\.lora_([AB])(?:\.default)?\.weight", name)
         if factor is not None:
             modules.setdefault(factor.group(1), {})[factor.group(2)] = tensor
