@@ -96,7 +96,6 @@ def test_exported_adapter_on_exported_base_equals_our_merged_model(tmp_path, bas
     assert set(values["target_modules"]) == targets and values["rank_pattern"] == {}
     plain_hf = AutoModelForCausalLM.from_pretrained(out).eval()
     hf_base = AutoModelForCausalLM.from_pretrained(base).eval()  # the folder the litgpt base was converted from
-    assert max_diff(GPT(ours.config).eval().requires_grad_(False), plain_hf) > 0  # sanity: a random GPT differs
     for name, tensor in hf_base.state_dict().items():
         torch.testing.assert_close(plain_hf.state_dict()[name], tensor, rtol=0, atol=0)  # the base, unmerged
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -32,6 +31,7 @@ import torch
 from litgpt.config import Config
 from litgpt.convert.families import Rule, weight_rules
 from litgpt.errors import UserError
+from litgpt.lora import LoRASettings
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -184,7 +184,7 @@ class LoRARunExport:
 
     run_dir: Path
     base_dir: Path
-    settings: object  # LoRASettings
+    settings: LoRASettings
 
 
 def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
@@ -196,7 +196,6 @@ def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
     `peft` is True.
     """
     from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
-    from litgpt.lora import LoRASettings
     from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, read_hparams
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -343,7 +342,7 @@ def pattern_value(patterns: dict, module: str, default):
 def full_lora_parts(config: Config) -> dict[str, tuple[tuple[str, int, int], ...]]:
     """Every linear layer litgpt's LoRA can adapt in this model, with its parts (suffix, row start, row stop)."""
     from litgpt.checkpoint.model_files import meta_device
-    from litgpt.lora import LoRASettings, add_lora, lora_layers
+    from litgpt.lora import add_lora, lora_layers
     from litgpt.model import GPT
 
     everything = LoRASettings(r=1, alpha=1, query=True, key=True, value=True, projection=True, mlp=True,
@@ -364,18 +363,46 @@ def switch_of(module: str, suffix: str) -> str:
 
 
 def litgpt_adapters(config: Config, peft_values: dict, modules: dict[str, dict[str, torch.Tensor]],
-                    source: str) -> tuple[object, dict[str, torch.Tensor], int]:
+                    source: str) -> tuple[LoRASettings, dict[str, torch.Tensor], int]:
     """A PEFT adapter's factors as our LoRASettings and `lit_model.pth.lora` tensors, exactly the same update.
 
     Parts of our layers that the adapter leaves alone (some layers only, part of the MLP) get zero factors; a module
     fused in Hugging Face gives each of our parts its shared A and its rows of B. Ranks or scales that differ between
     modules are folded into B (scale) and zero padding (rank). Returns (settings, tensors, zero-filled parts).
     """
-    from litgpt.lora import LoRASettings
-
     check_exportable(config)
     shapes = plain_shapes(config)
     adaptable = full_lora_parts(config)
+    assigned = assign_parts(config, shapes, adaptable, peft_values, modules, source)
+    ranks_scales = {(a.shape[0], scale) for a, _, scale in assigned.values()}
+    if len(ranks_scales) == 1:
+        ((r, scale),) = ranks_scales
+        alpha = scale * r
+    else:
+        r = alpha = max(rank for rank, _ in ranks_scales)  # scale 1: every module's own scale goes into its B
+    switches = {switch_of(module, suffix) for module, suffix in assigned}
+    settings = LoRASettings(r=r, alpha=_plain_number(alpha), dropout=float(peft_values.get("lora_dropout") or 0.0),
+                            **{name: name in switches for name in ("query", "key", "value", "projection", "mlp", "head")})
+    tensors, zero_filled = {}, 0
+    for module, parts in adaptable.items():
+        for suffix, start, stop in parts:
+            if switch_of(module, suffix) not in switches:
+                continue
+            a_ours = torch.zeros(r, shapes[f"{module}.weight"][1])
+            b_ours = torch.zeros(stop - start, r)
+            if (module, suffix) in assigned:
+                a, b, scale = assigned[module, suffix]
+                a_ours[: a.shape[0]] = a
+                b_ours[:, : b.shape[1]] = b * (scale / settings.scaling)
+            else:
+                zero_filled += 1
+            tensors[f"{module}.lora_A{suffix}"], tensors[f"{module}.lora_B{suffix}"] = a_ours, b_ours
+    return settings, tensors, zero_filled
+
+
+def assign_parts(config: Config, shapes: dict, adaptable: dict, peft_values: dict,
+                 modules: dict[str, dict[str, torch.Tensor]], source: str) -> dict:
+    """{(our module, part suffix): (A, B rows of that part, scale)} from the adapter's modules, each checked."""
     rslora = bool(peft_values.get("use_rslora"))
     assigned: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     used = set()
@@ -417,31 +444,7 @@ def litgpt_adapters(config: Config, peft_values: dict, modules: dict[str, dict[s
         )
     if not assigned:
         raise UserError(f"{source} holds no LoRA factors.")
-    ranks_scales = {(a.shape[0], scale) for a, _, scale in assigned.values()}
-    if len(ranks_scales) == 1:
-        ((r, scale),) = ranks_scales
-        alpha = scale * r
-    else:
-        r, alpha = max(rank for rank, _ in ranks_scales), None
-    switches = {switch_of(module, suffix) for module, suffix in assigned}
-    settings = LoRASettings(r=r, alpha=_plain_number(alpha if alpha is not None else r),
-                            dropout=float(peft_values.get("lora_dropout") or 0.0),
-                            **{name: name in switches for name in ("query", "key", "value", "projection", "mlp", "head")})
-    tensors, zero_filled = {}, 0
-    for module, parts in adaptable.items():
-        for suffix, start, stop in parts:
-            if switch_of(module, suffix) not in switches:
-                continue
-            a_ours = torch.zeros(r, shapes[f"{module}.weight"][1])
-            b_ours = torch.zeros(stop - start, r)
-            if (module, suffix) in assigned:
-                a, b, scale = assigned[module, suffix]
-                a_ours[: a.shape[0]] = a
-                b_ours[:, : b.shape[1]] = b * (scale / settings.scaling)
-            else:
-                zero_filled += 1
-            tensors[f"{module}.lora_A{suffix}"], tensors[f"{module}.lora_B{suffix}"] = a_ours, b_ours
-    return settings, tensors, zero_filled
+    return assigned
 
 
 def _plain_number(value: float):
