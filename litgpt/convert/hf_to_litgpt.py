@@ -154,15 +154,17 @@ def convert_hf_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise UserError(f"Folder {str(checkpoint_dir)!r} does not exist.")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     from litgpt.convert.peft import convert_peft_adapter, is_peft_folder
 
     if is_peft_folder(checkpoint_dir):
-        return convert_peft_adapter(checkpoint_dir, pretrained_checkpoint_dir, overwrite)
+        if model_name is not None:
+            raise UserError("--model_name does not apply to a PEFT adapter folder; its base is --pretrained_checkpoint_dir.")
+        return convert_peft_adapter(checkpoint_dir, pretrained_checkpoint_dir, overwrite, DTYPES.get(dtype))
     if pretrained_checkpoint_dir is not None:
         raise UserError(f"--pretrained_checkpoint_dir goes with a PEFT adapter folder; {str(checkpoint_dir)!r} has no "
                         "adapter_config.json.")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     config = resolve_config(checkpoint_dir, model_name)
     if (checkpoint_dir / WEIGHTS_FILE).exists() and not overwrite:
         raise UserError(f"{str(checkpoint_dir / WEIGHTS_FILE)!r} exists already: pass --overwrite true to replace it.")

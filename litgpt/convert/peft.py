@@ -469,9 +469,11 @@ def peft_base_dir(folder: Path, peft_values: dict, pretrained_checkpoint_dir: Op
     )
 
 
-def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path], overwrite: bool) -> None:
-    """Write a PEFT LoRA folder's adapter as litgpt's: lit_model.pth.lora, hyperparameters.yaml, model_config.yaml
-    and the base's tokenizer files (those the folder lacks) into the folder; every check comes before any write."""
+def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path], overwrite: bool,
+                         dtype: Optional[torch.dtype] = None) -> None:
+    """Write a PEFT LoRA folder's adapter as litgpt's: lit_model.pth.lora (float32, or `dtype`),
+    hyperparameters.yaml, model_config.yaml and the base's tokenizer files (those the folder lacks) into the folder;
+    every check comes before any write."""
     from litgpt.checkpoint.model_files import CONFIG_FILE, TOKENIZER_FILES
     from litgpt.io import atomic_copy, save_state_dict, write_yaml
     from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE
@@ -487,6 +489,8 @@ def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path]
     settings, tensors, zero_filled = litgpt_adapters(config, peft_values, modules, str(folder))
     check_saved_base(config, base_dir, saved_base, str(folder))
 
+    if dtype is not None:
+        tensors = {key: tensor.to(dtype) for key, tensor in tensors.items()}
     save_state_dict(tensors, folder / LORA_WEIGHTS_FILE)
     config.save(folder / CONFIG_FILE)
     for name in TOKENIZER_FILES:
