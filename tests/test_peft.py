@@ -16,6 +16,7 @@ from litgpt.checkpoint.model_files import load_model_weights
 from litgpt.config import Config
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
+from litgpt.errors import UserError
 from litgpt.io import load_state_dict, save_state_dict
 from litgpt.lora import LoRASettings, add_lora, load_base_weights, lora_state_dict
 from litgpt.merge_lora import merge_lora
@@ -158,6 +159,8 @@ def test_peft_adapter_converts_into_ours_with_equal_logits(tmp_path, base, case)
     merge_lora(folder)
     ours = load_plain(folder)
     assert max_diff(ours, adapted) <= 1e-4
+    with pytest.raises(UserError, match="merged from an earlier conversion"):  # it would go stale
+        convert_hf_checkpoint(folder, overwrite=True)
     with adapted.disable_adapter():
         assert max_diff(ours, adapted) > 1e-2  # the adapter matters
 

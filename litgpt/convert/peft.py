@@ -474,12 +474,17 @@ def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path]
     """Write a PEFT LoRA folder's adapter as litgpt's: lit_model.pth.lora (float32, or `dtype`),
     hyperparameters.yaml, model_config.yaml and the base's tokenizer files (those the folder lacks) into the folder;
     every check comes before any write."""
-    from litgpt.checkpoint.model_files import CONFIG_FILE, TOKENIZER_FILES
+    from litgpt.checkpoint.model_files import CONFIG_FILE, TOKENIZER_FILES, WEIGHTS_FILE
     from litgpt.io import atomic_copy, save_state_dict, write_yaml
     from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE
 
     folder = Path(folder)
     peft_values = read_peft_config(folder)
+    if (folder / WEIGHTS_FILE).exists():
+        raise UserError(
+            f"{str(folder / WEIGHTS_FILE)!r} holds weights merged from an earlier conversion, which new adapters would "
+            "not match: delete it, convert again, then merge again."
+        )
     written = [name for name in (LORA_WEIGHTS_FILE, HPARAMS_FILE, CONFIG_FILE) if (folder / name).exists()]
     if written and not overwrite:
         raise UserError(f"{str(folder / written[0])!r} exists already: pass --overwrite true to replace it.")
