@@ -216,6 +216,7 @@ def _rename_keys(folder: Path, old: str, new: str) -> None:
 BAD_ADAPTERS = {
     "ia3": (lambda folder: _set_config(folder, peft_type="IA3"), "PEFT IA3 adapter"),
     "dora": (lambda folder: _set_config(folder, use_dora=True), "DoRA"),
+    "sequence-classification": (lambda folder: _set_config(folder, task_type="SEQ_CLS"), "CAUSAL_LM"),
     "embedding-target": (None, "embed_tokens"),
     "unknown-module": (lambda folder: _rename_keys(folder, "q_proj", "qq_proj"), "not a linear layer"),
     "other-base": (lambda folder: _set_config(folder, base_model_name_or_path=str(folder / "nowhere")),

@@ -101,7 +101,7 @@ def check_exportable(config: Config) -> None:
 
 
 # ---- export: litgpt -> PEFT -------------------------------------------------------------------------------------------
-def peft_adapter(config: Config, settings, adapters: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
+def peft_adapter(config: Config, settings: LoRASettings, adapters: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
                  source: str = "the LoRA adapters") -> tuple[dict[str, torch.Tensor], dict]:
     """Our adapter tensors (a `lora_state_dict`) as PEFT's tensors and adapter_config.json values (without the base
     model's name)."""
@@ -263,6 +263,8 @@ def read_peft_config(folder: Path) -> dict:
     kind = values.get("peft_type")
     if kind != "LORA":
         raise UserError(f"{str(path)!r} is a PEFT {kind} adapter; litgpt converts LoRA adapters only (peft_type LORA).")
+    if values.get("task_type") not in (None, "CAUSAL_LM"):
+        raise UserError(f"{str(path)!r} adapts a model for {values['task_type']}; litgpt converts CAUSAL_LM adapters.")
     for option, what in _UNSUPPORTED_OPTIONS.items():
         if values.get(option):
             raise UserError(f"{str(path)!r} uses {what}, which litgpt's LoRA cannot hold; merge it with PEFT instead.")
