@@ -133,7 +133,8 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def convert_hf_checkpoint(
-    checkpoint_dir: Path, *, model_name: Optional[str] = None, dtype: Optional[str] = None, overwrite: bool = False
+    checkpoint_dir: Path, *, model_name: Optional[str] = None, dtype: Optional[str] = None, overwrite: bool = False,
+    pretrained_checkpoint_dir: Optional[Path] = None,
 ) -> None:
     """Convert a Hugging Face model folder into litgpt's format, written beside the tokenizer files.
 
@@ -145,12 +146,25 @@ def convert_hf_checkpoint(
         model_name: A registered litgpt name to take the config from (its architecture must match config.json).
         dtype: Store the weights as float32, bfloat16 or float16 (default: as in the checkpoint).
         overwrite: Replace the lit_model.pth that the folder already holds (kept until the new one is complete).
+        pretrained_checkpoint_dir: For a PEFT LoRA adapter folder (adapter_config.json, no config.json): the litgpt
+            checkpoint of its base model (default: its base_model_name_or_path, as a folder or under checkpoints/).
+            The folder then gets lit_model.pth.lora, hyperparameters.yaml, model_config.yaml and the base's
+            tokenizer files, for `litgpt merge_lora`.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise UserError(f"Folder {str(checkpoint_dir)!r} does not exist.")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+    from litgpt.convert.peft import convert_peft_adapter, is_peft_folder
+
+    if is_peft_folder(checkpoint_dir):
+        if model_name is not None:
+            raise UserError("--model_name does not apply to a PEFT adapter folder; its base is --pretrained_checkpoint_dir.")
+        return convert_peft_adapter(checkpoint_dir, pretrained_checkpoint_dir, overwrite, DTYPES.get(dtype))
+    if pretrained_checkpoint_dir is not None:
+        raise UserError(f"--pretrained_checkpoint_dir goes with a PEFT adapter folder; {str(checkpoint_dir)!r} has no "
+                        "adapter_config.json.")
     config = resolve_config(checkpoint_dir, model_name)
     if (checkpoint_dir / WEIGHTS_FILE).exists() and not overwrite:
         raise UserError(f"{str(checkpoint_dir / WEIGHTS_FILE)!r} exists already: pass --overwrite true to replace it.")

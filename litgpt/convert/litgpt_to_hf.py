@@ -35,7 +35,8 @@ def parse_size(size: str) -> int:
 
 
 def convert_lit_checkpoint(
-    checkpoint_dir: Path, output_dir: Path, *, dtype: Optional[str] = None, max_shard_size: str = "5GB"
+    checkpoint_dir: Path, output_dir: Path, *, dtype: Optional[str] = None, max_shard_size: str = "5GB",
+    peft: Optional[bool] = None, pretrained_checkpoint_dir: Optional[Path] = None,
 ) -> None:
     """Write a litgpt checkpoint as a Hugging Face model folder.
 
@@ -47,8 +48,21 @@ def convert_lit_checkpoint(
         output_dir: The folder to create. It must not exist yet (nothing on disk is overwritten).
         dtype: Store the weights as float32, bfloat16 or float16 (default: as in the checkpoint).
         max_shard_size: The largest safetensors file to write, e.g. "5GB".
+        peft: For a LoRA run's folder (one with lit_model.pth.lora): write the run's unmerged base model into
+            output_dir and the adapters as a PEFT LoRA folder into output_dir/adapter/, which
+            `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(output_dir), output_dir/adapter)` loads.
+            Default: so for a folder of adapters without merged weights (a step checkpoint); a folder with merged
+            weights (the run's final/) converts as the merged model unless --peft true.
+        pretrained_checkpoint_dir: With --peft: the base checkpoint (default: the checkpoint_dir the run's
+            hyperparameters.yaml records).
     """
-    checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
+    from litgpt.convert.peft import (
+        ADAPTER_DIR, check_exportable, exported_adapter, lora_run_export, write_peft_adapter,
+    )
+
+    lora_run = lora_run_export(Path(checkpoint_dir), peft, pretrained_checkpoint_dir)
+    checkpoint_dir = Path(checkpoint_dir) if lora_run else find_checkpoint_dir(Path(checkpoint_dir))
+    weights_dir = lora_run.base_dir if lora_run else checkpoint_dir
     output_dir = Path(output_dir)
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise UserError(f"{str(output_dir)!r} already exists and is not empty; choose a new output folder.")
@@ -60,12 +74,17 @@ def convert_lit_checkpoint(
     # pad_token_id is stated even when unknown: some families' defaults point outside a small vocabulary.
     token_ids = {"pad_token_id": None, **{k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in generation}}
     hf_config = config_to_hf(config, extra=token_ids)
-    state_dict = load_state_dict(checkpoint_dir / WEIGHTS_FILE)
+    if lora_run:
+        check_exportable(config)
+        adapter = exported_adapter(lora_run, config, DTYPES.get(dtype))
+    state_dict = load_state_dict(weights_dir / WEIGHTS_FILE)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
-        first_dtype = write_safetensors(state_dict, config, staging, DTYPES.get(dtype), shard_limit, checkpoint_dir)
+        first_dtype = write_safetensors(state_dict, config, staging, DTYPES.get(dtype), shard_limit, weights_dir)
+        if lora_run:
+            write_peft_adapter(staging / ADAPTER_DIR, *adapter, base_model_name_or_path=str(output_dir.resolve()))
         hf_config["torch_dtype"] = str(first_dtype).removeprefix("torch.")
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -78,6 +97,9 @@ def convert_lit_checkpoint(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"Wrote a Hugging Face model folder to {output_dir}")
+    if lora_run:
+        print(f"It holds the base model {lora_run.base_dir}, and {output_dir / ADAPTER_DIR} the LoRA adapters of "
+              f"{checkpoint_dir} as a PEFT folder (`PeftModel.from_pretrained(model, '{output_dir / ADAPTER_DIR}')`)")
 
 
 def generation_config(checkpoint_dir: Path) -> dict:
