@@ -1,0 +1,197 @@
+"""`litgpt evaluate`: lm-evaluation-harness tasks, and the perplexity of a text file, on a litgpt checkpoint.
+
+The harness runs on our own `GPT` (`litgpt.evaluation.harness.HarnessModel`): the weights of lit_model.pth are used
+in place, no Hugging Face copy is written. Needs `pip install lm-eval`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from litgpt.errors import UserError
+
+RESULTS_FILE = "results.json"
+
+
+def main(
+    checkpoint_dir: Path,
+    tasks: Optional[str] = None,
+    *,
+    perplexity: Optional[Path] = None,
+    stride: Optional[int] = None,
+    num_fewshot: Optional[int] = None,
+    limit: Optional[float] = None,
+    batch_size: int = 1,
+    out_dir: Optional[Path] = None,
+    include_path: Optional[Path] = None,
+    max_length: Optional[int] = None,
+    seed: int = 1234,
+    precision: Optional[str] = None,
+    device: str = "auto",
+) -> None:
+    """Evaluate a litgpt checkpoint on lm-evaluation-harness tasks, or measure its perplexity on a text file.
+
+    Writes OUT_DIR/results.json (atomically) and prints a table. Offline (HF_HUB_OFFLINE=1) a task's data must be in
+    the Hugging Face cache or be local files named by a task folder of `--include_path`.
+
+    Args:
+        checkpoint_dir: Folder with lit_model.pth, model_config.yaml and the tokenizer files.
+        tasks: Comma-separated lm-eval task (or group) names, e.g. "hellaswag,arc_easy", or tasks of `--include_path`.
+        perplexity: A UTF-8 text file: report its token-level mean negative log-likelihood and perplexity instead of
+            (or beside) tasks. Every token of the file is predicted, the first from the BOS token (EOS without one).
+        stride: Perplexity's sliding window: each window of `max_length` tokens scores the `stride` tokens after those
+            scored before, which thus see at least max_length - stride tokens of context. Default: max_length // 2.
+        num_fewshot: Examples put before each question (default: each task's own).
+        limit: Evaluate only the first N examples of each task (a fraction < 1: that share of them).
+        batch_size: Sequences scored per forward pass.
+        out_dir: Where results.json goes. Default: CHECKPOINT_DIR/evaluate.
+        include_path: A folder of your own lm-eval task YAMLs (searched recursively), e.g. tasks on local files.
+        max_length: The most tokens the model sees at once (default and maximum: the model's block_size).
+        seed: Seed of the harness's sampling of few-shot examples and of torch.
+        precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
+            (16-true without bf16 support), 32-true on the CPU.
+        device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
+    """
+    from litgpt.checkpoint.model_files import find_checkpoint_dir
+
+    checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
+    task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
+    task_dict = load_tasks(task_names, include_path) if task_names else {}
+
+    from litgpt.evaluation.harness import HarnessModel
+    from litgpt.generate import load_model_and_tokenizer
+
+    start = time.perf_counter()
+    model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device)
+    block_size = model.config.block_size
+    if max_length is not None and not 1 < max_length <= block_size:
+        raise UserError(f"--max_length must be in 2..{block_size} (the model's block_size), got {max_length}.")
+    lm = HarnessModel(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
+
+    report: dict = {"checkpoint_dir": str(checkpoint_dir)}
+    if task_dict:
+        report.update(run_tasks(lm, task_dict, num_fewshot, limit, seed))
+    if perplexity is not None:
+        report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
+    write_report(report, out_dir / RESULTS_FILE)
+
+
+def check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path) -> list[str]:
+    """The task names; UserError for bad options, before anything heavy runs."""
+    task_names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
+    if not task_names and perplexity is None:
+        raise UserError("Name what to evaluate: --tasks NAME[,NAME...] (lm-eval tasks) and/or --perplexity FILE.txt.")
+    if task_names:
+        import_lm_eval()
+    if batch_size < 1:
+        raise UserError(f"--batch_size must be >= 1, got {batch_size}.")
+    if limit is not None and not limit > 0:
+        raise UserError(f"--limit must be > 0 (a count of examples, or a fraction below 1), got {limit}.")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num_fewshot must be >= 0, got {num_fewshot}.")
+    if stride is not None and stride < 1:
+        raise UserError(f"--stride must be >= 1, got {stride}.")
+    if perplexity is not None and not Path(perplexity).is_file():
+        raise UserError(f"--perplexity {str(perplexity)!r} is not a file; give a UTF-8 text file.")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"--include_path {str(include_path)!r} is not a folder; give the folder of your task YAMLs.")
+    return task_names
+
+
+def import_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError("`litgpt evaluate --tasks` needs lm-evaluation-harness: `pip install lm-eval`.") from None
+
+
+def load_tasks(task_names: list[str], include_path: Optional[Path]) -> dict:
+    """lm-eval's task objects for `task_names`, with their data loaded. The user's folder is indexed alone first:
+    indexing lm-eval's own thousands of tasks takes seconds, and is needed only for a name that is not there."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = None
+    if include_path is not None:
+        manager = TaskManager(include_path=str(include_path), include_defaults=False, verbosity="ERROR")
+        if any(name not in manager.all_tasks for name in task_names):
+            manager = None
+    if manager is None:
+        include = str(include_path) if include_path is not None else None
+        manager = TaskManager(include_path=include, verbosity="ERROR")
+    missing = [name for name in task_names if name not in manager.all_tasks]
+    if missing:
+        where = f"in --include_path {str(include_path)!r} nor " if include_path is not None else ""
+        raise UserError(
+            f"Task {missing[0]!r} is not {where}among lm-eval's tasks: check the name (`lm-eval ls tasks`), or write a "
+            "task YAML with local data files into a folder and pass it with --include_path FOLDER."
+        )
+    try:
+        return get_task_dict(task_names, manager)
+    except Exception as error:  # datasets raises many types (offline, missing file, bad config): name the cause
+        cause = " ".join(str(error).split())[:300]
+        raise UserError(
+            f"The data of task(s) {', '.join(task_names)} could not be loaded ({type(error).__name__}: {cause}). "
+            "Offline (HF_HUB_OFFLINE=1) a task's dataset must be in the Hugging Face cache, or be local files named "
+            "by a task YAML of --include_path (dataset_path: json, dataset_kwargs: {data_files: ...})."
+        ) from None
+
+
+def run_tasks(lm, task_dict: dict, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
+    """Run the harness; returns the parts of its results worth keeping, and prints its table."""
+    from lm_eval import simple_evaluate
+    from lm_eval.utils import make_table
+
+    results = simple_evaluate(
+        lm,
+        tasks=list(task_dict.values()),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    kept = ("results", "groups", "group_subtasks", "n-shot", "n-samples", "versions", "higher_is_better")
+    return {key: results[key] for key in kept if key in results}
+
+
+def file_perplexity(lm, path: Path, stride: int) -> dict:
+    """Mean negative log-likelihood per token (nats) and perplexity of the text in `path`, with `lm.rolling_scores`'
+    sliding windows of `lm.max_length` tokens moving by `stride`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"--perplexity {str(path)!r} is not UTF-8 text ({error}).") from None
+    tokens = lm.tok_encode(text, add_special_tokens=False)
+    if not tokens:
+        raise UserError(f"--perplexity {str(path)!r} holds no text to score.")
+    stride = min(stride, lm.max_length)
+    nll = -sum(score for score, _ in lm.rolling_scores(tokens, stride=stride))
+    mean_nll = nll / len(tokens)
+    result = {"file": str(path), "tokens": len(tokens), "mean_nll": mean_nll, "perplexity": math.exp(mean_nll),
+              "max_length": lm.max_length, "stride": stride}
+    print(f"perplexity of {str(path)!r}: {result['perplexity']:.4f} (mean NLL {mean_nll:.4f} nats over "
+          f"{len(tokens)} tokens; windows of {lm.max_length} tokens, stride {stride})")
+    return result
+
+
+def write_report(report: dict, path: Path) -> None:
+    import json
+
+    from litgpt.io import atomic_write_text
+
+    default = str
+    if "results" in report:
+        from lm_eval.utils import handle_non_serializable as default
+    atomic_write_text(path, json.dumps(report, indent=2, default=default) + "\n")
+    print(f"Results written to {str(path)!r}.", file=sys.stderr)

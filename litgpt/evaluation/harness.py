@@ -1,0 +1,129 @@
+"""lm-evaluation-harness's model interface over a litgpt `GPT` and `Tokenizer`.
+
+Loglikelihoods are computed in batches of `batch_size` sequences, longest first (least padding), right-padded: the
+model is causal, so what follows a sequence changes none of its logits. A sequence longer than the context is cut
+from the left, keeping the continuation whole. `generate_until` decodes greedily with the KV cache, one request at a
+time (the model has no padding mask for a batch of prompts of different lengths).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from litgpt.generate import generate
+
+
+class HarnessModel(TemplateLM):
+    """lm-eval's model interface over a litgpt `GPT` and `Tokenizer` (loglikelihood, rolling loglikelihood,
+    greedy generation with stop strings)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 1, max_length: Optional[int] = None) -> None:
+        super().__init__()
+        self.model = model
+        self.lit_tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length or model.config.block_size
+
+    @property
+    def eot_token_id(self) -> int:
+        tokenizer = self.lit_tokenizer
+        return tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token an empty context (and a rolling window's first prediction) conditions on: BOS, else EOS."""
+        tokenizer = self.lit_tokenizer
+        return tokenizer.bos_id if tokenizer.bos_id is not None else self.eot_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
+        # None/True: what the tokenizer adds by itself (as `AutoTokenizer.encode`); False: the text's tokens only.
+        edges = {} if add_special_tokens is None or add_special_tokens else {"bos": False, "eos": False}
+        return self.lit_tokenizer.encode(string, **edges).tolist()
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        pairs = [(context, continuation) for _, context, continuation in requests]
+        return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return [
+            sum(score for score, _ in self.rolling_scores(self.tok_encode(string, add_special_tokens=False)))
+            for (string,) in (request.args for request in requests)
+        ]
+
+    def rolling_scores(self, tokens: list[int], stride: Optional[int] = None) -> list[tuple[float, bool]]:
+        """Scores of windows covering every token of `tokens`, the first conditioned on the prefix token; each
+        window predicts `stride` new tokens (default: the whole context) after the tokens before them."""
+        stride = stride or self.max_length
+        windows = get_rolling_token_windows(
+            tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+            context_len=self.max_length - stride + 1,
+        )
+        pairs = [make_disjoint_window(window) for window in windows]
+        return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        return [self.generate_one(context, dict(gen_kwargs)) for context, gen_kwargs in (r.args for r in requests)]
+
+    def generate_one(self, context: str, gen_kwargs: dict) -> str:
+        """Greedy continuation of `context`, cut before the first stop string ("until") or the end token."""
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen_toks = int(gen_kwargs.pop("max_gen_toks", 256))
+        # Room for the answer: the context keeps its last max_length - max_gen_toks tokens (at least one, and one
+        # position short of the context, which generation needs).
+        keep = max(1, min(self.max_length, self.model.config.block_size - 1) - max_gen_toks)
+        context_ids = self.tok_encode(context)[-keep:]
+        stop_ids = [self.eot_token_id] if self.eot_token_id is not None else []
+        new_ids: list[int] = []
+        for token in generate(self.model, context_ids, max_gen_toks, temperature=0.0, stop_ids=stop_ids):
+            new_ids.append(token)
+            text = self.lit_tokenizer.decode(new_ids)
+            if any(stop in text for stop in until):
+                break
+        return cut_at_stops(self.lit_tokenizer.decode(new_ids), until)
+
+    def get_model_info(self) -> dict:
+        return {"checkpoint_dir": str(self.lit_tokenizer.checkpoint_dir)}
+
+
+def cut_at_stops(text: str, stops: Sequence[str]) -> str:
+    """`text` up to the first occurrence of any stop string."""
+    end = min((text.find(stop) for stop in stops if stop and stop in text), default=len(text))
+    return text[:end]
+
+
+@torch.inference_mode()
+def continuation_loglikelihoods(
+    model, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int, max_length: int
+) -> list[tuple[float, bool]]:
+    """(sum of log-probabilities of the continuation given the context, whether greedy decoding gives it) for each
+    (context ids, continuation ids) pair. The model sees at most the last `max_length` tokens of context +
+    continuation (minus the last token, which is only predicted); pairs go through in batches of `batch_size`,
+    longest first (less padding), right-padded."""
+    device = model.lm_head.weight.device
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        inputs = []
+        for index in batch:
+            context, continuation = pairs[index]
+            if not continuation:
+                raise ValueError("A continuation to score must have at least one token.")
+            inputs.append((list(context) + list(continuation))[-(max_length + 1) :][:-1])
+        width = max(len(ids) for ids in inputs)
+        padded = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, ids in enumerate(inputs):
+            padded[row, : len(ids)] = torch.tensor(ids)
+        logits = model(padded.to(device)).float()
+        for row, index in enumerate(batch):
+            continuation = torch.tensor(pairs[index][1], device=device)
+            end = len(inputs[row])
+            rows = logits[row, end - len(continuation) : end].log_softmax(dim=-1)
+            score = rows.gather(-1, continuation[:, None]).sum().item()
+            results[index] = (score, bool((rows.argmax(dim=-1) == continuation).all()))
+    return results
