@@ -60,7 +60,7 @@ def main(
 
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
     task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
-    task_dict = load_tasks(task_names, include_path) if task_names else {}
+    tasks_and_manager = load_tasks(task_names, include_path) if task_names else None
 
     from litgpt.evaluation.harness import HarnessModel
     from litgpt.generate import load_model_and_tokenizer
@@ -74,8 +74,8 @@ def main(
     print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
 
     report: dict = {"checkpoint_dir": str(checkpoint_dir)}
-    if task_dict:
-        report.update(run_tasks(lm, task_dict, num_fewshot, limit, seed))
+    if tasks_and_manager is not None:
+        report.update(run_tasks(lm, *tasks_and_manager, num_fewshot, limit, seed))
     if perplexity is not None:
         report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
@@ -111,9 +111,10 @@ def import_lm_eval() -> None:
         raise UserError("`litgpt evaluate --tasks` needs lm-evaluation-harness: `pip install lm-eval`.") from None
 
 
-def load_tasks(task_names: list[str], include_path: Optional[Path]) -> dict:
-    """lm-eval's task objects for `task_names`, with their data loaded. The user's folder is indexed alone first:
-    indexing lm-eval's own thousands of tasks takes seconds, and is needed only for a name that is not there."""
+def load_tasks(task_names: list[str], include_path: Optional[Path]) -> tuple[dict, object]:
+    """lm-eval's task objects for `task_names` (their data loaded) and the TaskManager that found them. The user's
+    folder is indexed alone first: indexing lm-eval's own thousands of tasks takes seconds, and is needed only for a
+    name that is not there."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
     manager = None
@@ -132,7 +133,7 @@ def load_tasks(task_names: list[str], include_path: Optional[Path]) -> dict:
             "task YAML with local data files into a folder and pass it with --include_path FOLDER."
         )
     try:
-        return get_task_dict(task_names, manager)
+        return get_task_dict(task_names, manager), manager
     except Exception as error:  # datasets raises many types (offline, missing file, bad config): name the cause
         cause = " ".join(str(error).split())[:300]
         raise UserError(
@@ -142,7 +143,7 @@ def load_tasks(task_names: list[str], include_path: Optional[Path]) -> dict:
         ) from None
 
 
-def run_tasks(lm, task_dict: dict, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
+def run_tasks(lm, task_dict: dict, manager, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
     """Run the harness; returns the parts of its results worth keeping, and prints its table."""
     from lm_eval import simple_evaluate
     from lm_eval.utils import make_table
@@ -150,6 +151,7 @@ def run_tasks(lm, task_dict: dict, num_fewshot: Optional[int], limit: Optional[f
     results = simple_evaluate(
         lm,
         tasks=list(task_dict.values()),
+        task_manager=manager,
         num_fewshot=num_fewshot,
         limit=limit,
         log_samples=False,
