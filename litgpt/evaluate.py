@@ -32,6 +32,8 @@ def main(
     seed: int = 1234,
     precision: Optional[str] = None,
     device: str = "auto",
+    dtype: Optional[str] = None,
+    save_filepath: Optional[Path] = None,
 ) -> None:
     """Evaluate a litgpt checkpoint on lm-evaluation-harness tasks, or measure its perplexity on a text file.
 
@@ -55,10 +57,15 @@ def main(
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
             (16-true without bf16 support), 32-true on the CPU.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
+        dtype: LitGPT's name for --precision (float32, bfloat16, float16); give one of the two.
+        save_filepath: Where the results JSON goes instead of OUT_DIR/results.json (as in LitGPT).
     """
     from litgpt.checkpoint.model_files import find_checkpoint_dir
 
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
+    if dtype is not None and precision is not None:
+        raise UserError("Give either --precision or --dtype (LitGPT's name for it), not both.")
+    precision = precision or dtype
     task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
     tasks_and_manager = load_tasks(task_names, include_path) if task_names else None
 
@@ -79,7 +86,7 @@ def main(
     if perplexity is not None:
         report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
-    write_report(report, out_dir / RESULTS_FILE)
+    write_report(report, Path(save_filepath) if save_filepath is not None else out_dir / RESULTS_FILE)
 
 
 def check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path) -> list[str]:
