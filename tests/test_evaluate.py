@@ -121,8 +121,11 @@ def requests(kind: str, arguments: list[tuple]):
     return [Instance(request_type=kind, doc={}, arguments=args, idx=0) for args in arguments]
 
 
-def test_loglikelihoods_equal_a_plain_log_softmax(loaded):
-    model, tokenizer = loaded
+@pytest.mark.parametrize("overrides", [{}, {"final_logit_softcapping": 4.0}], ids=["plain", "softcapping"])
+def test_loglikelihoods_equal_a_plain_log_softmax(tmp_path, overrides):
+    model, tokenizer = load_model_and_tokenizer(
+        write_lit_checkpoint(tmp_path / "tiny", "llama", block_size=32, **overrides), precision="32-true", device="cpu"
+    )
     long_context = " ".join(["the cat sat on the mat"] * 12)  # longer than the block size: cut from the left
     pairs = [(doc["question"], f" {choice}") for doc in DOCS for choice in doc["choices"]] + [(long_context, " ok")]
     assert len(tokenizer.encode(long_context)) > model.config.block_size
@@ -205,12 +208,19 @@ def test_perplexity_equals_exp_mean_nll_by_hand(checkpoint, loaded, tmp_path):
 
 
 def test_bad_input_is_one_line(checkpoint, task_folder, tmp_path, capsys):
+    hub_task = tmp_path / "hub_task"  # a task whose data are on the hub, which is not reachable offline
+    hub_task.mkdir()
+    (hub_task / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: nobody/no_such_dataset\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: ['a', 'b']\ndoc_to_target: 0\nmetric_list:\n  - metric: acc\n"
+    )
     cases = [
         (["evaluate", str(tmp_path / "nowhere"), "--tasks", "tiny_mc"], "does not exist"),
         (["evaluate", str(checkpoint)], "--tasks"),
         (["evaluate", str(checkpoint), "--perplexity", str(tmp_path / "none.txt")], "is not a file"),
         (["evaluate", str(checkpoint), "--tasks", "tiny_mc", "--include_path", str(tmp_path / "no")], "not a folder"),
         (["evaluate", str(checkpoint), "--tasks", "tiny_mc", "--batch_size", "0"], "--batch_size"),
+        (["evaluate", str(checkpoint), "--tasks", "hub_task", "--include_path", str(hub_task)], "HF_HUB_OFFLINE"),
     ]
     for argv, words in cases:
         with pytest.raises(SystemExit) as exit_info:

@@ -14,6 +14,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from litgpt.errors import UserError
 from litgpt.generate import generate
 
 
@@ -103,27 +104,39 @@ def continuation_loglikelihoods(
     """(sum of log-probabilities of the continuation given the context, whether greedy decoding gives it) for each
     (context ids, continuation ids) pair. The model sees at most the last `max_length` tokens of context +
     continuation (minus the last token, which is only predicted); pairs go through in batches of `batch_size`,
-    longest first (less padding), right-padded."""
+    longest first (less padding), right-padded. Logits are computed only where a continuation is predicted."""
+    for _, continuation in pairs:
+        if len(continuation) > max_length:
+            raise UserError(
+                f"A continuation of {len(continuation)} tokens does not fit in a context of {max_length} tokens: "
+                "raise --max_length (up to the model's block_size) or use a model with a longer context."
+            )
     device = model.lm_head.weight.device
     order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-    results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
+    results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation has probability 1
+    order = [index for index in order if pairs[index][1]]
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
-        inputs = []
-        for index in batch:
-            context, continuation = pairs[index]
-            if not continuation:
-                raise ValueError("A continuation to score must have at least one token.")
-            inputs.append((list(context) + list(continuation))[-(max_length + 1) :][:-1])
-        width = max(len(ids) for ids in inputs)
-        padded = torch.zeros(len(batch), width, dtype=torch.long)
+        inputs = [(list(pairs[i][0]) + list(pairs[i][1]))[-(max_length + 1) :][:-1] for i in batch]
+        padded = torch.zeros(len(batch), max(len(ids) for ids in inputs), dtype=torch.long)
         for row, ids in enumerate(inputs):
             padded[row, : len(ids)] = torch.tensor(ids)
-        logits = model(padded.to(device)).float()
-        for row, index in enumerate(batch):
-            continuation = torch.tensor(pairs[index][1], device=device)
-            end = len(inputs[row])
-            rows = logits[row, end - len(continuation) : end].log_softmax(dim=-1)
-            score = rows.gather(-1, continuation[:, None]).sum().item()
-            results[index] = (score, bool((rows.argmax(dim=-1) == continuation).all()))
+        hidden = model(padded.to(device), return_hidden=True)
+        lengths = [len(pairs[index][1]) for index in batch]
+        # The hidden states that predict each continuation's tokens: the last n positions of its row.
+        predicting = torch.cat([hidden[row, len(ids) - n : len(ids)]
+                                for row, (ids, n) in enumerate(zip(inputs, lengths))])
+        logprobs = output_logits(model, predicting).float().log_softmax(dim=-1)
+        targets = torch.tensor([token for index in batch for token in pairs[index][1]], device=device)
+        token_scores = logprobs.gather(-1, targets[:, None])[:, 0].split(lengths)
+        greedy = (logprobs.argmax(dim=-1) == targets).split(lengths)
+        for index, scores, hits in zip(batch, token_scores, greedy):
+            results[index] = (scores.sum().item(), bool(hits.all()))
     return results
+
+
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits `GPT.forward` computes from the final norm's output `hidden`, for the rows given only."""
+    logits = model.lm_head(hidden)
+    softcap = model.config.final_logit_softcapping
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
