@@ -135,20 +135,31 @@ def test_loglikelihoods_equal_a_plain_log_softmax(tmp_path, overrides):
         assert [s for s, _ in scores] == pytest.approx(expected, abs=1e-4)
 
 
+@torch.inference_mode()
+def plain_greedy(model, tokenizer, context: str, new_tokens: int) -> str:
+    """Greedy decoding by recomputing every step on the whole sequence, no KV cache, up to EOS: the new text."""
+    prompt = tokenizer.encode(context).tolist()
+    ids = list(prompt)
+    for _ in range(min(new_tokens, model.config.block_size - len(prompt))):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        if ids[-1] == tokenizer.eos_id:
+            ids.pop()
+            break
+    return tokenizer.decode(ids[len(prompt):])
+
+
 def test_generate_until_equals_plain_greedy_decoding(loaded):
     model, tokenizer = loaded
-    context = "Q: The sky is\nA:"
-    ids = tokenizer.encode(context).tolist()
-    with torch.inference_mode():  # greedy by recomputing every step on the whole sequence, no KV cache
-        for _ in range(8):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    full = tokenizer.decode(ids[len(tokenizer.encode(context)):])
+    context, other = "Q: The sky is\nA:", "Q: Fire is\nA:"
+    full = plain_greedy(model, tokenizer, context, 8)
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     assert stop.strip(), f"pick a visible stop string in {full!r}"
-    lm = HarnessModel(model, tokenizer)
-    answers = lm.generate_until(requests("generate_until", [(context, {"until": [stop], "max_gen_toks": 8}),
-                                                            (context, {"until": ["\x00"], "max_gen_toks": 8})]))
-    assert answers == [full[: full.index(stop)], full]
+    arguments = [(context, {"until": [stop], "max_gen_toks": 8}), (other, {"until": ".", "max_gen_toks": 12}),
+                 (context, {"until": ["\x00"], "max_gen_toks": 8})]
+    expected = [full[: full.index(stop)], plain_greedy(model, tokenizer, other, 12).split(".")[0], full]
+    for batch_size in (1, 3):  # the two prompts of one length are decoded together with batch size 3
+        model_ = HarnessModel(model, tokenizer, batch_size=batch_size)
+        assert model_.generate_until(requests("generate_until", arguments)) == expected
 
 
 def test_tasks_from_include_path(checkpoint, task_folder, loaded, tmp_path):

@@ -2,8 +2,9 @@
 
 Loglikelihoods are computed in batches of `batch_size` sequences, longest first (least padding), right-padded: the
 model is causal, so what follows a sequence changes none of its logits. A sequence longer than the context is cut
-from the left, keeping the continuation whole. `generate_until` decodes greedily with the KV cache, one request at a
-time (the model has no padding mask for a batch of prompts of different lengths).
+from the left, keeping the continuation whole. `generate_until` decodes greedily with a KV cache, `batch_size` prompts
+at a time among prompts of the same length in tokens (the model has no padding mask, so prompts of different lengths
+cannot share a batch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from litgpt.errors import UserError
-from litgpt.generate import generate
 
 
 class HarnessModel(TemplateLM):
@@ -67,28 +67,66 @@ class HarnessModel(TemplateLM):
         return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        return [self.generate_one(context, dict(gen_kwargs)) for context, gen_kwargs in (r.args for r in requests)]
+        """Greedy continuations cut before the first stop string ("until") or the end token. Prompts of the same
+        length (in tokens) and the same `max_gen_toks` are decoded together, up to `batch_size` at a time."""
+        prepared = [self.prepare_generation(context, dict(gen_kwargs)) for context, gen_kwargs in
+                    (request.args for request in requests)]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, (ids, _, max_gen_toks) in enumerate(prepared):
+            groups.setdefault((len(ids), max_gen_toks), []).append(index)
+        answers = [""] * len(prepared)
+        for (_, max_gen_toks), indices in groups.items():
+            for first in range(0, len(indices), self.batch_size):
+                batch = indices[first : first + self.batch_size]
+                texts = greedy_until(self.model, self.lit_tokenizer, [prepared[i][0] for i in batch],
+                                     [prepared[i][1] for i in batch], max_gen_toks, self.eot_token_id)
+                for index, text in zip(batch, texts):
+                    answers[index] = text
+        return answers
 
-    def generate_one(self, context: str, gen_kwargs: dict) -> str:
-        """Greedy continuation of `context`, cut before the first stop string ("until") or the end token."""
+    def prepare_generation(self, context: str, gen_kwargs: dict) -> tuple[list[int], list[str], int]:
+        """The prompt's ids, the stop strings and the most tokens to generate of a generate_until request."""
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_gen_toks = int(gen_kwargs.pop("max_gen_toks", 256))
         # Room for the answer: the context keeps its last max_length - max_gen_toks tokens (at least one, and one
         # position short of the context, which generation needs).
         keep = max(1, min(self.max_length, self.model.config.block_size - 1) - max_gen_toks)
-        context_ids = self.tok_encode(context)[-keep:]
-        stop_ids = [self.eot_token_id] if self.eot_token_id is not None else []
-        new_ids: list[int] = []
-        for token in generate(self.model, context_ids, max_gen_toks, temperature=0.0, stop_ids=stop_ids):
-            new_ids.append(token)
-            text = self.lit_tokenizer.decode(new_ids)
-            if any(stop in text for stop in until):
-                break
-        return cut_at_stops(self.lit_tokenizer.decode(new_ids), until)
+        return self.tok_encode(context)[-keep:], until, max_gen_toks
 
     def get_model_info(self) -> dict:
         return {"checkpoint_dir": str(self.lit_tokenizer.checkpoint_dir)}
+
+
+@torch.inference_mode()
+def greedy_until(model, tokenizer, prompts: list[list[int]], stops: list[list[str]], max_new_tokens: int,
+                 stop_id: Optional[int]) -> list[str]:
+    """Greedy continuations of prompts of one length, decoded together with a KV cache of one row per prompt; each
+    is cut before the first of its stop strings, or its `stop_id` token. Ends when every row has stopped."""
+    device = model.lm_head.weight.device
+    rows, length = len(prompts), len(prompts[0])
+    new_tokens = min(max_new_tokens, model.config.block_size - length)
+    if new_tokens <= 0:
+        return [""] * rows
+    model.set_kv_cache(batch_size=rows, max_seq_length=length + new_tokens - 1)
+    logits = model(torch.tensor(prompts, device=device), input_pos=torch.arange(length, device=device))
+    generated: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for step in range(new_tokens):
+        tokens = logits[:, -1].argmax(dim=-1)
+        for row, token in enumerate(tokens.tolist()):
+            if done[row]:
+                continue
+            if token == stop_id:
+                done[row] = True
+                continue
+            generated[row].append(token)
+            done[row] = any(stop in tokenizer.decode(generated[row]) for stop in stops[row] if stop)
+        if all(done) or step + 1 == new_tokens:
+            break
+        logits = model(tokens[:, None], input_pos=torch.tensor([length + step], device=device))
+    model.clear_kv_cache()
+    return [cut_at_stops(tokenizer.decode(ids), row_stops) for ids, row_stops in zip(generated, stops)]
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
