@@ -34,6 +34,7 @@ def main(
     device: str = "auto",
     dtype: Optional[str] = None,
     save_filepath: Optional[Path] = None,
+    backend: str = "litgpt",
 ) -> None:
     """Evaluate a litgpt checkpoint on lm-evaluation-harness tasks, or measure its perplexity on a text file.
 
@@ -59,6 +60,8 @@ def main(
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         dtype: LitGPT's name for --precision (float32, bfloat16, float16); give one of the two.
         save_filepath: Where the results JSON goes instead of OUT_DIR/results.json (as in LitGPT).
+        backend: "litgpt" runs the tasks on our model, on lit_model.pth as it is. "hf" runs them on lm-eval's
+            transformers model instead, on a Hugging Face copy it writes to OUT_DIR/hf_model once (as LitGPT did).
     """
     from litgpt.checkpoint.model_files import find_checkpoint_dir
 
@@ -66,27 +69,61 @@ def main(
     if dtype is not None and precision is not None:
         raise UserError("Give either --precision or --dtype (LitGPT's name for it), not both.")
     precision = precision or dtype
+    if backend not in ("litgpt", "hf"):
+        raise UserError(f"--backend must be 'litgpt' (our model, the default) or 'hf' (transformers), got {backend!r}.")
     task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
     tasks_and_manager = load_tasks(task_names, include_path) if task_names else None
 
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
+    report: dict = {"checkpoint_dir": str(checkpoint_dir), "backend": backend}
+    lm = None
+    if perplexity is not None or backend == "litgpt":
+        lm = litgpt_harness_model(checkpoint_dir, precision, device, batch_size, max_length)
+    if tasks_and_manager is not None:
+        task_lm = lm if backend == "litgpt" else hf_harness_model(
+            checkpoint_dir, out_dir / "hf_model", precision, device, batch_size, max_length)
+        report.update(run_tasks(task_lm, *tasks_and_manager, num_fewshot, limit, seed))
+    if perplexity is not None:
+        report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
+    write_report(report, Path(save_filepath) if save_filepath is not None else out_dir / RESULTS_FILE)
+
+
+def checked_max_length(max_length: Optional[int], block_size: int) -> int:
+    if max_length is not None and not 1 < max_length <= block_size:
+        raise UserError(f"--max_length must be in 2..{block_size} (the model's block_size), got {max_length}.")
+    return max_length or block_size
+
+
+def litgpt_harness_model(checkpoint_dir: Path, precision, device: str, batch_size: int, max_length):
+    """The harness's model over our GPT with the weights of lit_model.pth."""
     from litgpt.evaluation.harness import HarnessModel
     from litgpt.generate import load_model_and_tokenizer
 
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device)
-    block_size = model.config.block_size
-    if max_length is not None and not 1 < max_length <= block_size:
-        raise UserError(f"--max_length must be in 2..{block_size} (the model's block_size), got {max_length}.")
-    lm = HarnessModel(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    max_length = checked_max_length(max_length, model.config.block_size)
     print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
+    return HarnessModel(model, tokenizer, batch_size=batch_size, max_length=max_length)
 
-    report: dict = {"checkpoint_dir": str(checkpoint_dir)}
-    if tasks_and_manager is not None:
-        report.update(run_tasks(lm, *tasks_and_manager, num_fewshot, limit, seed))
-    if perplexity is not None:
-        report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
-    write_report(report, Path(save_filepath) if save_filepath is not None else out_dir / RESULTS_FILE)
+
+def hf_harness_model(checkpoint_dir: Path, hf_dir: Path, precision, device: str, batch_size: int, max_length):
+    """lm-eval's own transformers model (HFLM) on a Hugging Face copy of the checkpoint in `hf_dir`, written by
+    `convert_from_litgpt` unless the folder holds one already (delete it to convert again)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from litgpt.config import Config
+    from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
+    from litgpt.generate import resolve_device, resolve_precision
+
+    max_length = checked_max_length(max_length, Config.from_checkpoint(checkpoint_dir).block_size)
+    target = resolve_device(device)
+    dtype = resolve_precision(precision, target)
+    if (hf_dir / "config.json").is_file():
+        print(f"Using the Hugging Face copy in {str(hf_dir)!r} (delete it to convert again).", file=sys.stderr)
+    else:
+        convert_lit_checkpoint(checkpoint_dir, hf_dir)
+    return HFLM(pretrained=str(hf_dir), backend="causal", batch_size=batch_size, max_length=max_length,
+                device=str(target), dtype=str(dtype).removeprefix("torch."))
 
 
 def check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path) -> list[str]:

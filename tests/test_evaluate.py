@@ -251,3 +251,38 @@ def test_unknown_task_is_one_line(checkpoint, task_folder, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'no_such_task'" in err and "--include_path" in err
     assert not (checkpoint / "evaluate").exists()
+
+
+@pytest.mark.slow  # converts the checkpoint and loads it in transformers
+def test_equals_lm_evals_transformers_model(checkpoint, task_folder, loaded, tmp_path):
+    """lm-eval's own HFLM on the convert_from_litgpt copy (`--backend hf`) is the reference: the same task results,
+    loglikelihoods and generations; rolling loglikelihoods condition on the BOS token once (HFLM's tokenizer would
+    add a second one after its prefix token, hence add_bos_token=False there)."""
+    from lm_eval.models.huggingface import HFLM
+
+    results = {}
+    for backend in ("litgpt", "hf"):
+        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_mc,tiny_gen", "--include_path", str(task_folder),
+                     "--num_fewshot", "1", "--batch_size", "2", "--device", "cpu", "--precision", "32-true",
+                     "--backend", backend, "--out_dir", str(tmp_path / backend)])
+        results[backend] = json.loads((tmp_path / backend / "results.json").read_text())["results"]
+    assert results["litgpt"] == results["hf"]
+
+    model, tokenizer = loaded
+    ours = HarnessModel(model, tokenizer, batch_size=2)
+    hf_dir = str(tmp_path / "hf" / "hf_model")
+    theirs = HFLM(pretrained=hf_dir, backend="causal", batch_size=2, device="cpu", dtype="float32")
+    pairs = [("The sky is", " blue"), ("", "Fire is hot"), (" ".join(["the cat sat"] * 30), " on the mat")]
+    expected = theirs.loglikelihood(requests("loglikelihood", pairs))
+    actual = ours.loglikelihood(requests("loglikelihood", pairs))
+    assert [s for s, _ in actual] == pytest.approx([s for s, _ in expected], abs=1e-4)
+    assert [g for _, g in actual] == [g for _, g in expected]
+    prompts = [("Q: The sky is\nA:", {"until": ["."], "max_gen_toks": 8}),
+               ("Q: Fire is\nA:", {"until": "\n", "max_gen_toks": 8})]
+    assert ours.generate_until(requests("generate_until", prompts)) == theirs.generate_until(
+        requests("generate_until", prompts))
+    text = [("Once upon a time a llama found a red ball. " * 6,)]
+    no_second_bos = HFLM(pretrained=hf_dir, backend="causal", batch_size=2, device="cpu", dtype="float32",
+                         add_bos_token=False)
+    assert ours.loglikelihood_rolling(requests("loglikelihood_rolling", text)) == pytest.approx(
+        no_second_bos.loglikelihood_rolling(requests("loglikelihood_rolling", text)), abs=1e-4)
