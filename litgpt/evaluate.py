@@ -72,17 +72,17 @@ def main(
     if backend not in ("litgpt", "hf"):
         raise UserError(f"--backend must be 'litgpt' (our model, the default) or 'hf' (transformers), got {backend!r}.")
     task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
-    tasks_and_manager = load_tasks(task_names, include_path) if task_names else None
+    task_manager = load_tasks(task_names, include_path) if task_names else None
 
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
     report: dict = {"checkpoint_dir": str(checkpoint_dir), "backend": backend}
     lm = None
     if perplexity is not None or backend == "litgpt":
         lm = litgpt_harness_model(checkpoint_dir, precision, device, batch_size, max_length)
-    if tasks_and_manager is not None:
+    if task_manager is not None:
         task_lm = lm if backend == "litgpt" else hf_harness_model(
             checkpoint_dir, out_dir / "hf_model", precision, device, batch_size, max_length)
-        report.update(run_tasks(task_lm, *tasks_and_manager, num_fewshot, limit, seed))
+        report.update(run_tasks(task_lm, task_names, task_manager, num_fewshot, limit, seed))
     if perplexity is not None:
         report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
     write_report(report, Path(save_filepath) if save_filepath is not None else out_dir / RESULTS_FILE)
@@ -155,11 +155,11 @@ def import_lm_eval() -> None:
         raise UserError("`litgpt evaluate --tasks` needs lm-evaluation-harness: `pip install lm-eval`.") from None
 
 
-def load_tasks(task_names: list[str], include_path: Optional[Path]) -> tuple[dict, object]:
-    """lm-eval's task objects for `task_names` (their data loaded) and the TaskManager that found them. The user's
-    folder is indexed alone first: indexing lm-eval's own thousands of tasks takes seconds, and is needed only for a
-    name that is not there."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+def load_tasks(task_names: list[str], include_path: Optional[Path]):
+    """The TaskManager that finds `task_names`, once each task's data have been loaded (bad input fails here, before
+    the model is loaded; the harness loads them again, from the datasets cache). The user's folder is indexed alone
+    first: indexing lm-eval's own thousands of tasks takes seconds, and is needed only for a name that is not there."""
+    from lm_eval.tasks import TaskManager
 
     manager = None
     if include_path is not None:
@@ -177,7 +177,8 @@ def load_tasks(task_names: list[str], include_path: Optional[Path]) -> tuple[dic
             "task YAML with local data files into a folder and pass it with --include_path FOLDER."
         )
     try:
-        return get_task_dict(task_names, manager), manager
+        manager.load(task_names)
+        return manager
     except Exception as error:  # datasets raises many types (offline, missing file, bad config): name the cause
         cause = " ".join(str(error).split())[:300]
         raise UserError(
@@ -187,14 +188,14 @@ def load_tasks(task_names: list[str], include_path: Optional[Path]) -> tuple[dic
         ) from None
 
 
-def run_tasks(lm, task_dict: dict, manager, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
+def run_tasks(lm, task_names: list[str], manager, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
     """Run the harness; returns the parts of its results worth keeping, and prints its table."""
     from lm_eval import simple_evaluate
     from lm_eval.utils import make_table
 
     results = simple_evaluate(
         lm,
-        tasks=list(task_dict.values()),
+        tasks=task_names,
         task_manager=manager,
         num_fewshot=num_fewshot,
         limit=limit,

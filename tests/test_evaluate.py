@@ -65,6 +65,11 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """,
+    "tiny_all.yaml": """group: tiny_all
+task: [tiny_mc, tiny_gen]
+aggregate_metric_list:
+  - metric: acc
+""",
 }
 
 
@@ -184,15 +189,16 @@ def test_tasks_from_include_path(checkpoint, task_folder, loaded, tmp_path):
     assert 0 <= results[1]["results"]["tiny_gen"]["exact_match,none"] <= 1
 
 
-def test_one_shot(checkpoint, task_folder, tmp_path):
+def test_one_shot_group(checkpoint, task_folder, tmp_path):
     runs = []
     for batch_size in (1, 2):
-        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_mc", "--include_path", str(task_folder),
+        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_all", "--include_path", str(task_folder),
                      "--num_fewshot", "1", "--limit", "4", "--batch_size", str(batch_size), "--device", "cpu",
                      "--out_dir", str(tmp_path / str(batch_size))])
         runs.append(json.loads((tmp_path / str(batch_size) / "results.json").read_text()))
-    assert runs[0]["n-shot"] == {"tiny_mc": 1}
+    assert runs[0]["n-shot"] == {"tiny_all": 1, "tiny_mc": 1, "tiny_gen": 1}
     assert runs[0]["results"] == runs[1]["results"]
+    assert runs[0]["groups"]["tiny_all"]["acc,none"] == runs[0]["results"]["tiny_mc"]["acc,none"]
 
 
 def test_perplexity_equals_exp_mean_nll_by_hand(checkpoint, loaded, tmp_path):
