@@ -6,6 +6,7 @@ in place, no Hugging Face copy is written. Needs `pip install lm-eval`.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -62,6 +63,7 @@ def main(
         save_filepath: Where the results JSON goes instead of OUT_DIR/results.json (as in LitGPT).
         backend: "litgpt" runs the tasks on our model, on lit_model.pth as it is. "hf" runs them on lm-eval's
             transformers model instead, on a Hugging Face copy it writes to OUT_DIR/hf_model once (as LitGPT did).
+            --perplexity always runs on our model.
     """
     from litgpt.checkpoint.model_files import find_checkpoint_dir
 
@@ -72,6 +74,7 @@ def main(
     if backend not in ("litgpt", "hf"):
         raise UserError(f"--backend must be 'litgpt' (our model, the default) or 'hf' (transformers), got {backend!r}.")
     task_names = check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path)
+    text = read_text_file(perplexity) if perplexity is not None else None
     task_manager = load_tasks(task_names, include_path) if task_names else None
 
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir / "evaluate"
@@ -83,8 +86,8 @@ def main(
         task_lm = lm if backend == "litgpt" else hf_harness_model(
             checkpoint_dir, out_dir / "hf_model", precision, device, batch_size, max_length)
         report.update(run_tasks(task_lm, task_names, task_manager, num_fewshot, limit, seed))
-    if perplexity is not None:
-        report["perplexity"] = file_perplexity(lm, perplexity, stride or max(1, lm.max_length // 2))
+    if text is not None:
+        report["perplexity"] = file_perplexity(lm, perplexity, text, stride or max(1, lm.max_length // 2))
     write_report(report, Path(save_filepath) if save_filepath is not None else out_dir / RESULTS_FILE)
 
 
@@ -141,8 +144,6 @@ def check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, i
         raise UserError(f"--num_fewshot must be >= 0, got {num_fewshot}.")
     if stride is not None and stride < 1:
         raise UserError(f"--stride must be >= 1, got {stride}.")
-    if perplexity is not None and not Path(perplexity).is_file():
-        raise UserError(f"--perplexity {str(perplexity)!r} is not a file; give a UTF-8 text file.")
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"--include_path {str(include_path)!r} is not a folder; give the folder of your task YAMLs.")
     return task_names
@@ -212,16 +213,25 @@ def run_tasks(lm, task_names: list[str], manager, num_fewshot: Optional[int], li
     return {key: results[key] for key in kept if key in results}
 
 
-def file_perplexity(lm, path: Path, stride: int) -> dict:
-    """Mean negative log-likelihood per token (nats) and perplexity of the text in `path`, with `lm.rolling_scores`'
-    sliding windows of `lm.max_length` tokens moving by `stride`."""
+def read_text_file(path: Path) -> str:
+    """The text of --perplexity's file; UserError when it is missing, not UTF-8 or empty."""
+    if not Path(path).is_file():
+        raise UserError(f"--perplexity {str(path)!r} is not a file; give a UTF-8 text file.")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise UserError(f"--perplexity {str(path)!r} is not UTF-8 text ({error}).") from None
+    if not text:
+        raise UserError(f"--perplexity {str(path)!r} is empty: give a file with text to score.")
+    return text
+
+
+def file_perplexity(lm, path: Path, text: str, stride: int) -> dict:
+    """Mean negative log-likelihood per token (nats) and perplexity of `text` (read from `path`), with
+    `lm.rolling_scores`' sliding windows of `lm.max_length` tokens moving by `stride`."""
     tokens = lm.tok_encode(text, add_special_tokens=False)
     if not tokens:
-        raise UserError(f"--perplexity {str(path)!r} holds no text to score.")
+        raise UserError(f"--perplexity {str(path)!r} holds no text to score (its text gives no tokens).")
     stride = min(stride, lm.max_length)
     nll = -sum(score for score, _ in lm.rolling_scores(tokens, stride=stride))
     mean_nll = nll / len(tokens)
@@ -233,8 +243,6 @@ def file_perplexity(lm, path: Path, stride: int) -> dict:
 
 
 def write_report(report: dict, path: Path) -> None:
-    import json
-
     from litgpt.io import atomic_write_text
 
     default = str

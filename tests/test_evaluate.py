@@ -225,6 +225,8 @@ def test_perplexity_equals_exp_mean_nll_by_hand(checkpoint, loaded, tmp_path):
 
 
 def test_bad_input_is_one_line(checkpoint, task_folder, tmp_path, capsys):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00text")
     hub_task = tmp_path / "hub_task"  # a task whose data are on the hub, which is not reachable offline
     hub_task.mkdir()
     (hub_task / "hub_task.yaml").write_text(
@@ -235,6 +237,7 @@ def test_bad_input_is_one_line(checkpoint, task_folder, tmp_path, capsys):
         (["evaluate", str(tmp_path / "nowhere"), "--tasks", "tiny_mc"], "does not exist"),
         (["evaluate", str(checkpoint)], "--tasks"),
         (["evaluate", str(checkpoint), "--perplexity", str(tmp_path / "none.txt")], "is not a file"),
+        (["evaluate", str(checkpoint), "--perplexity", str(binary)], "not UTF-8"),
         (["evaluate", str(checkpoint), "--tasks", "tiny_mc", "--include_path", str(tmp_path / "no")], "not a folder"),
         (["evaluate", str(checkpoint), "--tasks", "tiny_mc", "--batch_size", "0"], "--batch_size"),
         (["evaluate", str(checkpoint), "--tasks", "hub_task", "--include_path", str(hub_task)], "HF_HUB_OFFLINE"),
