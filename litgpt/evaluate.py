@@ -189,7 +189,8 @@ def load_tasks(task_names: list[str], include_path: Optional[Path]):
         ) from None
 
 
-def run_tasks(lm, task_names: list[str], manager, num_fewshot: Optional[int], limit: Optional[float], seed: int) -> dict:
+def run_tasks(lm, task_names: list[str], manager, num_fewshot: Optional[int], limit: Optional[float],
+              seed: int) -> dict:
     """Run the harness; returns the parts of its results worth keeping, and prints its table."""
     from lm_eval import simple_evaluate
     from lm_eval.utils import make_table
