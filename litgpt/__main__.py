@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
     "compress_moe": ("litgpt.compress_moe:main", "Keep the most-routed experts of a mixture-of-experts model."),
     "consolidate": ("litgpt.consolidate:main", "Turn a sharded checkpoint into one lit_model.pth."),
+    "evaluate": ("litgpt.evaluate:main", "Evaluate a model on lm-evaluation-harness tasks or a text file's perplexity."),
     "plan": ("litgpt.plan:main", "Estimate the memory per device of a training run before starting it."),
 }
 

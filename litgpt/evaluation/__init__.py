@@ -1,0 +1,1 @@
+"""`litgpt evaluate`'s parts: the lm-evaluation-harness model over our GPT."""
