@@ -1,0 +1,166 @@
+"""`litgpt distill`: the KD losses against hand computations, the frozen teacher, the CLI end to end (one process,
+two FSDP processes, resume), a distilled student that is closer to its teacher than a CE-trained one, bad input."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checkpoint_helpers import write_random_checkpoint
+
+from litgpt.args import KDArgs
+from litgpt.config import Config
+from litgpt.data.tiny import TINY_DIR
+from litgpt.io import load_state_dict
+from litgpt.model import GPT
+from litgpt.tokenizer import Tokenizer
+from litgpt.train.loss import (
+    DistillationChunkLoss,
+    OutputHead,
+    _HeadInDtype,
+    chunked_head_loss,
+    distillation_loss_function,
+    loss_function,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(block_size=64, vocab_size=4096, padded_vocab_size=4096, n_head=4, n_query_groups=2,
+            norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", bias=False)
+TEACHER = dict(name="kd-teacher", n_layer=2, n_embd=64, intermediate_size=128, **BASE)
+STUDENT = dict(name="kd-student", n_layer=1, n_embd=32, intermediate_size=64, **BASE)
+IGNORE = -100
+
+
+# ---- the losses against a hand computation ------------------------------------------------------------------------------
+def hand_kd(student_logits, teacher_logits, labels, name: str, temperature: float, alpha: float):
+    """alpha * T^2 * mean divergence + (1 - alpha) * mean CE over labelled positions, written out with softmaxes:
+    (total, kd, ce)."""
+    log_q = torch.log_softmax(student_logits / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    q, p = log_q.exp(), log_p.exp()
+    if name == "forward_kl":
+        divergence = (p * (log_p - log_q)).sum(-1)
+    elif name == "reverse_kl":
+        divergence = (q * (log_q - log_p)).sum(-1)
+    else:
+        log_m = torch.log((p + q) / 2)
+        divergence = 0.5 * (q * (log_q - log_m)).sum(-1) + 0.5 * (p * (log_p - log_m)).sum(-1)
+    labelled = labels != IGNORE
+    log_probs = torch.log_softmax(student_logits, dim=-1)
+    nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    count = labelled.sum()
+    kd = temperature**2 * divergence[labelled].sum() / count
+    ce = nll[labelled].sum() / count
+    return alpha * kd + (1 - alpha) * ce, kd, ce
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "js"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_chunked_kd_loss_and_gradients_equal_the_hand_computation(name, chunk_size):
+    """Random float64 hidden states and heads, T 1.7, alpha 0.3, masked positions: the chunked value, its parts and
+    the gradients with respect to the student's hidden states and head equal autograd through `hand_kd`."""
+    torch.manual_seed(0)
+    batch, seq, vocab = 2, 9, 13
+    hidden = torch.randn(batch, seq, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 6, dtype=torch.float64, requires_grad=True)
+    teacher_hidden = torch.randn(batch, seq, 8, dtype=torch.float64)
+    teacher_weight = torch.randn(vocab, 8, dtype=torch.float64) * 2
+    labels = torch.randint(0, vocab, (batch, seq))
+    labels[0, :4] = IGNORE
+    labels[1, 7] = IGNORE
+    kd = KDArgs(name, temperature=1.7, alpha=0.3)
+
+    chunk_loss = DistillationChunkLoss(kd, _HeadInDtype(teacher_weight, None, None, None, None, torch.float64))
+    total = chunked_head_loss(hidden, OutputHead(weight), (labels, teacher_hidden), chunk_loss, chunk_size)
+    count = (labels != IGNORE).sum()
+    losses = chunk_loss.losses(total, count)
+    grads = torch.autograd.grad(losses["loss"], (hidden, weight))
+
+    expected, kd_part, ce_part = hand_kd(hidden @ weight.T, teacher_hidden @ teacher_weight.T, labels, name, 1.7, 0.3)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    assert kd_part > 0.05 and ce_part > 0.05  # both terms matter
+    # the chunk losses compute in float32 (the logits of a run are float32 there)
+    for got, want in ((losses["loss"], expected), (losses["kd_loss"], kd_part), (losses["ce_loss"], ce_part)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=2e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def tiny_models(teacher_changes: dict = {}):
+    torch.manual_seed(1)
+    teacher = GPT(Config(**{**TEACHER, **teacher_changes}))
+    teacher.init_weights()
+    with torch.no_grad():  # a confident teacher: its distribution is far from the student's
+        teacher.lm_head.weight.mul_(20)
+    teacher.requires_grad_(False)
+    student = GPT(Config(**STUDENT))
+    student.init_weights()
+    return student, teacher
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "js"])
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_model_distillation_loss_equals_the_hand_computation(name, chunked, alpha):
+    """The loss a run trains with, on real models (a teacher with a biased, soft-capped head): chunked (chunks of 7
+    positions) and on whole logits, its value and the student's gradients equal `hand_kd` on the two models'
+    logits; the teacher gets no gradient."""
+    student, teacher = tiny_models(dict(lm_head_bias=True, final_logit_softcapping=15.0))
+    x = torch.randint(0, 4096, (2, 12))
+    y = torch.randint(0, 4096, (2, 12))
+    y[0, :5] = IGNORE
+    kd = KDArgs(name, temperature=2.5, alpha=alpha)
+    losses = distillation_loss_function(teacher, kd, chunk_size=7, chunked=chunked)(student, x, y)
+    grads = torch.autograd.grad(losses["loss"], list(student.parameters()))
+    expected, kd_part, ce_part = hand_kd(student(x).double(), teacher(x).double(), y, name, 2.5, alpha)
+    expected_grads = torch.autograd.grad(expected, list(student.parameters()))
+    assert set(losses) == {"loss", "kd_loss", "ce_loss"}
+    torch.testing.assert_close(losses["loss"].double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses["kd_loss"].double(), kd_part, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses["ce_loss"].double(), ce_part, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+
+
+class GPTWithRouterLoss(GPT):
+    """A stand-in for a mixture-of-experts model (plumbing only): its "router loss" is a differentiable function of
+    its weights."""
+
+    def router_aux_loss(self):
+        return 0.01 * self.transformer.h[0].mlp.fc_1.weight.square().sum()
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_a_router_aux_loss_is_added_and_reported(distill):
+    """Plumbing only (the MoE model brings the real one): a model's `router_aux_loss` is added to the loss, with its
+    gradient, and reported as `aux_loss` beside `ce_loss`; a model without one gets the loss alone."""
+    torch.manual_seed(0)
+    student = GPTWithRouterLoss(Config(**STUDENT))
+    student.init_weights()
+    plain = GPT(Config(**STUDENT))
+    plain.load_state_dict(student.state_dict())
+    _, teacher = tiny_models()
+    x, y = torch.randint(0, 4096, (2, 8)), torch.randint(0, 4096, (2, 8))
+    function = (distillation_loss_function(teacher, KDArgs(alpha=0.5), chunk_size=5) if distill
+                else loss_function("cross_entropy", chunk_size=5))
+    losses, plain_losses = function(student, x, y), function(plain, x, y)
+    aux = student.router_aux_loss()
+    assert aux > 0 and losses["aux_loss"] == aux and "aux_loss" not in plain_losses
+    assert set(plain_losses) == ({"loss", "kd_loss", "ce_loss"} if distill else {"loss"})
+    torch.testing.assert_close(losses["ce_loss"], plain_losses.get("ce_loss", plain_losses["loss"]))
+    torch.testing.assert_close(losses["loss"], plain_losses["loss"] + aux)
+    weight, plain_weight = student.transformer.h[0].mlp.fc_1.weight, plain.transformer.h[0].mlp.fc_1.weight
+    (grad,) = torch.autograd.grad(losses["loss"], [weight])
+    (plain_grad,) = torch.autograd.grad(plain_losses["loss"], [plain_weight])
+    torch.testing.assert_close(grad, plain_grad + 0.02 * weight.detach())  # d(0.01 |w|^2)/dw
