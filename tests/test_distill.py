@@ -164,3 +164,156 @@ def test_a_router_aux_loss_is_added_and_reported(distill):
     (grad,) = torch.autograd.grad(losses["loss"], [weight])
     (plain_grad,) = torch.autograd.grad(plain_losses["loss"], [plain_weight])
     torch.testing.assert_close(grad, plain_grad + 0.02 * weight.detach())  # d(0.01 |w|^2)/dw
+
+
+# ---- the command, end to end -------------------------------------------------------------------------------------------
+def child_environment(**extra: str) -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LITGPT_"))}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def litgpt(*args, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "litgpt", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=child_environment(**env),
+                          timeout=timeout)
+
+
+def schedule(steps: int, global_batch: int = 4, micro: int = 1, lr: float = 0.003) -> list:
+    """Flags of a short run on the bundled tiny corpus (seq 64; Adam's eps 1e-6, as tests/test_distributed.py says
+    why, so that two world sizes stay comparable)."""
+    return [
+        "--train.max_steps", steps, "--train.global_batch_size", global_batch, "--train.micro_batch_size", micro,
+        "--train.max_seq_length", 64, "--train.lr_warmup_steps", 1, "--train.log_interval", 1,
+        "--train.max_norm", 1.0, "--eval.interval", 1000, "--eval.max_iters", 2, "--optimizer.class_path",
+        "torch.optim.AdamW", "--optimizer.init_args.lr", lr, "--optimizer.init_args.eps", 1e-6, "--compiler", "none",
+    ]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    """A teacher trained briefly by `litgpt pretrain` on the bundled corpus, a random student checkpoint, configs."""
+    root = tmp_path_factory.mktemp("distill")
+    Config(**TEACHER).save(root / "teacher.yaml")
+    Config(**STUDENT).save(root / "student.yaml")
+    data = ["--data", "Tiny", "--data.cache_dir", root / "cache"]
+    p = litgpt("pretrain", "--model_config", root / "teacher.yaml", "--tokenizer_dir", TINY_DIR / "tokenizer",
+               "--out_dir", root / "teacher_run", *data, *schedule(50, 8, 8, lr=0.01), "--train.save_interval", 1000)
+    assert p.returncode == 0, p.stderr
+    student = write_random_checkpoint(root / "student", Config(**STUDENT), seed=2)
+    return {"root": root, "teacher": root / "teacher_run" / "final", "student": student, "data": data}
+
+
+def distill_args(world: dict, out_dir: Path, steps: int = 4, *extra) -> list:
+    return ["distill", world["student"], "--teacher_dir", world["teacher"], "--out_dir", out_dir, *world["data"],
+            *schedule(steps), "--train.save_interval", 2, "--seed", 5, "--kd.loss", "js", "--kd.temperature", 2.0,
+            "--kd.alpha", 0.5, *extra]
+
+
+def logged(out_dir: Path) -> list[dict]:
+    (log,) = Path(out_dir).rglob("metrics.csv")
+    with open(log) as f:
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f) if row.get("loss")]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def distilled(world) -> Path:
+    """One process, 4 steps, checkpoints at steps 2 and 4."""
+    before = digest(world["teacher"] / "lit_model.pth")
+    out_dir = world["root"] / "distilled"
+    p = litgpt(*distill_args(world, out_dir))
+    assert p.returncode == 0, p.stderr
+    assert digest(world["teacher"] / "lit_model.pth") == before
+    return out_dir
+
+
+def test_the_run_logs_both_losses_and_saves_the_student_alone(world, distilled):
+    rows = logged(distilled)
+    assert len(rows) == 4
+    for row in rows:  # the logged loss is 0.5 KD + 0.5 CE, both parts logged (at T 2, the KD term is not 0)
+        assert row["kd_loss"] > 0.01 and row["ce_loss"] > 1
+        assert abs(row["loss"] - (0.5 * row["kd_loss"] + 0.5 * row["ce_loss"])) < 1e-4
+    metrics = json.loads((distilled / "metrics.json").read_text())
+    assert abs(metrics["kd_loss"] - rows[-1]["kd_loss"]) < 1e-5 and abs(metrics["ce_loss"] - rows[-1]["ce_loss"]) < 1e-5
+    assert metrics["val_loss"] > 1  # the student's cross-entropy
+
+    student = GPT(Config(**STUDENT))
+    shapes = {key: value.shape for key, value in student.state_dict().items()}
+    for folder in ("step-000002", "final"):
+        saved = load_state_dict(distilled / folder / "lit_model.pth")
+        assert {key: value.shape for key, value in saved.items()} == shapes  # the student, nothing of the teacher
+    optimizer = torch.load(distilled / "step-000002" / "training_state.pth", weights_only=True)["optimizer"]
+    assert set(optimizer["state"]) == {name for name, _ in student.named_parameters()}
+    p = litgpt("generate", distilled / "final", "--prompt", "Once upon a time", "--max_new_tokens", 5)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().startswith("Once upon a time")
+
+
+@pytest.mark.slow
+def test_two_fully_sharded_processes_equal_one(world, distilled):
+    """The student and the teacher sharded over 2 processes: the same losses (1e-5) and weights (1e-4)."""
+    out_dir = world["root"] / "two"
+    p = litgpt(*distill_args(world, out_dir), "--devices", 2, "--fsdp.sharding_strategy", "FULL_SHARD")
+    assert p.returncode == 0, p.stderr
+    ours, theirs = logged(out_dir), logged(distilled)
+    for name in ("loss", "kd_loss", "ce_loss"):
+        torch.testing.assert_close(torch.tensor([r[name] for r in ours]), torch.tensor([r[name] for r in theirs]),
+                                   rtol=0, atol=1e-5)
+    a, b = (load_state_dict(run / "final" / "lit_model.pth") for run in (out_dir, distilled))
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
+    assert json.loads((out_dir / "metrics.json").read_text())["sharding_strategy"] == "FULL_SHARD"
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bit_exact(world, distilled):
+    """Killed after step 3 (the last checkpoint is step 2), then `--resume auto`: the teacher is read again from its
+    folder and the run ends with the uninterrupted run's weights, bit for bit."""
+    out_dir = world["root"] / "killed"
+    p = litgpt(*distill_args(world, out_dir), LITGPT_FAILPOINT="step:end@3", LITGPT_FAILPOINTS_ARMED="1")
+    assert p.returncode != 0 and not (out_dir / "final").exists()
+    p = litgpt(*distill_args(world, out_dir), "--resume", "auto")
+    assert p.returncode == 0, p.stderr
+    assert "Resuming from " in p.stdout and "step-000002" in p.stdout
+    ours, theirs = (load_state_dict(run / "final" / "lit_model.pth") for run in (out_dir, distilled))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def kl_to_teacher(teacher_dir: Path, student_dir: Path) -> float:
+    """Mean KL(teacher || student) over the positions of 32 validation stories (64 tokens each), in float64."""
+    def load(folder: Path) -> GPT:
+        model = GPT(Config.from_checkpoint(folder))
+        model.load_state_dict(load_state_dict(folder / "lit_model.pth"))
+        return model.eval()
+
+    tokenizer = Tokenizer(teacher_dir)
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")
+    ids = torch.stack([ids[:64] for ids in map(tokenizer.encode, stories[:48]) if len(ids) >= 64][:32])
+    with torch.no_grad():
+        log_p = torch.log_softmax(load(teacher_dir)(ids).double(), dim=-1)
+        log_q = torch.log_softmax(load(student_dir)(ids).double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+
+
+@pytest.mark.slow
+def test_a_distilled_student_is_closer_to_its_teacher_than_one_trained_on_the_labels(world):
+    """The same random student (same config and seed), 30 steps on the bundled corpus: distilled (pure forward KL)
+    vs pretrained with cross-entropy; the KL to the teacher, computed here in plain PyTorch, is clearly lower."""
+    runs = {"kd": world["root"] / "kl-kd", "ce": world["root"] / "kl-ce"}
+    same = ["--model_config", world["root"] / "student.yaml", *world["data"], *schedule(30, 8, 8, lr=0.01),
+            "--train.save_interval", 1000, "--seed", 7]
+    p = litgpt("distill", "--teacher_dir", world["teacher"], "--out_dir", runs["kd"], *same)
+    assert p.returncode == 0, p.stderr
+    p = litgpt("pretrain", "--tokenizer_dir", world["teacher"], "--out_dir", runs["ce"], *same)
+    assert p.returncode == 0, p.stderr
+    kl = {name: kl_to_teacher(world["teacher"], out_dir / "final") for name, out_dir in runs.items()}
+    print(f"KL(teacher || student) on validation tokens: {kl}")
+    assert kl["kd"] < 0.8 * kl["ce"], kl
