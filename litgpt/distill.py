@@ -169,10 +169,10 @@ def check_same_vocabulary(student_tokenizer_dir: Path, teacher_dir: Path) -> Non
     if not all(any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")) for folder in folders):
         return
     ours, theirs = (Tokenizer(folder).backend.get_vocab(with_added_tokens=True) for folder in folders)
-    if ours != theirs:
-        differ = len(set(ours.items()) ^ set(theirs.items()))
+    differ = sorted(token for token in ours.keys() | theirs.keys() if ours.get(token) != theirs.get(token))
+    if differ:
         raise UserError(
-            f"The student's tokenizer ({student_tokenizer_dir}) and the teacher's ({teacher_dir}) differ "
-            f"({differ} (token, id) pairs are in only one of them): distillation compares their distributions token "
-            "by token, so both need the same tokenizer."
+            f"The student's tokenizer ({student_tokenizer_dir}) and the teacher's ({teacher_dir}) differ: "
+            f"{len(differ)} token(s) have another id or are missing in one (first: {differ[0]!r}); distillation "
+            "compares their distributions token by token, so both need the same tokenizer."
         )

@@ -317,3 +317,84 @@ def test_a_distilled_student_is_closer_to_its_teacher_than_one_trained_on_the_la
     kl = {name: kl_to_teacher(world["teacher"], out_dir / "final") for name, out_dir in runs.items()}
     print(f"KL(teacher || student) on validation tokens: {kl}")
     assert kl["kd"] < 0.8 * kl["ce"], kl
+
+
+# ---- bad input: one line, exit code 1, nothing on disk changed ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def bad_world(tmp_path_factory) -> Path:
+    """A good student and teacher, and teachers that cannot teach it (random weights: every case fails first)."""
+    import shutil
+
+    import yaml
+
+    root = tmp_path_factory.mktemp("distill_bad")
+    write_random_checkpoint(root / "student", Config(**STUDENT))
+    teacher = write_random_checkpoint(root / "teacher", Config(**TEACHER))
+
+    def variant(name: str, **config_changes) -> Path:
+        folder = root / name
+        shutil.copytree(teacher, folder)
+        values = {**yaml.safe_load((folder / "model_config.yaml").read_text()), **config_changes}
+        (folder / "model_config.yaml").write_text(yaml.safe_dump(values))
+        return folder
+
+    (variant("no_weights") / "lit_model.pth").unlink()
+    (variant("no_config") / "model_config.yaml").unlink()
+    variant("other_vocab", vocab_size=4000)
+    variant("other_padding", padded_vocab_size=4160)
+    variant("short", block_size=32)
+    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[300], list(vocab)[301]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # the same tokens and size, two ids swapped
+    (variant("other_tokenizer") / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return root
+
+
+def folder_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        h.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+BAD_INPUT = [
+    ("no_weights", [], "--teacher_dir: '{root}/no_weights' has no lit_model.pth"),
+    ("other_vocab", [], "The student's vocab_size is 4096 but the teacher's"),
+    ("other_tokenizer", [], "differ: 2 token(s) have another id or are missing in one"),
+    ("teacher", ["--kd.loss", "kl"], "--kd.loss 'kl' is not a distillation loss: use one of forward_kl, reverse_kl, js"),
+    ("teacher", ["--kd.alpha", "1.5"], "--kd.alpha 1.5 is outside [0, 1]"),
+    ("teacher", ["--kd.temperature", "0"], "--kd.temperature 0.0 must be a finite number above 0"),
+    pytest.param("no_config", [], "has no model_config.yaml", marks=pytest.mark.slow),
+    pytest.param("other_padding", [], "The student's padded_vocab_size is 4096 but the teacher's",
+                 marks=pytest.mark.slow),
+    pytest.param("short", [], "longer than the teacher's block size 32", marks=pytest.mark.slow),
+    pytest.param("teacher", ["--kd.alpha", "-0.1"], "--kd.alpha -0.1 is outside [0, 1]", marks=pytest.mark.slow),
+    pytest.param("teacher", ["--kd.temperature", "-1"], "--kd.temperature -1.0 must be", marks=pytest.mark.slow),
+    pytest.param("missing", [], "--teacher_dir: Checkpoint folder '{root}/missing' does not exist",
+                 marks=pytest.mark.slow),
+    pytest.param("teacher", ["--model_config", "{root}/student/model_config.yaml"], "not both",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("teacher, flags, message", BAD_INPUT)
+def test_bad_input_is_one_line(bad_world, teacher, flags, message):
+    before = folder_digest(bad_world)
+    flags = [flag.format(root=bad_world) for flag in flags]
+    p = litgpt("distill", bad_world / "student", "--teacher_dir", bad_world / teacher, "--out_dir",
+               bad_world / "out", "--train.max_steps", 1, *flags)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("litgpt distill: error: ") and message.format(root=bad_world) in lines[0], lines[0]
+    assert folder_digest(bad_world) == before
+
+
+@pytest.mark.slow
+def test_no_student_or_no_teacher_is_one_line(bad_world):
+    for args, message in (([], "Give the student"), ([bad_world / "student"], "--teacher_dir")):
+        teacher = [] if args else ["--teacher_dir", bad_world / "teacher"]
+        p = litgpt("distill", *args, *teacher, "--out_dir", bad_world / "out")
+        assert p.returncode == 1 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
