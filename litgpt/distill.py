@@ -16,7 +16,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
-from litgpt.pretrain import CORE_COMPILERS, fsdp_for_strategy
+from litgpt.pretrain import fsdp_for_strategy
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
@@ -49,7 +49,7 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 42,
     profile: bool = False,
-    compiler: str = "auto",
+    compiler: Literal["auto", "none", "torch"] = "auto",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
     kd: KDArgs = KDArgs(),
 ) -> None:
@@ -86,8 +86,6 @@ def setup(
             them (FSDP's NO_SHARD).
         kd: The distillation loss: --kd.loss forward_kl|reverse_kl|js, --kd.temperature, --kd.alpha.
     """
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--compiler {compiler!r}: distill takes {', '.join(CORE_COMPILERS)}.")
     fsdp = fsdp_for_strategy(strategy, fsdp)
     job = distill_job(dict(locals()))
 

@@ -398,3 +398,50 @@ def test_no_student_or_no_teacher_is_one_line(bad_world):
         teacher = [] if args else ["--teacher_dir", bad_world / "teacher"]
         p = litgpt("distill", *args, *teacher, "--out_dir", bad_world / "out")
         assert p.returncode == 1 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# ---- the teacher on its devices ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
+                                              ("bf16-true", torch.bfloat16)])
+def test_the_teacher_is_frozen_in_eval_mode_in_the_compute_dtype_with_its_weights(tmp_path, precision, dtype):
+    from litgpt.distributed.fabric import build_fabric
+    from litgpt.train.recipe import Recipe, TeacherSettings
+
+    folder = write_random_checkpoint(tmp_path / "teacher", Config(**TEACHER), seed=3)
+    teacher_settings = TeacherSettings(Config(**TEACHER), folder / "lit_model.pth", KDArgs())
+    recipe = Recipe(name="distill", config=Config(**STUDENT), teacher=teacher_settings)
+    teacher = recipe.materialize_teacher(build_fabric(1, 1, precision), precision, compile_blocks=False)
+    assert not teacher.training
+    assert all(not p.requires_grad and p.dtype == dtype for p in teacher.parameters())
+    saved = load_state_dict(folder / "lit_model.pth")
+    assert teacher.state_dict().keys() == saved.keys()
+    for key, value in teacher.state_dict().items():
+        assert torch.equal(value, saved[key].to(dtype)), key
+    assert Recipe(name="pretrain", config=Config(**STUDENT)).materialize_teacher(None, precision, False) is None
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_of_a_fully_sharded_teacher(world, tmp_path):
+    """A 25M-parameter teacher of 32 small blocks beside a tiny student on 2 processes: each rank's peak RSS under
+    FULL_SHARD is lower than under NO_SHARD by about half the teacher's float32 weights, less what a forward gathers
+    at a time (the root, embeddings and head, and a block or two: about a quarter of that half here), plus the pages
+    of the memory-mapped teacher file that a rank does not read (NO_SHARD reads all of them, FULL_SHARD its half).
+    A teacher left whole on every rank would save nothing."""
+    config = Config(**{**TEACHER, "n_layer": 32, "n_embd": 256, "intermediate_size": 688})  # blocks of 0.8M
+    teacher = write_random_checkpoint(tmp_path / "teacher", config)
+    parameters = sum(t.numel() for t in load_state_dict(teacher / "lit_model.pth").values())
+    # glibc keeps freed memory unless told to return it; without this RSS hides what sharding saves.
+    env = dict(GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0")
+    peaks = {}
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        out_dir = tmp_path / strategy
+        args = distill_args(world, out_dir, 2)
+        args[args.index("--teacher_dir") + 1] = teacher
+        p = litgpt(*args, "--devices", 2, "--fsdp.sharding_strategy", strategy, "--fsdp.state_dict_type", "sharded",
+                   **env)
+        assert p.returncode == 0, p.stderr
+        peaks[strategy] = json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb_per_rank"]
+    half = 4 * parameters / 2 / 2**20  # float32 (32-true on the CPU), half on each of two ranks
+    saving = peaks["NO_SHARD"][1] - peaks["FULL_SHARD"][1]
+    print(f"teacher {parameters:,} parameters: half its weights {half:.1f} MB, saved per rank {saving:.1f} MB")
+    assert 0.6 * half < saving < 2.2 * half, (peaks, half)
