@@ -423,10 +423,10 @@ def test_the_teacher_is_frozen_in_eval_mode_in_the_compute_dtype_with_its_weight
 @pytest.mark.slow
 def test_each_rank_holds_half_of_a_fully_sharded_teacher(world, tmp_path):
     """A 25M-parameter teacher of 32 small blocks beside a tiny student on 2 processes: each rank's peak RSS under
-    FULL_SHARD is lower than under NO_SHARD by about half the teacher's float32 weights, less what a forward gathers
-    at a time (the root, embeddings and head, and a block or two: about a quarter of that half here), plus the pages
-    of the memory-mapped teacher file that a rank does not read (NO_SHARD reads all of them, FULL_SHARD its half).
-    A teacher left whole on every rank would save nothing."""
+    FULL_SHARD is lower than under NO_SHARD by about half the teacher's float32 weights, less what stays or is
+    gathered (the root, embeddings and head, and a block or two at a time: about a quarter of that half here), plus
+    the pages of the memory-mapped teacher file that a rank does not read (NO_SHARD reads all of them, FULL_SHARD its
+    half). A teacher left whole on every rank would save nothing."""
     config = Config(**{**TEACHER, "n_layer": 32, "n_embd": 256, "intermediate_size": 688})  # blocks of 0.8M
     teacher = write_random_checkpoint(tmp_path / "teacher", config)
     parameters = sum(t.numel() for t in load_state_dict(teacher / "lit_model.pth").values())

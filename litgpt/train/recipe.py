@@ -203,8 +203,12 @@ class Recipe:
         """The frozen teacher on the devices (None without one): built on the meta device, without gradients, in the
         run's compute dtype (bf16 under bf16-mixed too: it keeps no master weights), set up by the student's
         `parallelize` (sharded over the same mesh), its weights copied in shard by shard from `teacher.weights`, and
-        in eval mode. Every sharded part, the root too, reshards after its forward: it has no backward to wait for.
-        It never reaches the optimizer or the checkpoints."""
+        in eval mode. It never reaches the optimizer or the checkpoints.
+
+        Sharded, every block frees its gathered weights after its forward (no backward will come to do it, whatever
+        the sharding strategy); the root (embeddings, final norm, head) stays gathered after the first forward, as
+        the student's does from forward to backward, so the loss reads the teacher's head without another gather
+        (and with --fsdp.cpu_offload, from the device)."""
         if self.teacher is None:
             return None
         from litgpt.distributed.fsdp import is_sharded
@@ -218,7 +222,8 @@ class Recipe:
         teacher = parallelize(fabric, teacher, precision, initialize=lambda model: None,
                               activation_checkpointing=False, compile_blocks=compile_blocks)
         if is_sharded(teacher):
-            teacher.set_reshard_after_forward(True)
+            for block in teacher.transformer.h:
+                block.set_reshard_after_forward(True)
         path = Path(self.teacher.weights)
         copy_weights(teacher, load_state_dict(path), str(path), subject="The teacher's weights")
         return teacher.eval()
