@@ -445,3 +445,28 @@ def test_each_rank_holds_half_of_a_fully_sharded_teacher(world, tmp_path):
     saving = peaks["NO_SHARD"][1] - peaks["FULL_SHARD"][1]
     print(f"teacher {parameters:,} parameters: half its weights {half:.1f} MB, saved per rank {saving:.1f} MB")
     assert 0.6 * half < saving < 2.2 * half, (peaks, half)
+
+
+def test_the_plan_counts_the_teacher():
+    """`litgpt plan` with a teacher: its weights in 16 bits (bf16-mixed), each block's sharded over 2 devices and
+    the root's shard plus the root gathered, its final hidden states, and its chunk of logits with the KD buffers."""
+    from litgpt.checkpoint.model_files import meta_device
+    from litgpt.plan import estimate, format_plan
+
+    settings = dict(precision="bf16-mixed", sharding_strategy="FULL_SHARD", devices=2, micro_batch_size=2,
+                    seq_length=64, device="cpu")
+    alone = estimate(Config(**STUDENT), **settings)
+    distilling = estimate(Config(**STUDENT), **settings, teacher=Config(**TEACHER))
+    with meta_device():
+        teacher = GPT(Config(**TEACHER))
+    shards = sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in teacher.parameters())
+    root = sum(p.numel() for name, p in teacher.named_parameters() if not name.startswith("transformer.h."))
+    weights = 2 * (shards + root)
+    assert distilling.teacher_bytes == weights and distilling.teacher_params == 598_336
+    at_peak = {key: distilling.at_peak[key] - alone.at_peak[key] for key in alone.at_peak}
+    assert distilling.peak_phase == alone.peak_phase == "start of the backward pass"
+    assert at_peak["parameters"] == weights
+    assert at_peak["activations"] == 2 * 64 * 64 * 2  # the teacher's hidden states, bf16
+    assert at_peak["logits_loss"] == 128 * 4096 * (2 + 4 + 3 * 4)  # one chunk of all 128 positions
+    text = format_plan(distilling)
+    assert "distilled from a frozen 598.34 K-parameter teacher" in text and "Distillation: the frozen teacher" in text
