@@ -695,8 +695,8 @@ def _add_teacher(run: _Run, teacher: Config, moments: dict[str, dict]) -> int:
     Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays
     gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
     the end of the model's backward pass, and one chunk of the loss holds, beside the model's logits, the teacher's
-    (their 16-bit product and float32 copy) and three float32 (positions, vocab) buffers of the KD loss (both
-    log-softmaxes and a temporary). Its own forward pass, which comes first, is a moment of its own: two of its
+    (their 16-bit product and float32 copy) and at most three more float32 (positions, vocab) buffers of the KD loss
+    (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its own forward pass, which comes first, is a moment of its own: two of its
     blocks gathered and one block's intermediate activations (none are saved: no gradient)."""
     layout = _parameter_layout(teacher, None, None)
     numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731

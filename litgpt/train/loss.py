@@ -233,14 +233,16 @@ def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: tor
     """The KD and cross-entropy sums of one chunk's labelled positions, and the gradient of
     alpha x KD + (1 - alpha) x CE with respect to the student's logits (zero rows where there is no label).
 
-    `student` and `teacher` are float32 logits (positions, vocab), both overwritten. KD is the divergence `kd.loss`
+    `student` and `teacher` are float32 logits (positions, vocab), both overwritten (the caller keeps no other
+    reference to `teacher`, whose buffer becomes the teacher's log-probabilities). KD is the divergence `kd.loss`
     between softmax(logits / T) of the two, times T^2; its gradient with respect to the logits is then T times its
-    gradient with respect to logits / T (the closed forms of `KD_TERMS`)."""
+    gradient with respect to logits / T (the closed forms of `KD_TERMS`). At most five float32 (positions, vocab)
+    buffers are alive at once."""
     labelled = labels != IGNORE_INDEX
     t = kd.temperature
     log_q = torch.log_softmax(student / t, dim=1)  # the student's softened distribution
-    log_p = torch.log_softmax(teacher.div_(t), dim=1)  # the teacher's
-    del teacher
+    teacher = teacher.div_(t)
+    log_p = teacher.sub_(teacher.logsumexp(dim=1, keepdim=True))  # the teacher's, in place
     ce_sum, ce_grad = cross_entropy_chunk(student, labels, need_grad and kd.alpha < 1)  # over `student`, in place
     kd_rows, kd_grad = KD_TERMS[kd.loss](log_q, log_p, need_grad and kd.alpha > 0)
     kd_sum = torch.where(labelled, kd_rows, 0.0).sum() * (t * t)
@@ -254,39 +256,43 @@ def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: tor
     return kd_sum, ce_sum, grad
 
 
+# The divergences between the student's softened distribution q and the teacher's p, from their log-probabilities,
+# which they overwrite: per position, and with `need_grad` the gradient with respect to the student's softened logits
+# u (q = softmax(u)). Through the softmax, d/du_j of D(q) is q_j (g_j - <q, g>) with g = dD/dq.
 def forward_kl(log_q: torch.Tensor, log_p: torch.Tensor,
                need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """KL(p || q) = sum p (log p - log q) per position (p the teacher's, q the student's distribution), and its
-    gradient with respect to the student's softened logits: q - p. Overwrites `log_q`."""
-    p = log_p.exp()
-    rows = torch.sub(log_p, log_q).mul_(p).sum(1)
+    """KL(p || q) = sum p (log p - log q); its gradient q - p."""
+    log_p_over_q = log_p - log_q
+    p = log_p.exp_()
+    rows = log_p_over_q.mul_(p).sum(1)
     return rows, log_q.exp_().sub_(p) if need_grad else None
 
 
 def reverse_kl(log_q: torch.Tensor, log_p: torch.Tensor,
                need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """KL(q || p) = sum q g per position with g = log q - log p, and its gradient with respect to the student's
-    softened logits: q (g - KL). Overwrites `log_q`."""
-    g = log_q - log_p
+    """KL(q || p) = sum q g with g = log q - log p; its gradient q (g - KL)."""
+    qg = torch.sub(log_q, log_p)
     q = log_q.exp_()
-    rows = (q * g).sum(1)
-    return rows, g.sub_(rows.unsqueeze(1)).mul_(q) if need_grad else None
+    rows = qg.mul_(q).sum(1)
+    return rows, qg.addcmul_(q, rows.unsqueeze(1), value=-1) if need_grad else None
 
 
 def jensen_shannon(log_q: torch.Tensor, log_p: torch.Tensor,
                    need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """JS = (KL(q || m) + KL(p || m)) / 2 per position, m = (q + p) / 2, and its gradient with respect to the
-    student's softened logits: q (g - <q, g>) with g = (log q - log m) / 2, so <q, g> = KL(q || m) / 2. Overwrites
-    `log_q`."""
+    """JS = (KL(q || m) + KL(p || m)) / 2 with m = (q + p) / 2; its gradient q (g - <q, g>) with
+    g = (log q - log m) / 2, so <q, g> = KL(q || m) / 2."""
     log_m = torch.logaddexp(log_q, log_p).sub_(math.log(2.0))
+    p = log_p.exp()
+    kl_p = log_p.sub_(log_m).mul_(p).sum(1)
+    del p
     q = log_q.exp()
-    log_q_over_m = log_q.sub_(log_m)
-    kl_q = (q * log_q_over_m).sum(1)
-    kl_p = torch.sub(log_p, log_m).mul_(log_p.exp()).sum(1)
+    q_log_q_over_m = log_q.sub_(log_m).mul_(q)
+    del log_m
+    kl_q = q_log_q_over_m.sum(1)
     rows = (kl_q + kl_p) / 2
     if not need_grad:
         return rows, None
-    return rows, log_q_over_m.sub_(kl_q.unsqueeze(1)).mul_(q).mul_(0.5)
+    return rows, q_log_q_over_m.addcmul_(q, kl_q.unsqueeze(1), value=-1).mul_(0.5)
 
 
 KD_TERMS = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "js": jensen_shannon}
@@ -307,14 +313,16 @@ class DistillationChunkLoss:
     def __call__(self, logits: torch.Tensor, targets: Targets,
                  need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         labels, teacher = targets
-        if self.teacher_head is None:
-            teacher_logits = teacher.to(torch.float32, copy=True)
-        else:
-            teacher_logits, _ = self.teacher_head.logits(teacher.to(self.teacher_head.dtype), slice(None))
-        kd_sum, ce_sum, grad = distillation_chunk(logits, teacher_logits, labels, self.kd, need_grad)
+        kd_sum, ce_sum, grad = distillation_chunk(logits, self.teacher_logits(teacher), labels, self.kd, need_grad)
         if not need_grad:
             self.kd_sum, self.ce_sum = self.kd_sum + kd_sum.detach(), self.ce_sum + ce_sum.detach()
         return self.kd.alpha * kd_sum + (1 - self.kd.alpha) * ce_sum, grad
+
+    def teacher_logits(self, teacher: torch.Tensor) -> torch.Tensor:
+        """The teacher's float32 logits of the chunk, a buffer of their own."""
+        if self.teacher_head is None:
+            return teacher.to(torch.float32, copy=True)
+        return self.teacher_head.logits(teacher.to(self.teacher_head.dtype), slice(None))[0]
 
     def losses(self, total: torch.Tensor, labelled: torch.Tensor) -> Losses:
         """The loss and its two parts as means over the `labelled` positions, from the summed `total`."""
