@@ -69,7 +69,11 @@ class Trainer:
         # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
         chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
         self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked, teacher)
-        self.validation_loss = loss_function("cross_entropy", self.train.loss_chunk_size, chunked)
+        # A distillation validates with its own loss: its cross-entropy part is the validation loss, and its KD term
+        # against the teacher is measured too.
+        self.validation_loss = (self.loss if teacher is not None
+                                else loss_function("cross_entropy", self.train.loss_chunk_size, chunked))
+        self.val_kd_loss: Optional[float] = None  # distillation: the KD term of the latest validation
         self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
         self.seq_length = train_data.dataset[0]["input_ids"].numel()
@@ -120,6 +124,8 @@ class Trainer:
         self.checkpoints.publish_final(state)
         metrics = run_metrics(fabric, state, self.job, self.checkpoints.io, val_loss, self.seq_length,
                               trainable_fraction, self.logged_loss_parts)
+        if self.val_kd_loss is not None:
+            metrics["val_kd_loss"] = self.val_kd_loss
         metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
         fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
         for logger in fabric.loggers:
@@ -235,7 +241,11 @@ class Trainer:
         if (step % self.eval.interval == 0 and not last) or (last and self.eval.final_validation):
             val_loss = self.validate()
             self.fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
-            self.say(progress, f"step {step} | val loss {val_loss:.4f}")
+            kd = ""
+            if self.val_kd_loss is not None:
+                self.fabric.log_dict({"val_kd_loss": self.val_kd_loss}, step=step)
+                kd = f" | val kd_loss {self.val_kd_loss:.4f}"
+            self.say(progress, f"step {step} | val loss {val_loss:.4f}{kd}")
             if self.eval.max_new_tokens:
                 sample = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample: {sample!r}")
@@ -274,19 +284,23 @@ class Trainer:
     def validate(self) -> float:
         """The mean cross-entropy over up to --eval.max_iters validation micro-batches, averaged over the ranks: the
         cross-entropy alone where the training loss has other parts (a distillation's KD term against its teacher,
-        a mixture-of-experts router's auxiliary loss)."""
+        kept in `val_kd_loss`; a mixture-of-experts router's auxiliary loss)."""
         model = self.model
         model.eval()
         batches = self.validation_batches()
-        losses = []
+        losses = []  # per micro-batch: the cross-entropy, and a distillation's KD term
         for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
             input_ids, labels = self.fabric.to_device(batch["input_ids"]), self.fabric.to_device(batch["labels"])
             with self.fabric.autocast():
                 parts = self.validation_loss(model, input_ids, labels)
-                losses.append(parts.get("ce_loss", parts["loss"]))
-        loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
+            values = [parts.get("ce_loss", parts["loss"])]
+            if "kd_loss" in parts:
+                values.append(parts["kd_loss"])
+            losses.append(torch.stack(values))
+        means = self.fabric.all_reduce(torch.stack(losses).mean(0), reduce_op="mean").tolist()
         model.train()
-        return loss.item()
+        self.val_kd_loss = means[1] if len(means) > 1 else None
+        return means[0]
 
     def sample_text(self) -> str:
         """A short greedy continuation of the start of a validation sample, to watch the model learn."""
