@@ -72,6 +72,9 @@ adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `
   - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
   - LayerNorm keeps its mean and reciprocal deviation in float32 on CUDA, in the input's dtype on the CPU.
 
+Distillation (`--teacher_config`): the frozen teacher's weights, final hidden states, chunk of logits and forward
+pass are added as `_add_teacher` describes.
+
 The peak is the largest of three moments: the start of the backward pass (all activations and the loss tensors
 alive), the backward pass of the last block (its work buffers on top of the activations), and the optimizer step
 (all gradients and optimizer state); with autocast and checkpointing also the end of the forward pass, while
@@ -411,8 +414,8 @@ def estimate(
     loading = _quantized_loading(run, layout) if run.quantize else 0
     needed = max(total, loading + _overhead(loading, run.device) if loading else 0)
     details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
+    teacher_params = _parameter_layout(teacher, None, None).total_params if teacher is not None else 0
     if teacher is not None:
-        teacher_params = _parameter_layout(teacher, None, None).total_params
         details["parameters"] += f" + the teacher's {_fmt(teacher_bytes)}"
         notes.append(
             f"Distillation: the frozen teacher ({teacher.name or 'teacher_config'}, {_count(teacher_params)} "
@@ -432,8 +435,7 @@ def estimate(
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
         host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
         attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
-        teacher_params=_parameter_layout(teacher, None, None).total_params if teacher is not None else 0,
-        teacher_bytes=teacher_bytes,
+        teacher_params=teacher_params, teacher_bytes=teacher_bytes,
     )
 
 
@@ -696,8 +698,9 @@ def _add_teacher(run: _Run, teacher: Config, moments: dict[str, dict]) -> int:
     gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
     the end of the model's backward pass, and one chunk of the loss holds, beside the model's logits, the teacher's
     (their 16-bit product and float32 copy) and at most three more float32 (positions, vocab) buffers of the KD loss
-    (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its own forward pass, which comes first, is a moment of its own: two of its
-    blocks gathered and one block's intermediate activations (none are saved: no gradient)."""
+    (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its
+    own forward pass, which comes first, is a moment of its own: two of its blocks gathered and one block's
+    intermediate activations (none are saved: no gradient)."""
     layout = _parameter_layout(teacher, None, None)
     numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     if run.fsdp:
