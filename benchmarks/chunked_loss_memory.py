@@ -60,7 +60,8 @@ def worker(args) -> dict:
     if args.mode == "plain":
         loss_fn = lambda model, x, y: cross_entropy(model(x), y)  # noqa: E731 - the old path
     else:
-        loss_fn = loss_function("cross_entropy", args.chunk)
+        chunked = loss_function("cross_entropy", args.chunk)
+        loss_fn = lambda model, x, y: chunked(model, x, y)["loss"]  # noqa: E731 - the loss without its parts
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else None
 
     def peak_now() -> int:

@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune_full": ("litgpt.finetune.full:setup", "Finetune all weights of a model."),
     "finetune_lora": ("litgpt.finetune.lora:setup", "Finetune a model with LoRA adapters (QLoRA with --quantize)."),
     "finetune": ("litgpt.finetune.lora:setup", "Same as finetune_lora."),
+    "distill": ("litgpt.distill:setup", "Distill a frozen teacher into a student (forward/reverse KL, Jensen-Shannon)."),
     "download": ("litgpt.download:download", "Download a model from the Hugging Face hub and convert it."),
     "convert_to_litgpt": ("litgpt.convert.hf_to_litgpt:convert_hf_checkpoint", "Convert a Hugging Face model folder to litgpt."),
     "convert_from_litgpt": ("litgpt.convert.litgpt_to_hf:convert_lit_checkpoint", "Convert a litgpt checkpoint to a Hugging Face folder."),
@@ -26,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Commands whose first argument may be given without its flag (`litgpt pretrain pythia-14m`).
-OPTIONAL_POSITIONAL = {"pretrain": "model_name", "plan": "model_name"}
+OPTIONAL_POSITIONAL = {"pretrain": "model_name", "plan": "model_name", "distill": "student_dir"}
 
 
 def print_commands() -> None:

@@ -188,3 +188,36 @@ class ActivationCheckpointing:
         if self.mode == "every":
             return block_index % self.every == 0
         return self.mode in ("full", "ops")
+
+
+KD_LOSSES = ("forward_kl", "reverse_kl", "js")
+
+
+@dataclass
+class KDArgs:
+    """Knowledge distillation (`litgpt distill`): the student matches the teacher's temperature-softened
+    distribution over the next token, mixed with the cross-entropy on the labels.
+
+    Args:
+        loss: forward_kl (KL(teacher || student), mass-covering), reverse_kl (KL(student || teacher), mode-seeking)
+            or js (Jensen-Shannon: the mean KL of each to their 0.5/0.5 mixture).
+        temperature: Both distributions are softmax(logits / temperature); the KD term is multiplied by
+            temperature^2, so its gradient keeps its scale as the temperature changes.
+        alpha: loss = alpha x KD + (1 - alpha) x cross-entropy on the labels (1: pure distillation). Both terms are
+            means over the positions that have a label.
+    """
+
+    loss: str = "forward_kl"
+    temperature: float = 1.0
+    alpha: float = 1.0
+
+    def check(self) -> None:
+        """UserError for a setting that cannot train."""
+        if self.loss not in KD_LOSSES:
+            raise UserError(f"--kd.loss {self.loss!r} is not a distillation loss: use one of {', '.join(KD_LOSSES)}.")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise UserError(f"--kd.alpha {self.alpha} is outside [0, 1]: it weighs the KD term against the "
+                            "cross-entropy (1: pure distillation).")
+        if not self.temperature > 0.0 or math.isinf(self.temperature):
+            raise UserError(f"--kd.temperature {self.temperature} must be a finite number above 0 (1: the models' "
+                            "own distributions).")

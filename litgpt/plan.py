@@ -72,6 +72,9 @@ adjusts for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `
   - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
   - LayerNorm keeps its mean and reciprocal deviation in float32 on CUDA, in the input's dtype on the CPU.
 
+Distillation (`--teacher_config`): the frozen teacher's weights, final hidden states, chunk of logits and forward
+pass are added as `_add_teacher` describes.
+
 The peak is the largest of three moments: the start of the backward pass (all activations and the loss tensors
 alive), the backward pass of the last block (its work buffers on top of the activations), and the optimizer step
 (all gradients and optimizer state); with autocast and checkpointing also the end of the forward pass, while
@@ -184,6 +187,8 @@ class MemoryPlan:
     row_details: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     loss_chunk_size: int = 0  # positions per chunk of the head and loss
+    teacher_params: int = 0  # distillation: the frozen teacher's parameters (counted in the rows, not above)
+    teacher_bytes: int = 0  # its weights as they stay on the device
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,6 +222,8 @@ def main(
     device_memory_gb: float = 80.0,
     json: bool = False,
     loss_chunk_size: Optional[int] = None,
+    teacher_model_name: Optional[str] = None,
+    teacher_config: Optional[Config] = None,
 ) -> None:
     """Print the memory a training run needs per device, and whether it fits, before anything is allocated.
 
@@ -254,6 +261,8 @@ def main(
         json: Print the plan as JSON instead of a table.
         loss_chunk_size: Positions per chunk of the output head and loss, as --train.loss_chunk_size (None:
             automatic, the training commands' rule).
+        teacher_model_name: Distillation (`litgpt distill`): the frozen teacher's registered name.
+        teacher_config: Or the teacher's config fields (in YAML under `teacher_config:`).
     """
     from litgpt.lora import LoRASettings
 
@@ -264,12 +273,15 @@ def main(
             r=lora_r, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
             projection=lora_projection, mlp=lora_mlp, head=lora_head,
         )
+    teacher = None
+    if teacher_model_name is not None or teacher_config is not None:
+        teacher = resolve_config(teacher_model_name, teacher_config)
     plan = estimate(
         config, method=method, precision=precision, sharding_strategy=sharding_strategy, devices=devices,
         num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
-        loss_chunk_size=loss_chunk_size,
+        loss_chunk_size=loss_chunk_size, teacher=teacher,
     )
     if json:
         import json as json_module
@@ -370,8 +382,10 @@ def estimate(
     device: str = "cuda",
     device_memory_gb: float = 80.0,
     loss_chunk_size: Optional[int] = None,
+    teacher: Optional[Config] = None,
 ) -> MemoryPlan:
-    """The per-device memory of one training step; `lora` is a `LoRASettings` (default settings when None)."""
+    """The per-device memory of one training step; `lora` is a `LoRASettings` (default settings when None);
+    `teacher` the config of a frozen teacher the model is distilled from (`_add_teacher`)."""
     run = _check_run(
         config, method=method, precision=precision, sharding_strategy=sharding_strategy, devices=devices,
         num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
@@ -389,6 +403,7 @@ def estimate(
     gathered = _gathered_params(run, layout, saved)
     backward = _block_backward(run, layout)
     moments = _moments(run, state, activations, gathered, backward)
+    teacher_bytes = _add_teacher(run, teacher, moments) if teacher is not None else 0
     peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
     at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
     largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
@@ -399,6 +414,14 @@ def estimate(
     loading = _quantized_loading(run, layout) if run.quantize else 0
     needed = max(total, loading + _overhead(loading, run.device) if loading else 0)
     details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
+    teacher_params = _parameter_layout(teacher, None, None).total_params if teacher is not None else 0
+    if teacher is not None:
+        details["parameters"] += f" + the teacher's {_fmt(teacher_bytes)}"
+        notes.append(
+            f"Distillation: the frozen teacher ({teacher.name or 'teacher_config'}, {_count(teacher_params)} "
+            f"parameters) in the compute dtype, sharded like the model, its root (embeddings, head) kept gathered: "
+            f"{_fmt(teacher_bytes)}; its final hidden states and its chunk of logits are counted with the model's."
+        )
     return MemoryPlan(
         model_name=config.name or "model_config", method=run.method, precision=run.precision,
         sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
@@ -412,6 +435,7 @@ def estimate(
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
         host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
         attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
+        teacher_params=teacher_params, teacher_bytes=teacher_bytes,
     )
 
 
@@ -664,6 +688,43 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
             parameters=state["resident"]["parameters"], optimizer_state=state["resident"]["optimizer_state"]
         )
     return moments
+
+
+def _add_teacher(run: _Run, teacher: Config, moments: dict[str, dict]) -> int:
+    """Add a frozen teacher (distillation, `litgpt.train.recipe.Recipe.materialize_teacher`) to every moment; returns
+    its weights' bytes on the device.
+
+    Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays
+    gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
+    the end of the model's backward pass, and one chunk of the loss holds, beside the model's logits, the teacher's
+    (their 16-bit product and float32 copy) and at most three more float32 (positions, vocab) buffers of the KD loss
+    (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its
+    own forward pass, which comes first, is a moment of its own: two of its blocks gathered and one block's
+    intermediate activations (none are saved: no gradient)."""
+    layout = _parameter_layout(teacher, None, None)
+    numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    if run.fsdp:
+        shards = sum(_shard_numel(p.shape, run.shard) for p in layout.params) * run.compute
+        resident = (0 if run.cpu_offload else shards) + numel(layout.root) * run.compute
+    else:
+        resident = layout.total_params * run.compute
+    hidden = run.tokens * teacher.n_embd * run.compute
+    per_row = (2 if run.compute == 2 else 0) + 4 + 3 * 4 + (4 if teacher.final_logit_softcapping is not None else 0)
+    for name, moment in moments.items():
+        moment["parameters"] += resident
+        if name != "optimizer step":
+            moment["activations"] = moment.get("activations", 0) + hidden
+        if "logits_loss" in moment and name == "start of the backward pass":
+            moment["logits_loss"] += run.loss_chunk_size * teacher.padded_vocab_size * per_row
+    blocks = sorted(numel(block) for block in layout.blocks)[-2:] if run.fsdp and run.shard > 1 else []
+    widest = max(teacher.qkv_size, _mlp_width(teacher), teacher.n_embd)
+    first = moments["optimizer step"]
+    moments["teacher's forward pass"] = dict(
+        parameters=first["parameters"], optimizer_state=first["optimizer_state"],
+        gradients=moments["start of the backward pass"]["gradients"], gathered_params=sum(blocks) * run.compute,
+        activations=hidden, buffers=3 * run.tokens * widest * run.compute,
+    )
+    return resident
 
 
 def _describe(run: _Run, layout: "_Layout", state: dict, activations: dict, gathered: dict, backward: dict,
@@ -1138,6 +1199,8 @@ def format_plan(plan: MemoryPlan) -> str:
             method = f"QLoRA {plan.quantize}, " + method[5:]
     else:
         method = "full finetune / pretrain"
+    if plan.teacher_params:
+        method += f", distilled from a frozen {_count(plan.teacher_params)}-parameter teacher"
     lines = [f"{plan.model_name}: {method}, {plan.precision}"]
     if plan.fsdp:
         lines.append(

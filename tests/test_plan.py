@@ -307,7 +307,7 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
             if case.get("fsdp"):
                 model.set_requires_gradient_sync(micro == accumulation - 1)
             with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-                loss = training_loss(model, x, y)  # the trainer runs its loss under the precision's autocast
+                loss = training_loss(model, x, y)["loss"]  # the trainer runs its loss under the precision's autocast
             (loss / accumulation).backward()
             del loss
         optimizer.step()

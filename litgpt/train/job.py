@@ -82,8 +82,8 @@ def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
 
 
 def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: Optional[Path]) -> dict:
-    """Build the recipe's model on the devices, its optimizer and checkpoint manager, restore `resume_dir`, train,
-    and finish final/ as the recipe asks."""
+    """Build the recipe's model (and teacher, if it has one) on the devices, its optimizer and checkpoint manager,
+    restore `resume_dir`, train, and finish final/ as the recipe asks."""
     recipe, train = job.recipe, job.train
     model = recipe.build_model()
     check_disk_space(job.out_dir, model, recipe.trains, train)
@@ -91,6 +91,8 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     checkpointing = ActivationCheckpointing.parse(train.activation_checkpointing)
     model = recipe.materialize(fabric, model, job.precision, checkpointing, job.compile_blocks, load_initial)
     model = fabric.setup(model)
+    # The teacher (distillation) is the loss's alone: it never reaches the optimizer or the checkpoint manager.
+    teacher = recipe.materialize_teacher(fabric, job.precision, job.compile_blocks)
     io = checkpoint_io(fabric.strategy)  # after setup: a strategy that compiles the model knows its layout only now
     checkpoints = CheckpointManager(
         fabric, job.out_dir, io, keys=recipe.trains, weights_file=recipe.weights_file, config=recipe.config,
@@ -108,7 +110,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     trainer = Trainer(
         fabric, model, optimizer, job, tokenizer, checkpoints, state, base_lr,
         train_data=MicroBatches(train_data, train.micro_batch_size, job.seed, fabric.global_rank, fabric.world_size),
-        val_data=val_data,
+        val_data=val_data, teacher=teacher,
     )
     metrics = trainer.fit()
     if trainer.stopped_by is None:

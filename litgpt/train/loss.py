@@ -8,34 +8,48 @@ most one chunk's logits (16-bit and float32) are alive at any time.
 
 The chunking knows nothing of cross-entropy: a `ChunkLoss` turns one chunk's float32 logits and its targets into the
 sum of its losses and, when asked, the gradient of that sum with respect to the logits. `cross_entropy_chunk` is the
-one for next-token prediction; a distillation loss would be another (its targets a teacher's chunk).
+one for next-token prediction; `DistillationChunkLoss` is another: its targets are the labels and the teacher's final
+hidden states, from which it builds the teacher's logits of the same chunk, so neither model's whole logits exist.
+
+A loss function returns `Losses`: "loss", what the backward pass runs on, and the parts it is made of for the logs
+(`ce_loss`, `kd_loss`, a mixture-of-experts router's `aux_loss`), detached.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from litgpt.args import KDArgs
 from litgpt.data.base import IGNORE_INDEX
 
-# A chunk's float32 logits (positions, vocab), which it may overwrite, its targets, and whether the gradient is
-# wanted -> (sum of the chunk's losses, d sum / d logits or None).
-ChunkLoss = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, Optional[torch.Tensor]]]
-LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# Per-position targets: one tensor, or a tuple of them, each with the hidden states' leading (batch, seq) dimensions.
+Targets = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+# A chunk's float32 logits (positions, vocab), which it may overwrite, its targets (sliced like the logits), and
+# whether the gradient is wanted -> (sum of the chunk's losses, d sum / d logits or None).
+ChunkLoss = Callable[[torch.Tensor, Targets, bool], tuple[torch.Tensor, Optional[torch.Tensor]]]
+# "loss" (what the backward pass runs on) and, where it has several, its parts (detached), by name.
+Losses = dict[str, torch.Tensor]
+LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], Losses]
 
 # Fewer positions per chunk would not pay: every chunk reads and writes the head's whole weight gradient once.
 MIN_CHUNK_POSITIONS = 1024
 
 
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """How many positions have a label, at least 1 (a fully masked batch has a loss of 0, not NaN)."""
+    return (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions that have a label (0, not NaN, when none has: a fully masked batch)."""
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return total / labelled_positions(labels)
 
 
 def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor,
@@ -90,25 +104,33 @@ class OutputHead:
         return cls(head.weight, head.bias, softcap=softcap)
 
 
-def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor, chunk_loss: ChunkLoss,
+def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,
                       chunk_size: Optional[int] = None) -> torch.Tensor:
     """The sum of `chunk_loss` over every position of `head(hidden)`, the logits built one chunk of `chunk_size`
     positions at a time (None: `auto_chunk_size`) and never kept: the backward pass recomputes them.
 
-    `targets` has `hidden`'s leading (batch, seq) dimensions. The head runs in the dtype autocast gives a linear
-    layer where autocast is on (as the model's own layers did), else in the hidden states' dtype; the loss in float32.
-    The gradients reach the head's own parameters, as any layer's do.
+    `targets` (a tensor or a tuple of them) has `hidden`'s leading (batch, seq) dimensions; each chunk gets its rows.
+    The head runs in `head_dtype(hidden)`; the loss in float32. The gradients reach the head's own parameters, as any
+    layer's do.
     """
     positions = hidden.shape[:-1].numel()
     if chunk_size is None:
         chunk_size = auto_chunk_size(positions, hidden.size(-1), head.weight.size(0))
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     lora_input = None if head.lora_input is None else head.lora_input.flatten(0, -2)
+    leading = hidden.dim() - 2
+    as_tuple = isinstance(targets, tuple)
+    flat_targets = tuple(t.flatten(0, leading) for t in targets) if as_tuple else (targets.flatten(0, leading),)
     return _ChunkedHead.apply(
-        hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b,
-        targets.flatten(0, hidden.dim() - 2), chunk_loss, head.softcap, dtype, max(1, chunk_size),
+        hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
+        head_dtype(hidden), max(1, chunk_size), as_tuple, *flat_targets,
     )
+
+
+def head_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype an output head applied outside the model runs in: the one autocast gives a linear layer where
+    autocast is on (as the model's own layers did), else the hidden states' own."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
 
 
 class _HeadInDtype:
@@ -146,21 +168,23 @@ class _ChunkedHead(torch.autograd.Function):
     their gradient from the chunk loss, and its products into the gradients of the hidden states and the head."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, lora_input, lora_b, targets, chunk_loss, softcap, dtype, chunk_size):
-        ctx.save_for_backward(hidden, weight, bias, lora_input, lora_b, targets)
+    def forward(ctx, hidden, weight, bias, lora_input, lora_b, chunk_loss, softcap, dtype, chunk_size, as_tuple,
+                *targets):
+        ctx.save_for_backward(hidden, weight, bias, lora_input, lora_b, *targets)
         ctx.chunk_loss, ctx.softcap, ctx.dtype, ctx.chunk_size = chunk_loss, softcap, dtype, chunk_size
+        ctx.as_tuple = as_tuple
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
             head = _HeadInDtype(weight, bias, lora_input, lora_b, softcap, dtype)
             total = torch.zeros((), device=hidden.device, dtype=torch.float32)
             for rows in _chunks(hidden.size(0), chunk_size):
                 logits, _ = head.logits(hidden[rows].to(dtype), rows)
-                total += chunk_loss(logits, targets[rows], False)[0]
+                total += chunk_loss(logits, _target_rows(targets, rows, as_tuple), False)[0]
                 del logits  # before the next chunk's are made
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, bias, lora_input, lora_b, targets = ctx.saved_tensors
+        hidden, weight, bias, lora_input, lora_b, *targets = ctx.saved_tensors
         needs = ctx.needs_input_grad
         head = _HeadInDtype(weight, bias, lora_input, lora_b, ctx.softcap, ctx.dtype)
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
@@ -171,7 +195,7 @@ class _ChunkedHead(torch.autograd.Function):
         for rows in _chunks(hidden.size(0), ctx.chunk_size):
             x = hidden[rows].to(ctx.dtype)
             logits, tanh = head.logits(x, rows)
-            _, grad = ctx.chunk_loss(logits, targets[rows], True)
+            _, grad = ctx.chunk_loss(logits, _target_rows(targets, rows, ctx.as_tuple), True)
             if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
                 grad.mul_(tanh.square_().neg_().add_(1))
                 del tanh
@@ -189,12 +213,177 @@ class _ChunkedHead(torch.autograd.Function):
             del x, logits, grad  # before the next chunk's are made
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, grad_lora_input, grad_lora_b, None, None, None, None, None
+        no_grads = (None,) * (5 + len(targets))  # chunk_loss .. as_tuple, and the targets
+        return grad_hidden, grad_weight, grad_bias, grad_lora_input, grad_lora_b, *no_grads
 
 
 def _chunks(positions: int, chunk_size: int):
     for start in range(0, positions, chunk_size):
         yield slice(start, min(start + chunk_size, positions))
+
+
+def _target_rows(targets, rows: slice, as_tuple: bool) -> Targets:
+    """The chunk's rows of the targets, in the form the caller gave them (a tensor, or a tuple of tensors)."""
+    return tuple(t[rows] for t in targets) if as_tuple else targets[0][rows]
+
+
+# ---- distillation: a teacher's chunk of logits beside the student's --------------------------------------------------
+def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, kd: KDArgs,
+                       need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The KD and cross-entropy sums of one chunk's labelled positions, and the gradient of
+    alpha x KD + (1 - alpha) x CE with respect to the student's logits (zero rows where there is no label).
+
+    `student` and `teacher` are float32 logits (positions, vocab), both overwritten (the caller keeps no other
+    reference to `teacher`, whose buffer becomes the teacher's log-probabilities). KD is the divergence `kd.loss`
+    between softmax(logits / T) of the two, times T^2; its gradient with respect to the logits is then T times its
+    gradient with respect to logits / T (the closed forms of `KD_TERMS`). At most five float32 (positions, vocab)
+    buffers are alive at once."""
+    labelled = labels != IGNORE_INDEX
+    t = kd.temperature
+    log_q = torch.log_softmax(student / t, dim=1)  # the student's softened distribution
+    teacher = teacher.div_(t)
+    log_p = teacher.sub_(teacher.logsumexp(dim=1, keepdim=True))  # the teacher's, in place
+    ce_sum, ce_grad = cross_entropy_chunk(student, labels, need_grad and kd.alpha < 1)  # over `student`, in place
+    kd_rows, kd_grad = KD_TERMS[kd.loss](log_q, log_p, need_grad and kd.alpha > 0)
+    kd_sum = torch.where(labelled, kd_rows, 0.0).sum() * (t * t)
+    if not need_grad:
+        return kd_sum, ce_sum, None
+    if kd_grad is None:  # alpha 0: the cross-entropy alone
+        return kd_sum, ce_sum, ce_grad
+    grad = kd_grad.mul_(labelled.unsqueeze(1) * (kd.alpha * t))
+    if ce_grad is not None:
+        grad.add_(ce_grad, alpha=1 - kd.alpha)
+    return kd_sum, ce_sum, grad
+
+
+# The divergences between the student's softened distribution q and the teacher's p, from their log-probabilities,
+# which they overwrite: per position, and with `need_grad` the gradient with respect to the student's softened logits
+# u (q = softmax(u)). Through the softmax, d/du_j of D(q) is q_j (g_j - <q, g>) with g = dD/dq.
+def forward_kl(log_q: torch.Tensor, log_p: torch.Tensor,
+               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KL(p || q) = sum p (log p - log q); its gradient q - p."""
+    log_p_over_q = log_p - log_q
+    p = log_p.exp_()
+    rows = log_p_over_q.mul_(p).sum(1)
+    return rows, log_q.exp_().sub_(p) if need_grad else None
+
+
+def reverse_kl(log_q: torch.Tensor, log_p: torch.Tensor,
+               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """KL(q || p) = sum q g with g = log q - log p; its gradient q (g - KL)."""
+    qg = torch.sub(log_q, log_p)
+    q = log_q.exp_()
+    rows = qg.mul_(q).sum(1)
+    return rows, qg.addcmul_(q, rows.unsqueeze(1), value=-1) if need_grad else None
+
+
+def jensen_shannon(log_q: torch.Tensor, log_p: torch.Tensor,
+                   need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """JS = (KL(q || m) + KL(p || m)) / 2 with m = (q + p) / 2; its gradient q (g - <q, g>) with
+    g = (log q - log m) / 2, so <q, g> = KL(q || m) / 2."""
+    log_m = torch.logaddexp(log_q, log_p).sub_(math.log(2.0))
+    p = log_p.exp()
+    kl_p = log_p.sub_(log_m).mul_(p).sum(1)
+    del p
+    q = log_q.exp()
+    q_log_q_over_m = log_q.sub_(log_m).mul_(q)
+    del log_m
+    kl_q = q_log_q_over_m.sum(1)
+    rows = (kl_q + kl_p) / 2
+    if not need_grad:
+        return rows, None
+    return rows, q_log_q_over_m.addcmul_(q, kl_q.unsqueeze(1), value=-1).mul_(0.5)
+
+
+KD_TERMS = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "js": jensen_shannon}
+
+
+class DistillationChunkLoss:
+    """The `ChunkLoss` of distillation: the sum of alpha x KD + (1 - alpha) x CE over the chunk's labelled positions.
+
+    Its targets are (labels, teacher): the teacher's final hidden states when `teacher_head` is given (the teacher's
+    logits of the chunk are built here, in float32, soft-capped as the teacher's model caps them), else the teacher's
+    logits. The forward pass (the calls without gradient, once per chunk) also sums the two terms, for the logs.
+    """
+
+    def __init__(self, kd: KDArgs, teacher_head: Optional[_HeadInDtype] = None) -> None:
+        self.kd, self.teacher_head = kd, teacher_head
+        self.kd_sum = self.ce_sum = 0.0
+
+    def __call__(self, logits: torch.Tensor, targets: Targets,
+                 need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        labels, teacher = targets
+        kd_sum, ce_sum, grad = distillation_chunk(logits, self.teacher_logits(teacher), labels, self.kd, need_grad)
+        if not need_grad:
+            self.kd_sum, self.ce_sum = self.kd_sum + kd_sum.detach(), self.ce_sum + ce_sum.detach()
+        return self.kd.alpha * kd_sum + (1 - self.kd.alpha) * ce_sum, grad
+
+    def teacher_logits(self, teacher: torch.Tensor) -> torch.Tensor:
+        """The teacher's float32 logits of the chunk, a buffer of their own."""
+        if self.teacher_head is None:
+            return teacher.to(torch.float32, copy=True)
+        return self.teacher_head.logits(teacher.to(self.teacher_head.dtype), slice(None))[0]
+
+    def losses(self, total: torch.Tensor, labelled: torch.Tensor) -> Losses:
+        """The loss and its two parts as means over the `labelled` positions, from the summed `total`."""
+        return {"loss": total / labelled, "kd_loss": self.kd_sum / labelled, "ce_loss": self.ce_sum / labelled}
+
+
+class _OnWholeLogits(torch.autograd.Function):
+    """A `ChunkLoss` applied to whole logits as one chunk (a module compiled whole, whose head the loss cannot apply
+    itself): forward its sum, backward its closed-form gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, chunk_loss, *targets):
+        ctx.save_for_backward(logits, *targets)
+        ctx.chunk_loss = chunk_loss
+        return chunk_loss(logits.flatten(0, -2).to(torch.float32, copy=True), targets, False)[0]
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        logits, *targets = ctx.saved_tensors
+        _, grad = ctx.chunk_loss(logits.flatten(0, -2).to(torch.float32, copy=True), tuple(targets), True)
+        return grad.mul_(grad_total).view_as(logits).to(logits.dtype), None, *(None,) * len(targets)
+
+
+def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
+    """The teacher's output head as whole tensors in `head_dtype(hidden)`, after the teacher's forward: a sharded
+    teacher's root keeps them gathered (`Recipe.materialize_teacher`); one still sharded is gathered here (a
+    collective) for this micro-batch's loss."""
+    from litgpt.distributed.dtensor import gather_full
+
+    head = teacher.lm_head
+    with torch.no_grad():
+        bias = None if head.bias is None else gather_full(head.bias)
+        return _HeadInDtype(gather_full(head.weight), bias, None, None, teacher.config.final_logit_softcapping,
+                            head_dtype(hidden))
+
+
+def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                      kd: KDArgs, chunk_size: Optional[int] = None) -> Losses:
+    """alpha x KD + (1 - alpha) x CE of the student `model` (a `GPT` or Fabric's wrapper of one) against the frozen
+    `teacher`, means over the labelled positions, chunk by chunk: the teacher's forward gives its final hidden states
+    once (no gradient) and each chunk builds both models' logits of its positions only."""
+    from litgpt.checkpoint.manager import unwrap
+
+    with torch.no_grad():
+        teacher_hidden = teacher(input_ids, return_hidden=True)
+    chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden))
+    gpt = unwrap(model)
+    hidden = model(input_ids, return_hidden=True)
+    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
+    total = chunked_head_loss(hidden, head, (labels, teacher_hidden), chunk_loss, chunk_size)
+    return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
+
+
+def distillation_loss_on_logits(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor,
+                                labels: torch.Tensor, kd: KDArgs) -> Losses:
+    """`distillation_loss` on both models' whole logits (a student module compiled whole, extensions/thunder)."""
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids)
+    chunk_loss = DistillationChunkLoss(kd)
+    total = _OnWholeLogits.apply(model(input_ids), chunk_loss, labels.flatten(), teacher_logits.flatten(0, -2))
+    return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
 
 # ---- the losses of a model ------------------------------------------------------------------------------------------
@@ -210,8 +399,27 @@ class Loss:
 LOSSES = {"cross_entropy": Loss(cross_entropy, cross_entropy_chunk)}
 
 
+def router_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """The mixture-of-experts routers' load-balancing loss of the model's latest forward, weighted by its coefficient
+    (`GPT.router_aux_loss`), or None: a model without that method, without MoE layers, or with a coefficient of 0."""
+    from litgpt.checkpoint.manager import unwrap
+
+    method = getattr(unwrap(model), "router_aux_loss", None)
+    return method() if callable(method) else None
+
+
+def with_router_aux_loss(model: nn.Module, losses: Losses) -> Losses:
+    """`losses` with the router's auxiliary loss, where the model has one, added to "loss" and reported as
+    `aux_loss`; a loss that had no parts (the cross-entropy alone) becomes the part `ce_loss`."""
+    aux = router_aux_loss(model)
+    if aux is None:
+        return losses
+    parts = {name: value for name, value in losses.items() if name != "loss"} or {"ce_loss": losses["loss"].detach()}
+    return {"loss": losses["loss"] + aux, **parts, "aux_loss": aux.detach()}
+
+
 def model_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss: Loss,
-               chunk_size: Optional[int] = None) -> torch.Tensor:
+               chunk_size: Optional[int] = None) -> Losses:
     """The mean of `loss` over the labelled positions of a `GPT` (or Fabric's wrapper of one), its logits built
     chunk by chunk (`chunked_head_loss`) from the final hidden states the model's forward returns."""
     from litgpt.checkpoint.manager import unwrap
@@ -220,14 +428,24 @@ def model_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, 
     hidden = model(input_ids, return_hidden=True)
     head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
     total = chunked_head_loss(hidden, head, labels, loss.per_chunk, chunk_size)
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return with_router_aux_loss(model, {"loss": total / labelled_positions(labels)})
 
 
 def loss_function(name: str, chunk_size: Optional[int] = None, chunked: bool = True) -> LossFunction:
-    """loss(model, input_ids, labels) for the loss `name` of LOSSES: chunked (`model_loss`, `chunk_size` positions
-    per chunk, None: automatic), or on the model's whole logits (a compiled module whose head is not callable from
-    outside, extensions/thunder)."""
+    """loss(model, input_ids, labels) -> Losses for the loss `name` of LOSSES: chunked (`model_loss`, `chunk_size`
+    positions per chunk, None: automatic), or on the model's whole logits (a compiled module whose head is not
+    callable from outside, extensions/thunder)."""
     loss = LOSSES[name]
     if not chunked:
-        return lambda model, input_ids, labels: loss.on_logits(model(input_ids), labels)
+        return lambda model, input_ids, labels: with_router_aux_loss(
+            model, {"loss": loss.on_logits(model(input_ids), labels)})
     return lambda model, input_ids, labels: model_loss(model, input_ids, labels, loss, chunk_size)
+
+
+def distillation_loss_function(teacher: nn.Module, kd: KDArgs, chunk_size: Optional[int] = None,
+                               chunked: bool = True) -> LossFunction:
+    """loss(model, input_ids, labels) -> Losses of distilling the frozen `teacher` into the model
+    (`distillation_loss`, or `distillation_loss_on_logits` with `chunked=False`)."""
+    if not chunked:
+        return lambda model, input_ids, labels: distillation_loss_on_logits(model, teacher, input_ids, labels, kd)
+    return lambda model, input_ids, labels: distillation_loss(model, teacher, input_ids, labels, kd, chunk_size)

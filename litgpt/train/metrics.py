@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -15,23 +16,27 @@ from litgpt.model import GPT
 
 
 class LogWindow:
-    """The steps since the last log line: their summed loss, label tokens, time in steps, tokens trained."""
+    """The steps since the last log line: their summed losses (the loss and its parts, `loss_names`), label tokens,
+    time in steps, tokens trained."""
 
     def __init__(self, device: torch.device, tokens: int) -> None:
         self.device = device
-        self.loss = torch.zeros((), device=device)
+        self.loss_names = ["loss"]  # the loss function's, from the first update on
+        self.losses = torch.zeros(1, device=device)
         self.label_tokens = torch.zeros((), device=device, dtype=torch.long)
         self.lr = 0.0
         self.reset(tokens)
 
     def reset(self, tokens: int) -> None:
-        self.loss.zero_()
+        self.losses.zero_()
         self.label_tokens.zero_()
         self.steps, self.updates, self.seconds, self.start_tokens = 0, 0, 0.0, tokens
 
-    def add_update(self, step_loss: torch.Tensor) -> None:
-        """A step whose update was applied (not skipped for a non-finite value)."""
-        self.loss += step_loss
+    def add_update(self, step_losses: dict[str, torch.Tensor]) -> None:
+        """A step whose update was applied (not skipped for a non-finite value), its losses by name."""
+        if list(step_losses) != self.loss_names:
+            self.loss_names, self.losses = list(step_losses), torch.zeros(len(step_losses), device=self.device)
+        self.losses += torch.stack(list(step_losses.values()))
         self.updates += 1
 
     def add_step(self, seconds: float) -> None:
@@ -39,13 +44,14 @@ class LogWindow:
         self.seconds += seconds  # seconds in steps, not in validation or saving
 
     def metrics(self, fabric, tokens: int, epoch: int) -> dict:
-        """The window's mean loss over the ranks (NaN when every step was skipped), throughput and peak memory."""
+        """The window's mean loss and its parts over the ranks (NaN when every step was skipped), throughput and peak
+        memory."""
         if self.updates:
-            loss = (fabric.all_reduce(self.loss, reduce_op="mean") / self.updates).item()
+            values = (fabric.all_reduce(self.losses, reduce_op="mean") / self.updates).tolist()
         else:
-            loss = float("nan")  # every step of the window skipped: its losses were not finite
+            values = [float("nan")] * len(self.loss_names)  # every step of the window skipped: not finite
         return {
-            "loss": loss, "lr": self.lr, "tokens": tokens, "epoch": epoch,
+            **dict(zip(self.loss_names, values)), "lr": self.lr, "tokens": tokens, "epoch": epoch,
             "tokens_per_sec": (tokens - self.start_tokens) / self.seconds,
             "peak_memory_mb": peak_memory_bytes(fabric.device) / 2**20,
         }
@@ -124,8 +130,10 @@ def cpu_name() -> str:
     return "cpu"
 
 
-def run_metrics(fabric, state, job, io, val_loss, seq_length: int, trainable_fraction: float) -> dict:
-    """metrics.json: the run's totals, throughput, MFU against the device's peak, and where it ran."""
+def run_metrics(fabric, state, job, io, val_loss, seq_length: int, trainable_fraction: float,
+                loss_parts: Optional[dict] = None) -> dict:
+    """metrics.json: the run's totals, throughput, MFU against the device's peak, where it ran, and the parts of the
+    training loss (kd_loss, ce_loss, aux_loss) as the last log line gave them: means over its window of steps."""
     tokens_per_sec = state.tokens / state.train_seconds if state.train_seconds else 0.0
     flops = flops_per_token(job.recipe.config, seq_length, trainable_fraction) * tokens_per_sec
     device = fabric.device
@@ -158,4 +166,5 @@ def run_metrics(fabric, state, job, io, val_loss, seq_length: int, trainable_fra
         "device": device_name,
         "peak_memory_mb": round(peak_memory_bytes(device) / 2**20, 1),
         "peak_memory_mb_per_rank": per_rank_peak_memory_mb(fabric),
+        **(loss_parts or {}),
     }

@@ -1,7 +1,7 @@
 """What one kind of training is, as data: the model, its initial weights, what trains, what a checkpoint holds, the
 loss.
 
-pretrain, finetune_full and finetune_lora (with QLoRA as an option of the last) are three `Recipe` values; the job
+pretrain, finetune_full, finetune_lora (with QLoRA as an option of the last) and distill are `Recipe` values; the job
 (`litgpt.train.job`), the trainer and the checkpoint manager read them and never ask which command runs. A new kind of
 training adds fields here and a case to the methods that read them, not a branch in the loop.
 """
@@ -15,14 +15,29 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from litgpt.args import ActivationCheckpointing
+from litgpt.args import ActivationCheckpointing, KDArgs
 from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device
 from litgpt.config import Config
 from litgpt.io import load_state_dict
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
 from litgpt.merge_lora import LORA_WEIGHTS_FILE
 from litgpt.precision import PRECISION_DTYPES
-from litgpt.train.loss import LossFunction, loss_function
+from litgpt.train.loss import LossFunction, distillation_loss_function, loss_function
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """The frozen teacher a student is distilled from (`litgpt distill`).
+
+    Args:
+        config: the teacher's config.
+        weights: its lit_model.pth, read again by every run and every resume: nothing of the teacher is saved.
+        kd: the distillation loss (`litgpt.train.loss.distillation_loss`).
+    """
+
+    config: Config
+    weights: Path
+    kd: KDArgs
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,8 @@ class Recipe:
         quantize: QLoRA: the frozen base is stored quantized (`litgpt.quantize.QUANTIZE_MODES`; under FSDP only
             ao.nf4, torchao's NF4, which FSDP2 shards and all-gathers in 4 bits).
         loss: the name of the loss in `litgpt.train.loss.LOSSES`.
+        teacher: distillation: the loss is the KD loss against this frozen teacher (never trained nor saved), built
+            by `materialize_teacher`.
     """
 
     name: str
@@ -48,6 +65,7 @@ class Recipe:
     lora: Optional[LoRASettings] = None
     quantize: Optional[str] = None
     loss: str = "cross_entropy"
+    teacher: Optional[TeacherSettings] = None
 
     # ---- what trains and what a checkpoint holds --------------------------------------------------------------------
     def trains(self, key: str) -> bool:
@@ -71,9 +89,13 @@ class Recipe:
         """Whether final/ gets the adapters merged into the base, for `litgpt generate`."""
         return self.lora is not None
 
-    def loss_function(self, chunk_size: Optional[int] = None, chunked: bool = True) -> LossFunction:
-        """loss(model, input_ids, labels): the training objective of one micro-batch, its logits built `chunk_size`
-        positions at a time (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`)."""
+    def loss_function(self, chunk_size: Optional[int] = None, chunked: bool = True,
+                      teacher: Optional[nn.Module] = None) -> LossFunction:
+        """loss(model, input_ids, labels) -> Losses: the training objective of one micro-batch, its logits built
+        `chunk_size` positions at a time (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`);
+        with a teacher, against `teacher` as `materialize_teacher` made it."""
+        if self.teacher is not None:
+            return distillation_loss_function(teacher, self.teacher.kd, chunk_size, chunked)
         return loss_function(self.loss, chunk_size, chunked)
 
     # ---- the model --------------------------------------------------------------------------------------------------
@@ -176,6 +198,35 @@ class Recipe:
         rest = {key: value for key, value in state_dict.items() if key not in quantized}
         copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized)
         return model
+
+    def materialize_teacher(self, fabric, precision: str, compile_blocks: bool) -> Optional[nn.Module]:
+        """The frozen teacher on the devices (None without one): built on the meta device, without gradients, in the
+        run's compute dtype (bf16 under bf16-mixed too: it keeps no master weights), set up by the student's
+        `parallelize` (sharded over the same mesh), its weights copied in shard by shard from `teacher.weights`, and
+        in eval mode. It never reaches the optimizer or the checkpoints.
+
+        Sharded, every block frees its gathered weights after its forward (no backward will come to do it, whatever
+        the sharding strategy); the root (embeddings, final norm, head) stays gathered after the first forward, as
+        the student's does from forward to backward, so the loss reads the teacher's head without another gather
+        (and with --fsdp.cpu_offload, from the device)."""
+        if self.teacher is None:
+            return None
+        from litgpt.distributed.fsdp import is_sharded
+        from litgpt.distributed.parallelize import parallelize
+        from litgpt.model import GPT
+
+        with meta_device():
+            teacher = GPT(self.teacher.config)
+        teacher.requires_grad_(False)
+        teacher.to(PRECISION_DTYPES[precision])
+        teacher = parallelize(fabric, teacher, precision, initialize=lambda model: None,
+                              activation_checkpointing=False, compile_blocks=compile_blocks)
+        if is_sharded(teacher):
+            for block in teacher.transformer.h:
+                block.set_reshard_after_forward(True)
+        path = Path(self.teacher.weights)
+        copy_weights(teacher, load_state_dict(path), str(path), subject="The teacher's weights")
+        return teacher.eval()
 
     def finish(self, final_dir: Path) -> None:
         """After the run published final/ (rank 0 only): what this kind of training adds to it."""

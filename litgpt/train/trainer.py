@@ -60,20 +60,26 @@ class TrainState:
 
 class Trainer:
     def __init__(self, fabric, model, optimizer, job: "Job", tokenizer, checkpoints: CheckpointManager,
-                 state: TrainState, base_lr: float, train_data: MicroBatches, val_data: SampleDataset) -> None:
+                 state: TrainState, base_lr: float, train_data: MicroBatches, val_data: SampleDataset,
+                 teacher: Optional[nn.Module] = None) -> None:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.job, self.train, self.eval = job, job.train, job.eval
         self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
         self.train_data, self.val_data = train_data, val_data
         # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
         chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
-        self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked)
-        self.validation_loss = loss_function("cross_entropy", self.train.loss_chunk_size, chunked)
+        self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked, teacher)
+        # A distillation validates with its own loss: its cross-entropy part is the validation loss, and its KD term
+        # against the teacher is measured too.
+        self.validation_loss = (self.loss if teacher is not None
+                                else loss_function("cross_entropy", self.train.loss_chunk_size, chunked))
+        self.val_kd_loss: Optional[float] = None  # distillation: the KD term of the latest validation
         self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
         self.seq_length = train_data.dataset[0]["input_ids"].numel()
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
         self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
+        self.logged_loss_parts: dict[str, float] = {}  # the parts of the loss on the last log line (kd_loss, ...)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -117,7 +123,9 @@ class Trainer:
             return self.stop_for_signal()
         self.checkpoints.publish_final(state)
         metrics = run_metrics(fabric, state, self.job, self.checkpoints.io, val_loss, self.seq_length,
-                              trainable_fraction)
+                              trainable_fraction, self.logged_loss_parts)
+        if self.val_kd_loss is not None:
+            metrics["val_kd_loss"] = self.val_kd_loss
         metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
         fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
         for logger in fabric.loggers:
@@ -152,22 +160,23 @@ class Trainer:
         window.lr = lr_at(state.step, self.base_lr, self.train.lr_warmup_steps, self.total_steps, self.train.min_lr)
         for group in self.optimizer.param_groups:
             group["lr"] = window.lr
-        step_loss = torch.zeros((), device=fabric.device)
+        step_losses: dict[str, torch.Tensor] = {}  # the loss and its parts, means over the micro-batches
         for micro in range(self.accumulation):
             epoch, index, batch = next(batches)
             input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
             with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
                 with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
-                    loss = self.loss(model, input_ids, labels)
-                fabric.backward(loss / self.accumulation)
-            step_loss += loss.detach() / self.accumulation
+                    losses = self.loss(model, input_ids, labels)
+                fabric.backward(losses["loss"] / self.accumulation)
+            for name, value in losses.items():
+                step_losses[name] = step_losses.get(name, 0.0) + value.detach().float() / self.accumulation
             window.label_tokens += (labels != IGNORE_INDEX).sum()
             last_of_epoch = index + 1 == self.train_data.per_epoch
             state.epoch, state.epoch_samples = (
                 (epoch + 1, 0) if last_of_epoch else (epoch, (index + 1) * self.samples_per_micro_step))
             state.tokens += input_ids.numel() * fabric.world_size
         failpoint("step:backward")
-        loss_value, grad_norm = self.step_values(step_loss)  # the loop's one host-device sync per step
+        loss_value, grad_norm = self.step_values(step_losses["loss"])  # the loop's one host-device sync per step
         nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
                                                signals.received)
         if nonfinite and self.train.on_nonfinite == "stop":
@@ -178,7 +187,7 @@ class Trainer:
                                f"norm ({grad_norm}) is not finite on some rank.")
         else:
             self.optimizer.step()
-            window.add_update(step_loss)
+            window.add_update(step_losses)
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         seconds = time.perf_counter() - step_start
@@ -215,8 +224,10 @@ class Trainer:
         metrics = window.metrics(self.fabric, state.tokens, state.epoch)
         self.fabric.log_dict(metrics, step=state.step)
         progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        self.logged_loss_parts = {name: metrics[name] for name in window.loss_names if name != "loss"}
+        parts = "".join(f" | {name} {value:.4f}" for name, value in self.logged_loss_parts.items())
         self.say(progress,
-                 f"step {state.step}/{self.total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+                 f"step {state.step}/{self.total_steps} | loss {metrics['loss']:.4f}{parts} | lr {metrics['lr']:.2e} | "
                  f"{metrics['tokens_per_sec']:,.0f} tokens/s | peak mem {metrics['peak_memory_mb']:,.0f} MB")
         if window.label_tokens.item() == 0:
             self.say(progress,
@@ -230,7 +241,11 @@ class Trainer:
         if (step % self.eval.interval == 0 and not last) or (last and self.eval.final_validation):
             val_loss = self.validate()
             self.fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
-            self.say(progress, f"step {step} | val loss {val_loss:.4f}")
+            kd = ""
+            if self.val_kd_loss is not None:
+                self.fabric.log_dict({"val_kd_loss": self.val_kd_loss}, step=step)
+                kd = f" | val kd_loss {self.val_kd_loss:.4f}"
+            self.say(progress, f"step {step} | val loss {val_loss:.4f}{kd}")
             if self.eval.max_new_tokens:
                 sample = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample: {sample!r}")
@@ -267,18 +282,25 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """The mean cross-entropy over up to --eval.max_iters validation micro-batches, averaged over the ranks."""
+        """The mean cross-entropy over up to --eval.max_iters validation micro-batches, averaged over the ranks: the
+        cross-entropy alone where the training loss has other parts (a distillation's KD term against its teacher,
+        kept in `val_kd_loss`; a mixture-of-experts router's auxiliary loss)."""
         model = self.model
         model.eval()
         batches = self.validation_batches()
-        losses = []
+        losses = []  # per micro-batch: the cross-entropy, and a distillation's KD term
         for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
             input_ids, labels = self.fabric.to_device(batch["input_ids"]), self.fabric.to_device(batch["labels"])
             with self.fabric.autocast():
-                losses.append(self.validation_loss(model, input_ids, labels))
-        loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
+                parts = self.validation_loss(model, input_ids, labels)
+            values = [parts.get("ce_loss", parts["loss"])]
+            if "kd_loss" in parts:
+                values.append(parts["kd_loss"])
+            losses.append(torch.stack(values))
+        means = self.fabric.all_reduce(torch.stack(losses).mean(0), reduce_op="mean").tolist()
         model.train()
-        return loss.item()
+        self.val_kd_loss = means[1] if len(means) > 1 else None
+        return means[0]
 
     def sample_text(self) -> str:
         """A short greedy continuation of the start of a validation sample, to watch the model learn."""
