@@ -223,6 +223,25 @@ def test_merge_lora_on_a_merged_folder_says_so_and_changes_nothing(tmp_path, bas
     assert snapshot(run, base) == before
 
 
+def test_convert_pretrained_checkpoint_copies_a_model_folder_and_refuses_a_full_output(tmp_path, capsys):
+    checkpoint = tmp_path / "final"
+    checkpoint.mkdir()
+    files = {"lit_model.pth": b"weights", "model_config.yaml": b"name: x\n", "tokenizer.json": b"{}",
+             "training_state.pth": b"optimizer"}
+    for name, content in files.items():
+        (checkpoint / name).write_bytes(content)
+    cli_main(["convert_pretrained_checkpoint", str(checkpoint), str(tmp_path / "model")])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == {
+        name: content for name, content in files.items() if name != "training_state.pth"}
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["convert_pretrained_checkpoint", str(checkpoint), str(tmp_path / "model")])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.count("\n") == 1 and "exists and is not an empty folder" in err
+    assert snapshot(tmp_path) == before
+
+
 # ---- end to end: a representative set, model, data and step count swapped for tiny ones -------------------------------
 FINETUNE_RUNS = {
     "phi-2/full.yaml": [],  # finetune_full; devices: 2 in the recipe
