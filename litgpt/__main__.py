@@ -32,8 +32,8 @@ LITGPT_ALIASES: dict[str, tuple[str, str]] = {
                                       "Copy a pretraining checkpoint into a model folder of its own."),
 }
 # The ones not carried here: which of ours to use, and why (said in one line, exit code 1).
-_ADAPTER = ("LLaMA-Adapter is not carried here: LoRA trains as few weights with the same options; use "
-            "`litgpt finetune_lora` (QLoRA with --quantize), whose final/ holds the merged model")
+_ADAPTER = ("LLaMA-Adapter is not carried here; LoRA trains a similarly small set of weights with the same data, train "
+            "and eval options: use `litgpt finetune_lora` (QLoRA with --quantize), whose final/ holds the merged model")
 _ONE_DEVICE = ("`litgpt generate` runs on one device, and --quantize bnb.nf4 (4-bit weights) fits a model about four "
                "times larger there.")
 NOT_CARRIED: dict[str, str] = {

@@ -37,7 +37,7 @@ def check_litgpt_arguments(arguments: dict) -> dict:
     if train.lr_warmup_fraction is not None:
         raise UserError(
             f"--train.lr_warmup_fraction {train.lr_warmup_fraction}: give the warm-up in optimizer steps with "
-            "--train.lr_warmup_steps (the run's first line says how many steps an epoch has)."
+            "--train.lr_warmup_steps (an epoch is as many steps as training samples / train.global_batch_size)."
         )
     for note in litgpt_notes(arguments):
         print_once(f"Note: {note}")

@@ -208,6 +208,9 @@ def test_every_litgpt_command_name_resolves(name, capsys):
 def test_every_name_we_add_is_litgpts():
     assert set(LITGPT_ALIASES) | set(NOT_CARRIED) <= set(LITGPT_COMMANDS)
     assert not set(LITGPT_ALIASES) & set(COMMANDS) and not set(NOT_CARRIED) & set(COMMANDS)
+    # The guide quotes one of the lines as the command prints it.
+    guide = (ROOT / "tutorials" / "coming_from_litgpt.md").read_text()
+    assert f"litgpt finetune_adapter: {NOT_CARRIED['finetune_adapter']}" in guide
 
 
 # ---- merge_lora on a merged folder -----------------------------------------------------------------------------------
