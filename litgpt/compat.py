@@ -53,6 +53,13 @@ def litgpt_notes(arguments: dict) -> list[str]:
             f"data.num_workers {workers} has no effect here: there are no loader workers (samples are tokenized once "
             "into a cache and collated in the training process)."
         )
+    from litgpt.data import TinyStories
+
+    if isinstance(arguments.get("data"), TinyStories) and arguments["data"].seed is not None:
+        notes.append(
+            f"data.seed {arguments['data'].seed} of TinyStories has no effect here: the run's --seed orders the "
+            "samples."
+        )
     example = arguments["eval"].evaluate_example
     if example != EvalArgs.evaluate_example:
         notes.append(

@@ -143,6 +143,8 @@ def test_keys_without_effect_are_noted_once_each(capsys):
                                                    "access_token"]
     assert "log.project, log.run have no effect" in lines[2] and "there are no loader workers" in lines[0]
     assert checked["access_token"] is None  # never recorded in hyperparameters.yaml
+    stories = vars(build(HUB / "pretrain" / "debug.yaml", "--data.seed", "7", "--data.num_workers", "8"))
+    assert [note.split()[0] for note in litgpt_notes(stories)] == ["data.num_workers", "data.seed"]
     assert litgpt_notes({**arguments, "data": None, "log": LogArgs(), "access_token": None,
                          "eval": build(HUB / "pretrain" / "debug.yaml", "--data", "Tiny").eval}) == []
 
