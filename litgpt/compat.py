@@ -21,6 +21,7 @@ from litgpt.errors import UserError
 
 if TYPE_CHECKING:
     from litgpt.config import Config
+    from litgpt.lora import LoRASettings
 
 
 def check_litgpt_arguments(arguments: dict) -> dict:
@@ -97,6 +98,21 @@ def tie_embeddings(config: "Config", train: TrainArgs, finetuning: bool) -> "Con
         )
         return config
     return dataclasses.replace(config, tie_embeddings=wanted)
+
+
+def untie_for_lora_head(config: "Config", lora: "Optional[LoRASettings]") -> "Config":
+    """The model config for LitGPT's `lora_head: true` on a checkpoint whose head is tied to its embeddings (Gemma):
+    untied, so that the head starts as a copy of the embeddings and only it is adapted, as in LitGPT's layout, where
+    such a head is a copy. Said in one line; the run's model_config.yaml then has tie_embeddings: false."""
+    if lora is None or not lora.head or not config.tie_embeddings:
+        return config
+    from litgpt.distributed.runtime import print_once
+
+    print_once(
+        "Note: lora_head on a model whose output head is tied to its embeddings: the head becomes a copy of the "
+        "embeddings that the adapters change (as in LitGPT's layout); the result has tie_embeddings: false."
+    )
+    return dataclasses.replace(config, tie_embeddings=False)
 
 
 def convert_pretrained_checkpoint(checkpoint_dir: Path, output_dir: Path) -> None:

@@ -18,9 +18,10 @@ from test_merge_lora import base, make_run, snapshot  # noqa: F401 (base is a fi
 from litgpt.__main__ import COMMANDS, LITGPT_ALIASES, NOT_CARRIED
 from litgpt.__main__ import main as cli_main
 from litgpt.args import LogArgs, TrainArgs
-from litgpt.compat import check_litgpt_arguments, litgpt_notes, tie_embeddings
+from litgpt.compat import check_litgpt_arguments, litgpt_notes, tie_embeddings, untie_for_lora_head
 from litgpt.config import Config
 from litgpt.errors import UserError
+from litgpt.io import load_state_dict
 from litgpt.merge_lora import merge_lora
 from litgpt.model import GPT
 from litgpt.pretrain import resolve_inputs
@@ -187,6 +188,17 @@ def test_tie_embeddings_ties_when_pretraining_and_keeps_the_checkpoint_when_fine
     assert "train.tie_embeddings True has no effect when finetuning" in capsys.readouterr().out
 
 
+def test_lora_head_on_a_tied_head_unties_it_with_a_note(capsys):
+    from litgpt.lora import LoRASettings
+
+    tied = Config.from_name("pythia-14m", tie_embeddings=True)
+    assert untie_for_lora_head(tied, LoRASettings(head=False)) is tied
+    assert untie_for_lora_head(tied, None) is tied
+    untied = untie_for_lora_head(tied, LoRASettings(head=True))
+    assert untied.tie_embeddings is False and untied == Config.from_name("pythia-14m", tie_embeddings=False)
+    assert "the head becomes a copy of the embeddings" in capsys.readouterr().out
+
+
 # ---- command names ---------------------------------------------------------------------------------------------------
 LITGPT_COMMANDS = (FIXTURES / "commands.txt").read_text().split()
 
@@ -248,11 +260,11 @@ def test_convert_pretrained_checkpoint_copies_a_model_folder_and_refuses_a_full_
 
 
 # ---- end to end: a representative set, model, data and step count swapped for tiny ones -------------------------------
-FINETUNE_RUNS = {
-    "phi-2/full.yaml": [],  # finetune_full; devices: 2 in the recipe
-    "llama-3.2-1B/lora.yaml": [],  # lora with Alpaca2k's init args as written
-    "llama-2-7b/qlora.yaml": [],  # quantize: bnb.nf4, data.download_dir in the recipe
-}
+FINETUNE_RUNS = (
+    "phi-2/full.yaml",  # finetune_full; devices: 2 in the recipe
+    "gemma-2b/lora.yaml",  # every lora_* switch on, lora_head too: the stand-in's head is tied, as our Gemma's
+    "llama-2-7b/qlora.yaml",  # quantize: bnb.nf4, data.download_dir in the recipe
+)
 
 
 @pytest.mark.slow
@@ -283,14 +295,14 @@ def test_pretrain_recipe_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", list(FINETUNE_RUNS))
+@pytest.mark.parametrize("recipe", FINETUNE_RUNS)
 def test_finetune_recipe_runs_end_to_end(recipe, tmp_path, stand_in, capsys):  # noqa: F811
     checkpoint, data = stand_in
     out = tmp_path / "out"
     result = run_litgpt(
         command_for(HUB / "finetune" / recipe), "--config", HUB / "finetune" / recipe, checkpoint, "--out_dir", out,
         "--data.download_dir", data, "--devices", "1", "--train.epochs", "null", "--train.max_steps", "1",
-        "--eval.max_iters", "1", "--eval.max_new_tokens", "4", *FINETUNE_RUNS[recipe],
+        "--eval.max_iters", "1", "--eval.max_new_tokens", "4",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Note: data.num_workers 4 has no effect here" in result.stdout
@@ -308,3 +320,17 @@ def test_finetune_recipe_runs_end_to_end(recipe, tmp_path, stand_in, capsys):  #
         cli_main(["merge_lora", str(out / "final")])
         assert "nothing to do" in capsys.readouterr().out and snapshot(out / "final") == before
     assert json.loads((out / "run_args.json").read_text())["arguments"]["access_token"] is None
+    if written.get("lora_head"):
+        check_untied_head(out / "final", checkpoint, written["lora_alpha"] / written["lora_r"])
+
+
+def check_untied_head(final: Path, base: Path, scale: float) -> None:
+    """LitGPT's lora_head on a tied head: the embeddings stay the base's, the head is their copy plus the adapter."""
+    assert Config.from_checkpoint(final).tie_embeddings is False
+    merged, base_weights = load_state_dict(final / "lit_model.pth"), load_state_dict(base / "lit_model.pth")
+    adapters = load_state_dict(final / "lit_model.pth.lora")
+    embeddings = base_weights["transformer.wte.weight"]
+    assert torch.equal(merged["transformer.wte.weight"], embeddings)
+    update = scale * adapters["lm_head.lora_B"] @ adapters["lm_head.lora_A"]
+    assert update.abs().max() > 0
+    torch.testing.assert_close(merged["lm_head.weight"], embeddings + update, rtol=0, atol=1e-6)
