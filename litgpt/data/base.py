@@ -34,7 +34,11 @@ class SampleDataset(Protocol):
 class LoaderOptions:
     """LitGPT's loader option, which every data module of ours accepts (keyword only, after its own fields) so that
     LitGPT's recipes read as written. It has no effect: samples are tokenized once into a cache and collated in the
-    training process, so there are no loader workers; `litgpt.compat` says so when it is set."""
+    training process, so there are no loader workers; `litgpt.compat` says so when it is set.
+
+    Args:
+        num_workers: LitGPT's data loader workers; no effect here (there are none).
+    """
 
     num_workers: Optional[int] = field(default=None, kw_only=True)
 
