@@ -80,7 +80,7 @@ def test_the_fixtures_hold_litgpts_46_recipes():
     assert sum(command_for(r) == "finetune_full" for r in RECIPES) == 10
 
 
-# ---- every recipe parses, and every key reaches the arguments ---------------------------------------------------------
+# ---- every recipe parses, and every key reaches the arguments --------------------------------------------------------
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
 def test_recipe_parses_and_every_key_is_built_as_written(recipe):
     written = flatten(yaml.safe_load(recipe.read_text()))
@@ -159,7 +159,8 @@ def test_keys_without_effect_are_noted_once_each(capsys):
 def test_keys_we_cannot_follow_are_refused_in_one_line(flag, value, message, tmp_path, capsys):
     recipe = HUB / "finetune" / "llama-3.2-1B" / "lora.yaml"
     with pytest.raises(SystemExit) as info:
-        cli_main(["finetune_lora", "--config", str(recipe), str(tmp_path), flag, value, "--out_dir", str(tmp_path / "o")])
+        cli_main(["finetune_lora", "--config", str(recipe), str(tmp_path), flag, value,
+                  "--out_dir", str(tmp_path / "o")])
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith(f"litgpt finetune_lora: error: {message}") and err.count("\n") == 1
@@ -236,7 +237,8 @@ def test_merge_lora_on_a_merged_folder_says_so_and_changes_nothing(tmp_path, bas
     capsys.readouterr()
     cli_main(["merge_lora", str(run)])  # returns: exit code 0
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "already holds lit_model.pth merged from its lit_model.pth.lora: nothing to do" in out
+    assert out.count("\n") == 1
+    assert "already holds lit_model.pth merged from its lit_model.pth.lora: nothing to do" in out
     assert snapshot(run, base) == before
 
 
@@ -259,7 +261,7 @@ def test_convert_pretrained_checkpoint_copies_a_model_folder_and_refuses_a_full_
     assert snapshot(tmp_path) == before
 
 
-# ---- end to end: a representative set, model, data and step count swapped for tiny ones -------------------------------
+# ---- end to end: a representative set, model, data and step count swapped for tiny ones ------------------------------
 FINETUNE_RUNS = (
     "phi-2/full.yaml",  # finetune_full; devices: 2 in the recipe
     "gemma-2b/lora.yaml",  # every lora_* switch on, lora_head too: the stand-in's head is tied, as our Gemma's
