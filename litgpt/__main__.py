@@ -26,6 +26,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("litgpt.plan:main", "Estimate the memory per device of a training run before starting it."),
 }
 
+# ---- LitGPT 0.5.13's command names that are not ours (tests/fixtures/litgpt-0.5.13/commands.txt) ----------------
+# Its name for one of our commands, or a command of LitGPT's that needs code of its own (litgpt/compat.py).
+LITGPT_ALIASES: dict[str, tuple[str, str]] = {
+    "generate_full": ("litgpt.generate:main", "LitGPT's name: same as generate (any model folder)."),
+    "convert_pretrained_checkpoint": ("litgpt.compat:convert_pretrained_checkpoint",
+                                      "Copy a pretraining checkpoint into a model folder of its own."),
+}
+# The ones not carried here: which of ours to use, and why (said in one line, exit code 1).
+_ADAPTER = ("LLaMA-Adapter is not carried here; LoRA trains a similarly small set of weights with the same data, train "
+            "and eval options: use `litgpt finetune_lora` (QLoRA with --quantize), whose final/ holds the merged model")
+_ONE_DEVICE = ("`litgpt generate` runs on one device, and --quantize bnb.nf4 (4-bit weights) fits a model about four "
+               "times larger there.")
+NOT_CARRIED: dict[str, str] = {
+    "finetune_adapter": _ADAPTER + ".",
+    "finetune_adapter_v2": _ADAPTER + ".",
+    "generate_adapter": _ADAPTER + ": `litgpt generate OUT_DIR/final` then needs no adapter command.",
+    "generate_adapter_v2": _ADAPTER + ": `litgpt generate OUT_DIR/final` then needs no adapter command.",
+    "generate_sequentially": "layers spread over several GPUs in turn are not carried here; " + _ONE_DEVICE,
+    "generate_tp": "tensor-parallel generation is not carried here; " + _ONE_DEVICE,
+    "generate_speculatively": ("speculative decoding with a draft model is not carried here; use `litgpt generate` "
+                               "(one model, greedy or sampled)."),
+    "validate": ("LitGPT's pre-flight check is not carried here: `litgpt generate CHECKPOINT_DIR --max_new_tokens 1` "
+                 "checks the folder's files and every weight against its config, and `litgpt plan` estimates the "
+                 "memory of a training run."),
+}
+
 # Commands whose first argument may be given without its flag (`litgpt pretrain pythia-14m`).
 OPTIONAL_POSITIONAL = {"pretrain": "model_name", "plan": "model_name", "distill": "student_dir"}
 
@@ -34,6 +60,9 @@ def print_commands() -> None:
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: litgpt <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
+    litgpt_names = ", ".join([*LITGPT_ALIASES, *NOT_CARRIED])
+    lines += ["", f"LitGPT's command names work too: {litgpt_names}", "(some say which command to use instead; "
+              "see tutorials/coming_from_litgpt.md)."]
     lines += ["", "`litgpt <command> --help` shows a command's options; `--config FILE.yaml` reads them from YAML."]
     print("\n".join(lines))
 
@@ -44,7 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         print_commands()
         return
     name, args = argv[0], argv[1:]
-    if name not in COMMANDS:
+    if name in NOT_CARRIED:
+        print(f"litgpt {name}: {NOT_CARRIED[name]}", file=sys.stderr)
+        sys.exit(1)
+    if name not in COMMANDS and name not in LITGPT_ALIASES:
         import difflib
 
         close = difflib.get_close_matches(name, COMMANDS, n=1)
@@ -185,7 +217,7 @@ def wrapped_user_error(error: BaseException) -> "Exception | None":
 def run_command(name: str, args: list[str]) -> None:
     import importlib
 
-    module_name, function_name = COMMANDS[name][0].split(":")
+    module_name, function_name = {**COMMANDS, **LITGPT_ALIASES}[name][0].split(":")
     function = getattr(importlib.import_module(module_name), function_name)
     if name in OPTIONAL_POSITIONAL and args and not args[0].startswith("-"):
         args = [f"--{OPTIONAL_POSITIONAL[name]}", *args]

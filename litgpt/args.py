@@ -39,6 +39,10 @@ class TrainArgs:
         loss_chunk_size: Positions per chunk of the output head and loss, which never build the whole logits
             (None: automatic, one chunk's float32 logits about the size of the hidden states, at least 1024 positions;
             `litgpt.train.loss.auto_chunk_size`).
+        tie_embeddings: LitGPT's: pretraining shares one matrix between the token embedding and the output head (true)
+            or not (false); None keeps the model config's `tie_embeddings`. Finetuning keeps the checkpoint's.
+        lr_warmup_fraction: LitGPT's warm-up as a fraction of an epoch; refused here: use lr_warmup_steps.
+        max_time: LitGPT's time limit in seconds; refused here: use max_steps or max_tokens.
     """
 
     save_interval: Optional[int] = 1000
@@ -57,6 +61,9 @@ class TrainArgs:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     requeue: bool = False
     loss_chunk_size: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    lr_warmup_fraction: Optional[float] = None
+    max_time: Optional[float] = None
 
     def gradient_accumulation_iters(self, world_size: int) -> int:
         """global = world_size x micro x accumulation; raise UserError when that does not divide."""
@@ -100,6 +107,8 @@ class EvalArgs:
         initial_validation: Validate before the first step.
         final_validation: Validate after the last step.
         max_new_tokens: After each validation, generate this many tokens from a validation prompt (None: don't).
+        evaluate_example: LitGPT's choice of that prompt: "first" (what is done here); "random" or an index have no
+            effect here (a note says so).
     """
 
     interval: int = 600
@@ -107,6 +116,7 @@ class EvalArgs:
     initial_validation: bool = False
     final_validation: bool = True
     max_new_tokens: Optional[int] = None
+    evaluate_example: Union[str, int] = "first"
 
 
 ShardingStrategy = Literal["HYBRID_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -221,3 +231,29 @@ class KDArgs:
         if not self.temperature > 0.0 or math.isinf(self.temperature):
             raise UserError(f"--kd.temperature {self.temperature} must be a finite number above 0 (1: the models' "
                             "own distributions).")
+
+
+@dataclass
+class LogArgs:
+    """LitGPT's logger settings, read so that its recipes and scripts work as written; they have no effect here (the
+    wandb logger runs offline under out_dir and names the run itself) and a note says so when one is set.
+
+    Args:
+        project: Weights & Biases project.
+        run: Weights & Biases run name.
+        group: Weights & Biases group.
+        teamspace: Lightning AI teamspace.
+        metadata: Tags for Lightning AI's logger.
+        log_model: Upload checkpoints as artifacts.
+        save_logs: Upload the terminal output.
+        checkpoint_name: Name of uploaded checkpoints.
+    """
+
+    project: Optional[str] = None
+    run: Optional[str] = None
+    group: Optional[str] = None
+    teamspace: Optional[str] = None
+    metadata: Optional[dict] = None
+    log_model: bool = False
+    save_logs: bool = True
+    checkpoint_name: Optional[str] = None

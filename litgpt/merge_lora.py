@@ -24,7 +24,8 @@ def merge_lora(
 
     The result is an ordinary litgpt checkpoint folder: `litgpt generate`, `litgpt chat` and
     `litgpt convert_from_litgpt` work on it. The base weights are read memory-mapped; the output is written under a
-    temporary name and renamed, so an interrupted merge leaves no partial lit_model.pth.
+    temporary name and renamed, so an interrupted merge leaves no partial lit_model.pth. A folder that already holds
+    the merged lit_model.pth beside its adapters (finetune_lora's final/) is left as it is, and that is no error.
 
     Args:
         checkpoint_dir: The output folder of a LoRA finetuning run: it holds lit_model.pth.lora (the adapters),
@@ -54,12 +55,17 @@ def merge_lora(
             f"Folder {str(checkpoint_dir)!r} does not exist; pass the output folder of a LoRA finetuning run."
         )
     output = checkpoint_dir / WEIGHTS_FILE
+    lora_path = checkpoint_dir / LORA_WEIGHTS_FILE
+    if output.exists() and lora_path.is_file():
+        # What `finetune_lora` publishes as final/ (it merges when the run ends), where LitGPT's guides run this next.
+        print(f"{str(checkpoint_dir)!r} already holds {WEIGHTS_FILE} merged from its {LORA_WEIGHTS_FILE}: nothing to "
+              f"do (delete {WEIGHTS_FILE} to merge again).")
+        return
     if output.exists():
         raise UserError(
-            f"{str(checkpoint_dir)!r} already holds a merged {WEIGHTS_FILE}: nothing to do "
-            f"(delete it to merge {LORA_WEIGHTS_FILE} again)."
+            f"{str(checkpoint_dir)!r} holds {WEIGHTS_FILE} and no {LORA_WEIGHTS_FILE}: it is a plain checkpoint, "
+            "not the output folder of a LoRA finetuning run."
         )
-    lora_path = checkpoint_dir / LORA_WEIGHTS_FILE
     if not lora_path.is_file():
         raise UserError(
             f"{str(checkpoint_dir)!r} has no {LORA_WEIGHTS_FILE}: it is not the output folder of a LoRA finetuning run."

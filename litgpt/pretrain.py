@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -52,6 +52,7 @@ def setup(
     profile: bool = False,
     compiler: str = "auto",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
+    log: LogArgs = LogArgs(),
 ) -> None:
     """Pretrain a model.
 
@@ -80,6 +81,7 @@ def setup(
             `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
+        log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
     """
     arguments = dict(locals())
     if compiler not in CORE_COMPILERS:  # an extension, found by name (litgpt.registry) and imported only now
@@ -104,16 +106,19 @@ def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     """The pretraining job of `setup`'s arguments (also `--compiler thunder`'s, which records its own signature),
     checked before anything heavy is imported."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE
+    from litgpt.compat import check_litgpt_arguments, tie_embeddings
     from litgpt.precision import default_precision
     from litgpt.train.arguments import check_limits, record_arguments
     from litgpt.train.job import Job
     from litgpt.train.recipe import Recipe
 
+    arguments = check_litgpt_arguments(arguments)
     a = SimpleNamespace(**arguments)
     hyperparameters = record_arguments(record_arguments_of, arguments)
     check_limits(a.train)
     config, data, tokenizer_dir = resolve_inputs(a.model_name, a.model_config, a.initial_checkpoint_dir, a.data,
                                                  a.tokenizer_dir)
+    config = tie_embeddings(config, a.train, finetuning=False)
     initial_weights = Path(a.initial_checkpoint_dir) / WEIGHTS_FILE if a.initial_checkpoint_dir else None
     recipe = Recipe(name="pretrain", config=config, initialization="random", initial_weights=initial_weights)
     return Job(
@@ -137,10 +142,12 @@ def fsdp_for_strategy(strategy: str, fsdp: FSDPArgs) -> FSDPArgs:
 
 def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir):
     """The model config, the data module and the tokenizer folder a pretraining run uses, from its arguments."""
+    from litgpt.distributed.runtime import print_once
     from litgpt.train.arguments import default_tokenizer_dir
 
     if model_config is not None and model_name is not None:
-        raise UserError("Give either a model name or --model_config, not both.")
+        # LitGPT's recipes give both (its pretrain needs a name); as in LitGPT, the config wins.
+        print_once(f"Note: --model_config (name {model_config.name!r}) is used; --model_name {model_name!r} is not.")
     if initial_checkpoint_dir is not None:
         from litgpt.checkpoint.model_files import find_checkpoint_dir
 

@@ -259,10 +259,6 @@ def break_run_config(run: Path, base: Path) -> None:
     Config(**{**CONFIG, "n_layer": 3}).save(run / "model_config.yaml")
 
 
-def break_already_merged(run: Path, base: Path) -> None:
-    shutil.copy(base / "lit_model.pth", run / "lit_model.pth")
-
-
 def break_hparams_not_a_mapping(run: Path, base: Path) -> None:
     (run / "hyperparameters.yaml").write_text("- just\n- a list\n")
 
@@ -277,7 +273,6 @@ BREAKS = {
     "adapter_targets": (break_adapter_targets, "unexpected"),
     "base_shape": (break_base_shape, r"LoRA adapters in .* do not match the model config: lm_head.lora_A has shape"),
     "run_config": (break_run_config, r"weights in .* do not match the model config: \d+ missing \(first: transformer\.h\.2\."),
-    "already_merged": (break_already_merged, "already holds a merged lit_model.pth"),
     "hparams_not_a_mapping": (break_hparams_not_a_mapping, "mapping"),
 }
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import ActivationCheckpointing, EvalArgs, FSDPArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -60,6 +60,7 @@ def setup(
     compiler: Literal["thunder", "torch", "none"] = "thunder",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
     thunder: ThunderArgs = ThunderArgs(),
+    log: LogArgs = LogArgs(),
 ) -> None:
     """Pretrain a model compiled with Thunder (the arguments not listed are `litgpt pretrain`'s).
 

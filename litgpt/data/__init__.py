@@ -5,17 +5,21 @@ Pretraining (text tokenized once into a memory-mapped token cache, cut into wind
 `RedPajama`.
 
 Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
-`JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `Dolly`, `LIMA`.
+`JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `AlpacaGPT4`, `Dolly`, `LIMA`.
+
+LitGPT's names that are not carried here (`TinyLlama`, `MicroLlama`, `LitData`, `Deita`, `FLAN`, `LongForm`,
+`litgpt_only.py`) parse with LitGPT's init args and stop with one line naming the module to use instead.
 
 `base.MicroBatches` turns any of their datasets into resumable micro-batches. `scripts/make_tiny_corpus.py` (in the
 repository, not in the installed package) regenerates the bundled corpus and its tokenizer.
 """
 
-from litgpt.data.alpaca import Alpaca, Alpaca2k
+from litgpt.data.alpaca import Alpaca, Alpaca2k, AlpacaGPT4
 from litgpt.data.base import DataModule, MicroBatches
 from litgpt.data.dolly import Dolly
 from litgpt.data.json_data import JSON, SFTDataModule, SFTDataset
 from litgpt.data.lima import LIMA
+from litgpt.data.litgpt_only import FLAN, Deita, LitData, LongForm, MicroLlama, TinyLlama
 from litgpt.data.openwebtext import OpenWebText
 from litgpt.data.redpajama import RedPajama
 from litgpt.data.text_files import TextFiles
@@ -26,10 +30,16 @@ from litgpt.data.token_cache import TokenCorpus, TokenWindows
 __all__ = [
     "Alpaca",
     "Alpaca2k",
+    "AlpacaGPT4",
     "DataModule",
+    "Deita",
     "Dolly",
+    "FLAN",
     "JSON",
     "LIMA",
+    "LitData",
+    "LongForm",
+    "MicroLlama",
     "MicroBatches",
     "OpenWebText",
     "RedPajama",
@@ -37,6 +47,7 @@ __all__ = [
     "SFTDataset",
     "TextFiles",
     "Tiny",
+    "TinyLlama",
     "TinyStories",
     "TokenCorpus",
     "TokenWindows",

@@ -5,6 +5,8 @@
 - `Alpaca2k`: the Hugging Face dataset `mhenrichsen/alpaca_2k_test` (one file, `alpaca_2000.parquet`, with the same
   fields), downloaded into `download_dir` unless it is there. Reading parquet needs `pyarrow`; a .json/.jsonl file of
   the same records placed in `download_dir` is used instead when present (no pyarrow, no network).
+- `AlpacaGPT4`: the Alpaca instructions with answers written by GPT-4 (Peng et al., 2023: `alpaca_gpt4_data.json` of
+  github.com/Instruction-Tuning-with-GPT-4/GPT-4-LLM, the same fields), read like `Alpaca`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from litgpt.data.token_cache import hub_download, url_download
 from litgpt.errors import UserError
 
 ALPACA_URL = "https://raw.githubusercontent.com/tloen/alpaca-lora/main/alpaca_data_cleaned_archive.json"
+ALPACA_GPT4_URL = (
+    "https://raw.githubusercontent.com/Instruction-Tuning-with-GPT-4/GPT-4-LLM/main/data/alpaca_gpt4_data.json"
+)
 ALPACA_2K_REPO = "mhenrichsen/alpaca_2k_test"
 ALPACA_2K_FILE = "alpaca_2000.parquet"
 
@@ -52,6 +57,19 @@ class Alpaca(SFTDataModule):
 
     def load(self) -> tuple[list[Record], list[Record]]:
         return self.split(load_records(Path(self.download_dir) / self.file_name))
+
+
+@dataclass
+class AlpacaGPT4(Alpaca):
+    """The Alpaca instructions with GPT-4's answers (LitGPT's `AlpacaGPT4`, with its file name and split).
+
+    Args: those of `Alpaca`.
+    """
+
+    val_split_fraction: float = 0.03847  # about 2,000 of the 52,002 records
+    download_dir: Path = Path("data/alpacagpt4")
+    file_url: str = ALPACA_GPT4_URL
+    file_name: str = "alpacagpt4_data_cleaned_archive.json"
 
 
 @dataclass

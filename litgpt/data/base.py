@@ -10,7 +10,7 @@ stopped by skipping the micro-batches it already consumed: no iterator state nee
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 import torch
@@ -30,7 +30,20 @@ class SampleDataset(Protocol):
         ...
 
 
-class DataModule(ABC):
+@dataclass
+class LoaderOptions:
+    """LitGPT's loader option, which every data module of ours accepts (keyword only, after its own fields) so that
+    LitGPT's recipes read as written. It has no effect: samples are tokenized once into a cache and collated in the
+    training process, so there are no loader workers; `litgpt.compat` says so when it is set.
+
+    Args:
+        num_workers: LitGPT's data loader workers; no effect here (there are none).
+    """
+
+    num_workers: Optional[int] = field(default=None, kw_only=True)
+
+
+class DataModule(LoaderOptions, ABC):
     """A data source. Entry points call `connect`, then `prepare` (rank 0 first, then every rank), then the datasets."""
 
     tokenizer: Optional["Tokenizer"] = None

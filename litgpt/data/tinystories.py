@@ -28,10 +28,13 @@ class TinyStories(TokenCorpus):
     Args:
         data_path: Folder holding (or to receive) the two .txt files of the dataset repo.
         cache_dir: Folder for the token caches (default: keyed folders under ~/.cache/litgpt/tokens).
+        seed: LitGPT's shuffle seed, read so that its recipes work; no effect here (the run's --seed orders the
+            samples).
     """
 
     data_path: Path = Path("data/tinystories")
     cache_dir: Optional[Path] = None
+    seed: Optional[int] = None
 
     def download(self) -> None:
         hub_download(REPO_ID, [TRAIN_FILE, VAL_FILE], self.data_path)

@@ -15,6 +15,7 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     """The job of a finetuning command's arguments: the recipe starts from the checkpoint's weights, the data is laid
     out in the checkpoint's prompt style, and the tokenizer is the checkpoint's."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
+    from litgpt.compat import check_litgpt_arguments, tie_embeddings, untie_for_lora_head
     from litgpt.config import Config
     from litgpt.precision import default_precision
     from litgpt.prompts import PromptStyle
@@ -22,10 +23,12 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     from litgpt.train.job import Job
     from litgpt.train.recipe import Recipe
 
+    arguments = check_litgpt_arguments(arguments)
     hyperparameters = record_arguments(setup, arguments)
     check_limits(arguments["train"])
     checkpoint_dir = find_checkpoint_dir(Path(arguments["checkpoint_dir"]))
-    config = Config.from_checkpoint(checkpoint_dir)
+    config = tie_embeddings(Config.from_checkpoint(checkpoint_dir), arguments["train"], finetuning=True)
+    config = untie_for_lora_head(config, lora)
     data = arguments["data"]
     if data is None:
         from litgpt.data import Alpaca

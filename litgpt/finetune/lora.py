@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -43,6 +43,8 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 1337,
     profile: bool = False,
+    log: LogArgs = LogArgs(),
+    access_token: Optional[str] = None,
 ) -> None:
     """Finetune a model with LoRA: only the low-rank adapters train; checkpoints hold the adapters alone.
 
@@ -76,6 +78,8 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
+        log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
+        access_token: LitGPT's token for downloading checkpoint_dir; no effect here (`litgpt download` takes it).
     """
     from litgpt.finetune import finetune_job
     from litgpt.lora import LoRASettings
