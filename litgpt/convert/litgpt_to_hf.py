@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-from litgpt.checkpoint.model_files import find_checkpoint_dir, meta_device, TOKENIZER_FILES, WEIGHTS_FILE
-from litgpt.io import load_state_dict
+from litgpt.checkpoint.model_files import (
+    find_checkpoint_dir, meta_device, read_model_weights, TOKENIZER_FILES, WEIGHTS_FILE,
+)
 from litgpt.config import Config
 from litgpt.convert.families import config_to_hf, weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES
@@ -60,7 +61,7 @@ def convert_lit_checkpoint(
     # pad_token_id is stated even when unknown: some families' defaults point outside a small vocabulary.
     token_ids = {"pad_token_id": None, **{k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in generation}}
     hf_config = config_to_hf(config, extra=token_ids)
-    state_dict = load_state_dict(checkpoint_dir / WEIGHTS_FILE)
+    state_dict = read_model_weights(checkpoint_dir / WEIGHTS_FILE)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))

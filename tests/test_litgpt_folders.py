@@ -1,0 +1,163 @@
+"""Checkpoint folders written by LitGPT 0.5.13 work here, and ours work in LitGPT: same greedy tokens both ways.
+
+The reference is LitGPT's own code (tests/litgpt_reference.py), run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from litgpt_reference import CONFIG_FIELDS, READ_FOLDERS, WRITE_FOLDERS, run_litgpt
+
+from litgpt.config import LITGPT_DEFAULTS, Config
+from litgpt.data.tiny import TOKENIZER_DIR
+from litgpt.errors import UserError
+
+PROMPT = [1, 306, 465, 278, 3186, 2988, 450, 499]
+NEW_TOKENS = 12
+_BASE = dict(block_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=4096,
+             padded_vocab_size=4096, norm_class_name="RMSNorm", bias=False, parallel_residual=False,
+             rotary_percentage=1.0, mlp_class_name="LLaMAMLP", intermediate_size=48)
+# Tiny models in LitGPT's own config fields, one per family whose fields differ.
+LITGPT_CASES = {
+    "llama3": dict(_BASE, name="Llama-3-tiny", hf_config={"org": "meta-llama", "name": "Llama-3-tiny"},
+                   rope_base=500000, rope_adjustments=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                           original_max_seq_len=16)),
+    "qwen3": dict(_BASE, name="Qwen3-tiny", head_size=16, norm_qk=True, norm_eps=1e-6, rope_base=1000000),
+    "gemma2": dict(_BASE, name="Gemma-2-tiny", mlp_class_name="GemmaMLP", gelu_approximate="tanh", head_size=16,
+                   post_attention_norm=True, post_mlp_norm=True, scale_embeddings=True, attention_scores_scalar=24,
+                   attention_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window_size=10,
+                   sliding_window_indices=[1, 0]),
+    "neox": dict(_BASE, name="pythia-tiny", norm_class_name="LayerNorm", bias=True, parallel_residual=True,
+                 rotary_percentage=0.25, mlp_class_name="GptNeoxMLP", intermediate_size=None),
+}
+# LitGPT's full finetuning saves {"model": ...} and writes prompt_style.yaml; its converter saves the state dict.
+SAVED_AS = {"llama3": dict(wrapped=True, prompt_style="alpaca"), "qwen3": {}, "gemma2": dict(wrapped=True), "neox": {}}
+LITGPT_HPARAMS = {"checkpoint_dir": "checkpoints/meta-llama/Llama-3.2-1B", "out_dir": "out/finetune/full",
+                  "precision": "bf16-true", "data": {"class_path": "litgpt.data.Alpaca2k", "init_args": {"num_workers": 4}},
+                  "train": {"save_interval": 800, "global_batch_size": 64, "epochs": 1}, "logger_name": "csv"}
+
+
+@pytest.fixture(scope="module")
+def litgpt_folders(tmp_path_factory) -> dict:
+    """{case: (folder, LitGPT's greedy decodes)} for folders that LitGPT 0.5.13 wrote."""
+    root = tmp_path_factory.mktemp("litgpt_written")
+    jobs = [
+        dict(folder=str(root / case), config=config, prompt=PROMPT, max_new_tokens=NEW_TOKENS,
+             tokenizer_dir=str(TOKENIZER_DIR), hyperparameters=LITGPT_HPARAMS, **SAVED_AS[case])
+        for case, config in LITGPT_CASES.items()
+    ]
+    # The llama3 model again (same seed), decoding a text prompt for the command-line test.
+    jobs.append({**jobs[0], "folder": str(root / "llama3_text"), "prompt": text_prompt_ids(), "max_new_tokens": 8})
+    found = run_litgpt(WRITE_FOLDERS, jobs)
+    return {case: (Path(job["folder"]), result) for case, job, result in zip([*LITGPT_CASES, "llama3_text"], jobs, found)}
+
+
+TEXT_PROMPT = "The quick brown fox"
+
+
+def text_prompt_ids() -> list[int]:
+    from litgpt.tokenizer import Tokenizer
+
+    return [int(t) for t in Tokenizer(TOKENIZER_DIR).encode(TEXT_PROMPT)]
+
+
+def our_greedy(folder: Path, prompt=PROMPT, new_tokens: int = NEW_TOKENS) -> list[int]:
+    from litgpt.generate import generate, load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(folder, precision="32-true", device="cpu")
+    return [int(t) for t in generate(model, prompt, new_tokens, temperature=0.0, top_k=None, top_p=1.0)]
+
+
+@pytest.mark.parametrize("case", list(LITGPT_CASES))
+def test_litgpt_folder_generates_litgpt_tokens(litgpt_folders, case):
+    folder, litgpt = litgpt_folders[case]
+    ours = our_greedy(folder)
+    assert len(ours) == NEW_TOKENS and ours == litgpt["no_cache_tokens"]
+    if LITGPT_CASES[case].get("attention_logit_softcapping") is None:
+        assert ours == litgpt["tokens"]
+    # else LitGPT 0.5.13's KV-cache path adds its boolean mask to the soft-capped scores instead of masking them, so
+    # its `generate` departs from its own model's forward pass; ours follows the forward pass.
+
+
+def test_litgpt_folder_fields_map_to_ours(litgpt_folders):
+    """Every LitGPT field reads as the field of ours that computes the same thing."""
+    llama = Config.from_checkpoint(litgpt_folders["llama3"][0])
+    assert llama.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 16}
+    assert llama.prompt_style == "alpaca"  # LitGPT's prompt_style.yaml
+    gemma = Config.from_checkpoint(litgpt_folders["gemma2"][0])
+    assert gemma.norm_unit_offset and gemma.sliding_window_pattern == 2 and gemma.hf_model_type == "gemma2"
+    neox = Config.from_checkpoint(litgpt_folders["neox"][0])
+    assert neox.parallel_residual and neox.rope_n_elem == 2 and neox.hf_model_type == "gpt_neox"
+
+
+def test_generate_command_on_a_litgpt_folder(litgpt_folders):
+    """`litgpt generate` itself loads LitGPT's training output ({"model": ...}, prompt_style.yaml, its
+    hyperparameters.yaml) and prints the greedy continuation LitGPT decodes."""
+    from litgpt.tokenizer import Tokenizer
+
+    folder, reference = litgpt_folders["llama3_text"][0], litgpt_folders["llama3_text"][1]["tokens"]
+    tokenizer = Tokenizer(folder)
+    prompt, prompt_ids = TEXT_PROMPT, text_prompt_ids()
+    assert our_greedy(folder, prompt_ids, 8) == reference
+    without_bos = prompt_ids[1:] if prompt_ids[0] == tokenizer.bos_id else prompt_ids
+    expected = tokenizer.decode(torch.tensor(without_bos + reference))
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "generate", str(folder), "--prompt", prompt, "--max_new_tokens", "8",
+         "--temperature", "0", "--device", "cpu", "--precision", "32-true"], capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected.strip()
+
+
+def test_litgpt_config_fields_are_known():
+    """Our table of LitGPT's fields is LitGPT 0.5.13's Config, field for field and default for default."""
+    fields = run_litgpt(CONFIG_FIELDS, None)
+    assert fields == {**LITGPT_DEFAULTS, "hf_config": {}}
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------------
+def _write_litgpt_config(folder: Path, **changes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {**LITGPT_DEFAULTS, **LITGPT_CASES["llama3"], **changes}
+    (folder / "model_config.yaml").write_text(yaml.safe_dump(values))
+    return folder
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(norm_qk=True, norm_qk_type="olmo2"), "norm_qk_type='olmo2'"),
+    (dict(rope_interleave=True), "rope_interleave=True"),
+    (dict(latent_attention={"q_lora_rank": 8}), "latent_attention="),
+    (dict(n_shared_expert=1), "n_shared_expert=1"),
+    (dict(norm_2=False), "norm_2=False"),
+    (dict(sliding_window_size=4, sliding_window_indices=[0, 1]), "sliding_window_indices=[0, 1]"),
+    (dict(rope_adjustments=dict(factor=4.0, beta_fast=32, beta_slow=1, original_max_seq_len=16)), "YaRN"),
+    (dict(something_new=1), "something_new"),
+])
+def test_litgpt_architecture_we_cannot_run_is_named(tmp_path, changes, named):
+    folder = _write_litgpt_config(tmp_path / "bad", **changes)
+    with pytest.raises(UserError, match="model_config.yaml") as error:
+        Config.from_checkpoint(folder)
+    assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_litgpt_folder_whose_weights_do_not_match_its_config(litgpt_folders, tmp_path):
+    folder = tmp_path / "mismatch"
+    folder.mkdir()
+    source = litgpt_folders["qwen3"][0]
+    for file in source.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    values = yaml.safe_load((folder / "model_config.yaml").read_text())
+    (folder / "model_config.yaml").write_text(yaml.safe_dump({**values, "n_embd": 64}))
+    result = subprocess.run([sys.executable, "-m", "litgpt", "generate", str(folder), "--device", "cpu"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and "do not match the model config" in result.stderr
+    assert (folder / "lit_model.pth").read_bytes() == (source / "lit_model.pth").read_bytes()
