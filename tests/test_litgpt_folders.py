@@ -15,7 +15,7 @@ import yaml
 
 from litgpt_reference import CONFIG_FIELDS, READ_FOLDERS, WRITE_FOLDERS, run_litgpt
 
-from litgpt.config import LITGPT_DEFAULTS, Config
+from litgpt.config import EXTRA_KEY, LITGPT_DEFAULTS, Config
 from litgpt.data.tiny import TOKENIZER_DIR
 from litgpt.errors import UserError
 
@@ -121,6 +121,81 @@ def test_litgpt_config_fields_are_known():
     """Our table of LitGPT's fields is LitGPT 0.5.13's Config, field for field and default for default."""
     fields = run_litgpt(CONFIG_FIELDS, None)
     assert fields == {**LITGPT_DEFAULTS, "hf_config": {}}
+
+
+# ---- our folders in LitGPT ------------------------------------------------------------------------------------------------
+# Converted from tiny Hugging Face models: Llama, and families whose fields LitGPT spells differently (Gemma 2: the
+# sliding-window layers, the unit-offset norms that LitGPT derives from the name; Qwen 3: QK norms, tied head;
+# Llama 3 scaled rotary frequencies). The prompt fits in Gemma 2's window: LitGPT's cache refuses a longer prefill.
+OUR_CASES = ("llama", "llama3_rope", "qwen3", "gemma2")
+SHORT_PROMPT = [1, 17, 100, 42]
+
+
+@pytest.fixture(scope="module")
+def our_folders(tmp_path_factory) -> dict:
+    """{case: (folder, LitGPT's greedy decodes and prompt style on it)} for folders `convert_to_litgpt` wrote."""
+    from hf_models import save_hf_model
+
+    from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("ours")
+    for case in OUR_CASES:
+        save_hf_model(case, root / case)
+        convert_hf_checkpoint(root / case)
+    jobs = [dict(folder=str(root / case), prompt=SHORT_PROMPT, max_new_tokens=NEW_TOKENS, no_tokenizer=True)
+            for case in OUR_CASES]
+    return {case: (root / case, found) for case, found in zip(OUR_CASES, run_litgpt(READ_FOLDERS, jobs))}
+
+
+def our_greedy_without_tokenizer(folder: Path, prompt: list[int]) -> list[int]:
+    from litgpt.checkpoint.model_files import load_model_weights, read_model_weights
+    from litgpt.generate import generate
+    from litgpt.model import GPT
+
+    model = GPT(Config.from_checkpoint(folder)).eval()
+    load_model_weights(model, read_model_weights(folder / "lit_model.pth"), str(folder))
+    return [int(t) for t in generate(model, prompt, NEW_TOKENS, temperature=0.0, top_k=None, top_p=1.0)]
+
+
+@pytest.mark.parametrize("case", OUR_CASES)
+def test_our_folder_generates_the_same_tokens_in_litgpt(our_folders, case):
+    folder, litgpt = our_folders[case]
+    ours = our_greedy_without_tokenizer(folder, SHORT_PROMPT)
+    assert len(ours) == NEW_TOKENS and ours == litgpt["no_cache_tokens"]
+    if case != "gemma2":  # LitGPT's KV cache and soft-capping: see test_litgpt_folder_generates_litgpt_tokens
+        assert ours == litgpt["tokens"]
+
+
+def test_our_folder_keeps_our_fields_where_litgpt_does_not_look(our_folders):
+    folder = our_folders["qwen3"][0]
+    written = yaml.safe_load((folder / "model_config.yaml").read_text())
+    assert set(written) == set(LITGPT_DEFAULTS)
+    config = Config.from_checkpoint(folder)
+    assert config.hf_model_type == "qwen3" and config.tie_embeddings and EXTRA_KEY not in config.hf_config
+    state = torch.load(folder / "lit_model.pth", weights_only=True)
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # LitGPT's head is never tied
+
+
+def test_our_older_folders_still_read(tmp_path):
+    """Folders written before model_config.yaml took LitGPT's fields (our field names, hf_model_type, ...)."""
+    config = Config.from_name("gemma-2-2b", n_layer=2)
+    (tmp_path / "model_config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    assert Config.from_checkpoint(tmp_path) == config
+
+
+def test_prompt_style_round_trip(tmp_path):
+    """Our style is written as LitGPT's prompt_style.yaml (LitGPT's chat uses it); a style LitGPT lacks is not."""
+    config = Config(n_layer=1, n_embd=32, n_head=4, intermediate_size=48, prompt_style="chatml")
+    config.save(tmp_path / "model_config.yaml")
+    assert yaml.safe_load((tmp_path / "prompt_style.yaml").read_text()) == {"class_path": "litgpt.prompts.ChatML"}
+    assert Config.from_checkpoint(tmp_path).prompt_style == "chatml"
+    Config(n_layer=1, n_embd=32, n_head=4, intermediate_size=48, prompt_style="mistral").save(
+        tmp_path / "model_config.yaml")
+    assert not (tmp_path / "prompt_style.yaml").exists()
+    assert Config.from_checkpoint(tmp_path).prompt_style == "mistral"
+    (tmp_path / "prompt_style.yaml").write_text("class_path: litgpt.prompts.Qwen2_5\n")
+    with pytest.raises(UserError, match="Qwen2_5"):
+        Config.from_checkpoint(tmp_path)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------------
