@@ -21,7 +21,7 @@ from litgpt.errors import UserError
 
 PROMPT = [1, 306, 465, 278, 3186, 2988, 450, 499]
 NEW_TOKENS = 12
-_BASE = dict(block_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=4096,
+_BASE = dict(block_size=128, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=4096,
              padded_vocab_size=4096, norm_class_name="RMSNorm", bias=False, parallel_residual=False,
              rotary_percentage=1.0, mlp_class_name="LLaMAMLP", intermediate_size=48)
 # Tiny models in LitGPT's own config fields, one per family whose fields differ.
@@ -236,3 +236,96 @@ def test_litgpt_folder_whose_weights_do_not_match_its_config(litgpt_folders, tmp
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "do not match the model config" in result.stderr
     assert (folder / "lit_model.pth").read_bytes() == (source / "lit_model.pth").read_bytes()
+
+
+# ---- defaults a LitGPT user expects -------------------------------------------------------------------------------------
+RECORDS = [{"instruction": f"Name the color number {i}.", "output": f"The answer is color{i}."} for i in range(10)]
+
+
+def _connected_json(tmp_path, config: Config):
+    import json
+
+    from litgpt.data import JSON
+    from litgpt.prompts import PromptStyle
+    from litgpt.tokenizer import Tokenizer
+
+    (tmp_path / "data.json").write_text(json.dumps(RECORDS))
+    data = JSON(json_path=tmp_path / "data.json", val_split_fraction=0.2)
+    tokenizer = Tokenizer(TOKENIZER_DIR)
+    data.connect(tokenizer, 128, PromptStyle.for_finetuning(config))
+    data.prepare()
+    return data, tokenizer
+
+
+def test_instruction_data_on_a_base_model_defaults_to_alpaca(tmp_path):
+    data, tokenizer = _connected_json(tmp_path, Config(n_layer=1, n_embd=32, n_head=4, intermediate_size=48))
+    assert data.style.name == "alpaca"
+    text = tokenizer.decode(data.train_dataset()[0]["input_ids"], skip_special_tokens=True)
+    assert "### Instruction:\nName the color number" in text and "### Response:\nThe answer is" in text
+
+
+def test_instruction_data_on_a_chat_model_keeps_its_style(tmp_path):
+    data, _ = _connected_json(tmp_path, Config(n_layer=1, n_embd=32, n_head=4, intermediate_size=48,
+                                               prompt_style="llama3"))
+    assert data.style.name == "llama3"
+
+
+def test_validation_sample_prompt_stops_where_the_answer_begins(tmp_path):
+    from litgpt.train.trainer import sample_prompt
+
+    data, tokenizer = _connected_json(tmp_path, Config(n_layer=1, n_embd=32, n_head=4, intermediate_size=48))
+    sample = data.val_dataset()[0]
+    prompt = tokenizer.decode(sample_prompt(sample["input_ids"], sample["labels"]), skip_special_tokens=True)
+    assert prompt.endswith("### Response:\n") and "The answer is" not in prompt
+    # Unmasked text (pretraining): a prefix, leaving half of the sample to continue.
+    ids = torch.arange(10)
+    assert torch.equal(sample_prompt(ids, ids + 1), ids[:5])
+    assert torch.equal(sample_prompt(torch.arange(40), torch.arange(40)), torch.arange(16))
+
+
+@pytest.mark.slow
+def test_finetune_lora_on_a_litgpt_folder_then_litgpt_reads_final(litgpt_folders, tmp_path):
+    """One LoRA step on LitGPT's folder (a base model: no prompt_style.yaml): the data is laid out in alpaca, the
+    printed sample's prompt stops before the reference answer, and LitGPT's code loads final/ with our tokens."""
+    import json
+
+    (tmp_path / "data.json").write_text(json.dumps(RECORDS))
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "finetune_lora", str(litgpt_folders["qwen3"][0]), "--out_dir", str(out),
+         "--data", "JSON", "--data.json_path", str(tmp_path / "data.json"), "--data.val_split_fraction", "0.2",
+         "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_steps", "1",
+         "--eval.max_iters", "1", "--eval.max_new_tokens", "4", "--precision", "32-true"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    prompt_line = next(line for line in lines if line.startswith("sample prompt: "))
+    assert "### Instruction:" in prompt_line and prompt_line.endswith("### Response:\\n'")
+    assert "The answer is" not in prompt_line
+    assert any(line.startswith("sample: ") for line in lines)
+    final = out / "final"
+    assert Config.from_checkpoint(final).prompt_style == "alpaca"
+    litgpt = run_litgpt(READ_FOLDERS, [dict(folder=str(final), prompt=PROMPT, max_new_tokens=NEW_TOKENS)])[0]
+    assert litgpt["prompt_style"] == "Alpaca" and our_greedy(final) == litgpt["tokens"]
+
+
+@pytest.mark.slow
+def test_pretrain_from_a_litgpt_folder(litgpt_folders, tmp_path):
+    """`pretrain --initial_checkpoint_dir` on LitGPT's training output ({"model": ...}) starts from its weights:
+    one step at a tiny learning rate leaves every weight within 1e-4 of LitGPT's."""
+    folder = litgpt_folders["gemma2"][0]
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "pretrain", "--initial_checkpoint_dir", str(folder), "--out_dir", str(out),
+         "--data", "Tiny", "--data.cache_dir", str(tmp_path / "cache"), "--train.max_steps", "1",
+         "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_seq_length", "16",
+         "--eval.max_iters", "1", "--eval.max_new_tokens", "0", "--precision", "32-true", "--optimizer.lr", "1e-6"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Config.from_checkpoint(out / "final") == Config.from_checkpoint(folder)
+    initial = torch.load(folder / "lit_model.pth", weights_only=True)["model"]
+    final = torch.load(out / "final" / "lit_model.pth", weights_only=True)
+    assert set(final) == set(initial)
+    assert max((final[k] - initial[k]).abs().max().item() for k in initial) < 1e-4
