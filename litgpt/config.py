@@ -226,14 +226,17 @@ LITGPT_DEFAULTS: dict[str, Any] = dict(
     scale_embeddings=False, lm_head_bias=False, final_logit_softcapping=None, norm_1=True, norm_2=True,
     latent_attention=None, rope_local_base_freq=None, rope_indices=None,
 )
-_OUR_FIELDS = {f.name for f in fields(Config)}
+_OUR_FIELDS = tuple(f.name for f in fields(Config))
 # Same name, same meaning in both.
 SHARED_FIELDS = tuple(k for k in LITGPT_DEFAULTS if k in _OUR_FIELDS and k != "hf_config")
-LITGPT_ONLY_FIELDS = frozenset(LITGPT_DEFAULTS) - _OUR_FIELDS
-# Our fields LitGPT has no place for: kept in hf_config under this key (LitGPT keeps hf_config as it is, also when
-# it copies or rewrites model_config.yaml, and reads only its org and name).
+LITGPT_ONLY_FIELDS = frozenset(LITGPT_DEFAULTS) - set(_OUR_FIELDS)
+# Our fields that LitGPT spells its own way (per-layer lists, rope_adjustments): translated both ways below.
+_TRANSLATED = ("rope_scaling", "rope_local_base", "sliding_window_pattern")
+# Our fields LitGPT has no place for (hf_model_type, norm_unit_offset, tie_embeddings, moe_renormalize, prompt_style,
+# and any field added later), and the name: kept in hf_config under EXTRA_KEY. LitGPT keeps hf_config as it is, also
+# when it copies or rewrites model_config.yaml, and reads only its org and name.
 EXTRA_KEY = "litgpt_fields"
-EXTRA_FIELDS = ("name", "hf_model_type", "norm_unit_offset", "tie_embeddings", "moe_renormalize", "prompt_style")
+EXTRA_FIELDS = ("name",) + tuple(k for k in _OUR_FIELDS if k not in LITGPT_DEFAULTS and k not in _TRANSLATED)
 
 PROMPT_STYLE_FILE = "prompt_style.yaml"
 # Our prompt style -> LitGPT's class of the same layout (litgpt.prompts.X in LitGPT).
@@ -291,7 +294,7 @@ def fields_from_litgpt(values: dict, source: str) -> dict:
 
     A value that describes an architecture we cannot run raises UserError naming it; no field is dropped.
     """
-    unknown = sorted(set(values) - set(LITGPT_DEFAULTS) - _OUR_FIELDS)
+    unknown = sorted(set(values) - set(LITGPT_DEFAULTS) - set(_OUR_FIELDS))
     if unknown:
         raise UserError(f"{source} has fields that neither litgpt nor LitGPT 0.5.13 knows: {unknown}.")
     v = {**LITGPT_DEFAULTS, **values}

@@ -98,6 +98,23 @@ def test_litgpt_folder_fields_map_to_ours(litgpt_folders):
     assert neox.parallel_residual and neox.rope_n_elem == 2 and neox.hf_model_type == "gpt_neox"
 
 
+@pytest.mark.parametrize("case", ["llama3", "qwen3", "gemma2"])
+def test_convert_from_litgpt_on_a_litgpt_folder(litgpt_folders, case, tmp_path):
+    """LitGPT's folder converts to a Hugging Face model that continues the prompt as LitGPT's model does."""
+    from transformers import AutoModelForCausalLM
+
+    from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
+
+    folder, litgpt = litgpt_folders[case]
+    convert_lit_checkpoint(folder, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids = torch.cat((ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert ids[0, len(PROMPT):].tolist() == litgpt["no_cache_tokens"]
+
+
 def test_generate_command_on_a_litgpt_folder(litgpt_folders):
     """`litgpt generate` itself loads LitGPT's training output ({"model": ...}, prompt_style.yaml, its
     hyperparameters.yaml) and prints the greedy continuation LitGPT decodes."""
@@ -174,6 +191,16 @@ def test_our_folder_keeps_our_fields_where_litgpt_does_not_look(our_folders):
     assert config.hf_model_type == "qwen3" and config.tie_embeddings and EXTRA_KEY not in config.hf_config
     state = torch.load(folder / "lit_model.pth", weights_only=True)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # LitGPT's head is never tied
+
+
+def test_every_registered_config_survives_litgpt_fields():
+    from litgpt.config import fields_to_litgpt
+    from litgpt.configs import configs_by_name
+
+    for name, values in configs_by_name().items():
+        config = Config(**values)
+        written = yaml.safe_load(yaml.safe_dump(fields_to_litgpt(config)))
+        assert set(written) == set(LITGPT_DEFAULTS) and Config.from_dict(written, source=name) == config, name
 
 
 def test_our_older_folders_still_read(tmp_path):
