@@ -206,7 +206,8 @@ class Config:
         atomic_write_text(path, yaml.safe_dump(self.to_litgpt_dict(), sort_keys=False))
         style = LITGPT_PROMPT_STYLES.get(self.prompt_style)
         if style is not None:
-            atomic_write_text(path.parent / PROMPT_STYLE_FILE, yaml.safe_dump({"class_path": f"litgpt.prompts.{style}"}))
+            litgpt_style = {"class_path": f"litgpt.prompts.{style}"}
+            atomic_write_text(path.parent / PROMPT_STYLE_FILE, yaml.safe_dump(litgpt_style))
         elif (path.parent / PROMPT_STYLE_FILE).is_file():
             (path.parent / PROMPT_STYLE_FILE).unlink()  # a style LitGPT lacks: LitGPT then derives one from the name
 

@@ -34,13 +34,17 @@ LITGPT_CASES = {
                    post_attention_norm=True, post_mlp_norm=True, scale_embeddings=True, attention_scores_scalar=24,
                    attention_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window_size=10,
                    sliding_window_indices=[1, 0]),
+    "mixtral": dict(_BASE, name="Mixtral-tiny", mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2,
+                    moe_intermediate_size=16, sliding_window_size=None),
     "neox": dict(_BASE, name="pythia-tiny", norm_class_name="LayerNorm", bias=True, parallel_residual=True,
                  rotary_percentage=0.25, mlp_class_name="GptNeoxMLP", intermediate_size=None),
 }
 # LitGPT's full finetuning saves {"model": ...} and writes prompt_style.yaml; its converter saves the state dict.
-SAVED_AS = {"llama3": dict(wrapped=True, prompt_style="alpaca"), "qwen3": {}, "gemma2": dict(wrapped=True), "neox": {}}
+SAVED_AS = {"llama3": dict(wrapped=True, prompt_style="alpaca"), "qwen3": {}, "gemma2": dict(wrapped=True),
+            "mixtral": {}, "neox": {}}
 LITGPT_HPARAMS = {"checkpoint_dir": "checkpoints/meta-llama/Llama-3.2-1B", "out_dir": "out/finetune/full",
-                  "precision": "bf16-true", "data": {"class_path": "litgpt.data.Alpaca2k", "init_args": {"num_workers": 4}},
+                  "precision": "bf16-true",
+                  "data": {"class_path": "litgpt.data.Alpaca2k", "init_args": {"num_workers": 4}},
                   "train": {"save_interval": 800, "global_batch_size": 64, "epochs": 1}, "logger_name": "csv"}
 
 
@@ -56,7 +60,8 @@ def litgpt_folders(tmp_path_factory) -> dict:
     # The llama3 model again (same seed), decoding a text prompt for the command-line test.
     jobs.append({**jobs[0], "folder": str(root / "llama3_text"), "prompt": text_prompt_ids(), "max_new_tokens": 8})
     found = run_litgpt(WRITE_FOLDERS, jobs)
-    return {case: (Path(job["folder"]), result) for case, job, result in zip([*LITGPT_CASES, "llama3_text"], jobs, found)}
+    cases = [*LITGPT_CASES, "llama3_text"]
+    return {case: (Path(job["folder"]), result) for case, job, result in zip(cases, jobs, found)}
 
 
 TEXT_PROMPT = "The quick brown fox"
@@ -94,11 +99,13 @@ def test_litgpt_folder_fields_map_to_ours(litgpt_folders):
     assert llama.prompt_style == "alpaca"  # LitGPT's prompt_style.yaml
     gemma = Config.from_checkpoint(litgpt_folders["gemma2"][0])
     assert gemma.norm_unit_offset and gemma.sliding_window_pattern == 2 and gemma.hf_model_type == "gemma2"
+    mixtral = Config.from_checkpoint(litgpt_folders["mixtral"][0])
+    assert mixtral.hf_model_type == "mixtral" and mixtral.moe_renormalize  # LitGPT: softmax over the top-k logits
     neox = Config.from_checkpoint(litgpt_folders["neox"][0])
     assert neox.parallel_residual and neox.rope_n_elem == 2 and neox.hf_model_type == "gpt_neox"
 
 
-@pytest.mark.parametrize("case", ["llama3", "qwen3", "gemma2"])
+@pytest.mark.parametrize("case", ["llama3", "qwen3", "gemma2", "mixtral"])
 def test_convert_from_litgpt_on_a_litgpt_folder(litgpt_folders, case, tmp_path):
     """LitGPT's folder converts to a Hugging Face model that continues the prompt as LitGPT's model does."""
     from transformers import AutoModelForCausalLM
@@ -140,7 +147,7 @@ def test_litgpt_config_fields_are_known():
     assert fields == {**LITGPT_DEFAULTS, "hf_config": {}}
 
 
-# ---- our folders in LitGPT ------------------------------------------------------------------------------------------------
+# ---- our folders in LitGPT -------------------------------------------------------------------------------------------
 # Converted from tiny Hugging Face models: Llama, and families whose fields LitGPT spells differently (Gemma 2: the
 # sliding-window layers, the unit-offset norms that LitGPT derives from the name; Qwen 3: QK norms, tied head;
 # Llama 3 scaled rotary frequencies). The prompt fits in Gemma 2's window: LitGPT's cache refuses a longer prefill.
@@ -225,7 +232,7 @@ def test_prompt_style_round_trip(tmp_path):
         Config.from_checkpoint(tmp_path)
 
 
-# ---- bad input ---------------------------------------------------------------------------------------------------------
+# ---- bad input -------------------------------------------------------------------------------------------------------
 def _write_litgpt_config(folder: Path, **changes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     values = {**LITGPT_DEFAULTS, **LITGPT_CASES["llama3"], **changes}
@@ -265,7 +272,7 @@ def test_litgpt_folder_whose_weights_do_not_match_its_config(litgpt_folders, tmp
     assert (folder / "lit_model.pth").read_bytes() == (source / "lit_model.pth").read_bytes()
 
 
-# ---- defaults a LitGPT user expects -------------------------------------------------------------------------------------
+# ---- defaults a LitGPT user expects ----------------------------------------------------------------------------------
 RECORDS = [{"instruction": f"Name the color number {i}.", "output": f"The answer is color{i}."} for i in range(10)]
 
 
