@@ -141,6 +141,24 @@ def test_generate_command_on_a_litgpt_folder(litgpt_folders):
     assert result.stdout.strip() == expected.strip()
 
 
+def test_chat_command_on_a_litgpt_folder(litgpt_folders):
+    """`litgpt chat` on LitGPT's folder replies in the style of its prompt_style.yaml (Alpaca): the greedy reply is
+    LitGPT's greedy continuation of the message laid out in alpaca."""
+    from litgpt.prompts import PromptStyle
+    from litgpt.tokenizer import Tokenizer
+
+    folder = litgpt_folders["llama3"][0]
+    tokenizer = Tokenizer(folder)
+    prompt_ids = [int(t) for t in tokenizer.encode(PromptStyle.from_name("alpaca").apply("Hello there"))]
+    result = subprocess.run(
+        [sys.executable, "-m", "litgpt", "chat", str(folder), "--max_new_tokens", "6", "--temperature", "0",
+         "--device", "cpu", "--precision", "32-true"], input="Hello there\n", capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    reply = tokenizer.decode(torch.tensor(our_greedy(folder, prompt_ids, 6)), skip_special_tokens=True)
+    assert reply.strip() and reply.strip() in result.stdout
+
+
 def test_litgpt_config_fields_are_known():
     """Our table of LitGPT's fields is LitGPT 0.5.13's Config, field for field and default for default."""
     fields = run_litgpt(CONFIG_FIELDS, None)
