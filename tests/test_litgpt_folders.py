@@ -336,15 +336,16 @@ def test_validation_sample_prompt_stops_where_the_answer_begins(tmp_path):
 
 
 @pytest.mark.slow
-def test_finetune_lora_on_a_litgpt_folder_then_litgpt_reads_final(litgpt_folders, tmp_path):
-    """One LoRA step on LitGPT's folder (a base model: no prompt_style.yaml): the data is laid out in alpaca, the
+@pytest.mark.parametrize("command", ["finetune_lora", "finetune_full"])
+def test_finetune_on_a_litgpt_folder_then_litgpt_reads_final(litgpt_folders, tmp_path, command):
+    """One finetuning step on LitGPT's folder (a base model: no prompt_style.yaml): the data is laid out in alpaca, the
     printed sample's prompt stops before the reference answer, and LitGPT's code loads final/ with our tokens."""
     import json
 
     (tmp_path / "data.json").write_text(json.dumps(RECORDS))
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "litgpt", "finetune_lora", str(litgpt_folders["qwen3"][0]), "--out_dir", str(out),
+        [sys.executable, "-m", "litgpt", command, str(litgpt_folders["qwen3"][0]), "--out_dir", str(out),
          "--data", "JSON", "--data.json_path", str(tmp_path / "data.json"), "--data.val_split_fraction", "0.2",
          "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_steps", "1",
          "--eval.max_iters", "1", "--eval.max_new_tokens", "4", "--precision", "32-true"],
