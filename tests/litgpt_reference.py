@@ -64,6 +64,14 @@ def run_litgpt(code: str, payload, timeout: float = 600) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_litgpt_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """LitGPT 0.5.13's own command line (`litgpt ARGS` as LitGPT's users type it)."""
+    env = {**os.environ, "PYTHONPATH": str(litgpt_reference_dir()), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+
 # LitGPT's greedy decode with its KV cache (its generate) and by full forward passes (its model alone).
 GREEDY = r"""
 def greedy(model, prompt_ids, max_new_tokens):

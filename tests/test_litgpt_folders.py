@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from litgpt_reference import CONFIG_FIELDS, READ_FOLDERS, WRITE_FOLDERS, run_litgpt
+from litgpt_reference import CONFIG_FIELDS, READ_FOLDERS, WRITE_FOLDERS, run_litgpt, run_litgpt_cli
 
 from litgpt.config import EXTRA_KEY, LITGPT_DEFAULTS, Config
 from litgpt.data.tiny import TOKENIZER_DIR
@@ -206,6 +206,26 @@ def test_our_folder_generates_the_same_tokens_in_litgpt(our_folders, case):
     assert len(ours) == NEW_TOKENS and ours == litgpt["no_cache_tokens"]
     if case != "gemma2":  # LitGPT's KV cache and soft-capping: see test_litgpt_folder_generates_litgpt_tokens
         assert ours == litgpt["tokens"]
+
+
+def test_litgpt_generate_command_on_our_training_output(tmp_path):
+    """LitGPT's own `litgpt generate` (which refused our model_config.yaml's hf_model_type before) runs on a folder
+    as our runs write it, lays the prompt out in the style we recorded and continues it with our greedy tokens."""
+    from checkpoint_helpers import write_random_checkpoint
+
+    from litgpt.prompts import PromptStyle
+    from litgpt.tokenizer import Tokenizer
+
+    config = Config(name="tiny", block_size=128, vocab_size=4096, padded_vocab_size=4096, n_layer=2, n_embd=32,
+                    n_head=4, n_query_groups=2, intermediate_size=48, prompt_style="alpaca")
+    folder = write_random_checkpoint(tmp_path / "final", config)
+    result = run_litgpt_cli("generate", folder, "--prompt", "Once upon a time", "--max_new_tokens", "8",
+                            "--temperature", "0", "--precision", "32-true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = Tokenizer(folder)
+    prompt_ids = [int(t) for t in tokenizer.encode(PromptStyle.from_name("alpaca").apply("Once upon a time"))]
+    ours = tokenizer.decode(torch.tensor(our_greedy(folder, prompt_ids, 8)), skip_special_tokens=True)
+    assert "### Response:" in result.stdout and ours.strip() and ours.strip() in result.stdout
 
 
 def test_our_folder_keeps_our_fields_where_litgpt_does_not_look(our_folders):
