@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -166,7 +167,11 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "the model config") -> "Config":
+        """A config from our fields, or from LitGPT 0.5.13's (a file with any field only LitGPT has, such as the
+        model_config.yaml that LitGPT and our own commands write)."""
         known = {f.name for f in fields(cls)}
+        if any(key in LITGPT_ONLY_FIELDS for key in values):
+            values = fields_from_litgpt(values, source)
         unknown = sorted(set(values) - known)
         if unknown:
             raise UserError(f"{source} has unknown config fields {unknown}; known fields are those of litgpt.Config.")
@@ -183,12 +188,228 @@ class Config:
                 f"{str(checkpoint_dir)!r} has no model_config.yaml. Point to a folder written by "
                 "`litgpt download`, `litgpt convert_to_litgpt` or a training run."
             )
-        return cls.from_file(path, **overrides)
+        config = cls.from_file(path, **overrides)
+        style = read_litgpt_prompt_style(Path(checkpoint_dir))  # LitGPT's prompt_style.yaml wins, as in LitGPT
+        if style is not None and "prompt_style" not in overrides:
+            config.prompt_style = style
+        return config
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_litgpt_dict(self) -> dict:
+        """The fields of LitGPT 0.5.13's Config for this model; ours that LitGPT lacks ride in hf_config."""
+        return fields_to_litgpt(self)
+
     def save(self, path: str | Path) -> None:
+        """Write model_config.yaml in LitGPT 0.5.13's fields (LitGPT's `Config(**yaml)` refuses any other key), and
+        beside it LitGPT's prompt_style.yaml, so that LitGPT's commands load the folder too."""
         from litgpt.io import atomic_write_text
 
-        atomic_write_text(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
+        path = Path(path)
+        atomic_write_text(path, yaml.safe_dump(self.to_litgpt_dict(), sort_keys=False))
+        style = LITGPT_PROMPT_STYLES.get(self.prompt_style)
+        if style is not None:
+            litgpt_style = {"class_path": f"litgpt.prompts.{style}"}
+            atomic_write_text(path.parent / PROMPT_STYLE_FILE, yaml.safe_dump(litgpt_style))
+        elif (path.parent / PROMPT_STYLE_FILE).is_file():
+            (path.parent / PROMPT_STYLE_FILE).unlink()  # a style LitGPT lacks: LitGPT then derives one from the name
+
+
+# ---- LitGPT 0.5.13's model_config.yaml -------------------------------------------------------------------------------
+# Every field of LitGPT 0.5.13's Config with its default (LitGPT writes them all; a hand-written file may not).
+LITGPT_DEFAULTS: dict[str, Any] = dict(
+    name="", hf_config={}, block_size=4096, n_layer=16, n_embd=4096, vocab_size=50254, padding_multiple=512,
+    padded_vocab_size=None, norm_class_name="LayerNorm", norm_eps=1e-5, norm_qk=False, norm_qk_type="default",
+    post_attention_norm=False, post_mlp_norm=False, parallel_residual=True, shared_attention_norm=False, n_head=32,
+    head_size=None, n_query_groups=None, attn_bias=False, attention_scores_scalar=None, sliding_window_size=None,
+    sliding_window_indices=None, attention_logit_softcapping=None, rope_base=10000, rotary_percentage=0.25,
+    rope_condense_ratio=1, rope_adjustments=None, rope_interleave=False, intermediate_size=None,
+    moe_intermediate_size=None, bias=True, mlp_class_name="GptNeoxMLP", gelu_approximate="none", n_expert=0,
+    n_shared_expert=None, n_expert_groups=None, n_topk_groups=None, n_topk_scores_per_group=None,
+    n_expert_per_token=0, first_k_dense_replace=None, routed_scaling_factor=1.0, norm_topk_prob=False,
+    scale_embeddings=False, lm_head_bias=False, final_logit_softcapping=None, norm_1=True, norm_2=True,
+    latent_attention=None, rope_local_base_freq=None, rope_indices=None,
+)
+_OUR_FIELDS = tuple(f.name for f in fields(Config))
+# Same name, same meaning in both.
+SHARED_FIELDS = tuple(k for k in LITGPT_DEFAULTS if k in _OUR_FIELDS and k != "hf_config")
+LITGPT_ONLY_FIELDS = frozenset(LITGPT_DEFAULTS) - set(_OUR_FIELDS)
+# Our fields that LitGPT spells its own way (per-layer lists, rope_adjustments): translated both ways below.
+_TRANSLATED = ("rope_scaling", "rope_local_base", "sliding_window_pattern")
+# Our fields LitGPT has no place for (hf_model_type, norm_unit_offset, tie_embeddings, moe_renormalize, prompt_style,
+# and any field added later), and the name: kept in hf_config under EXTRA_KEY. LitGPT keeps hf_config as it is, also
+# when it copies or rewrites model_config.yaml, and reads only its org and name.
+EXTRA_KEY = "litgpt_fields"
+EXTRA_FIELDS = ("name",) + tuple(k for k in _OUR_FIELDS if k not in LITGPT_DEFAULTS and k not in _TRANSLATED)
+
+PROMPT_STYLE_FILE = "prompt_style.yaml"
+# Our prompt style -> LitGPT's class of the same layout (litgpt.prompts.X in LitGPT).
+LITGPT_PROMPT_STYLES = {"default": "Default", "alpaca": "Alpaca", "chatml": "ChatML", "llama2": "Llama2",
+                        "llama3": "Llama3", "phi3": "Phi3", "gemma": "Gemma", "tinyllama": "TinyLlama"}
+# LitGPT picks a style from the model's name when the folder has no prompt_style.yaml (its model_name_to_prompt_style);
+# these are the rules whose style we have.
+_LITGPT_NAME_STYLES = (
+    (r"Llama-2.*-chat", "llama2"), (r"Llama-3.*-Instruct", "llama3"), (r"OLMo-2.*-(Instruct|SFT|DPO)", "llama3"),
+    (r"Phi-3", "phi3"), (r"tiny-llama.*chat", "tinyllama"), (r"(Code)?Gemma.*-it", "gemma"),
+    (r"SmolLM2.*-Instruct", "chatml"),
+)
+
+
+def read_litgpt_prompt_style(checkpoint_dir: Path) -> Optional[str]:
+    """Our name of the style in a folder's prompt_style.yaml (LitGPT's), or None without one."""
+    path = checkpoint_dir / PROMPT_STYLE_FILE
+    if not path.is_file():
+        return None
+    try:
+        class_path = (yaml.safe_load(path.read_text()) or {}).get("class_path", "")
+    except (yaml.YAMLError, AttributeError):
+        raise UserError(f"{str(path)!r} is not LitGPT's prompt_style.yaml (class_path: litgpt.prompts.NAME).") from None
+    by_class = {litgpt: ours for ours, litgpt in LITGPT_PROMPT_STYLES.items()}
+    style = by_class.get(str(class_path).rsplit(".", 1)[-1]) if str(class_path).startswith("litgpt.prompts.") else None
+    if style is None:
+        raise UserError(
+            f"{str(path)!r} names the prompt style {class_path!r}, which litgpt does not have; edit it to one of "
+            f"{', '.join('litgpt.prompts.' + name for name in LITGPT_PROMPT_STYLES.values())}."
+        )
+    return style
+
+
+def _litgpt_unsupported(v: dict) -> list[str]:
+    """`field=value` for each LitGPT setting describing an architecture that our model does not run."""
+    checks = (
+        ("norm_qk_type", v["norm_qk_type"] != "default"),
+        ("rope_interleave", v["rope_interleave"]),
+        ("latent_attention", v["latent_attention"] is not None),
+        ("norm_1", not v["norm_1"]),
+        ("norm_2", not v["norm_2"]),
+        ("n_shared_expert", bool(v["n_shared_expert"])),
+        ("n_expert_groups", bool(v["n_expert_groups"])),
+        ("first_k_dense_replace", v["first_k_dense_replace"] is not None),
+        ("routed_scaling_factor", v["routed_scaling_factor"] != 1.0),
+    )
+    found = [f"{name}={v[name]!r}" for name, bad in checks if bad]
+    if v["norm_class_name"] == "LayerNorm" and "OLMo" in v["name"]:
+        found.append(f"norm_class_name='LayerNorm' with {v['name']!r} (LitGPT's OLMo LayerNorm has no weights)")
+    return found
+
+
+def fields_from_litgpt(values: dict, source: str) -> dict:
+    """Our Config fields for the values of a LitGPT 0.5.13 model_config.yaml (LitGPT's defaults for missing keys).
+
+    A value that describes an architecture we cannot run raises UserError naming it; no field is dropped.
+    """
+    unknown = sorted(set(values) - set(LITGPT_DEFAULTS) - set(_OUR_FIELDS))
+    if unknown:
+        raise UserError(f"{source} has fields that neither litgpt nor LitGPT 0.5.13 knows: {unknown}.")
+    v = {**LITGPT_DEFAULTS, **values}
+    hf_config = dict(v["hf_config"] or {})
+    extra = dict(hf_config.pop(EXTRA_KEY, None) or {})
+    if not v["name"]:
+        v["name"] = hf_config.get("name", "")
+    unsupported = _litgpt_unsupported(v)
+    if unsupported:
+        raise UserError(f"{source} describes an architecture litgpt does not run: {', '.join(unsupported)}.")
+    out = {key: v[key] for key in SHARED_FIELDS}
+    out["hf_config"] = hf_config
+    if v["padded_vocab_size"] is not None:  # LitGPT caps the vocabulary at the padded size
+        out["vocab_size"] = min(v["vocab_size"], v["padded_vocab_size"])
+    # LitGPT scales RMSNorm by (1 + weight) for models named Gemma; its top-k router always renormalizes.
+    out["norm_unit_offset"] = v["norm_class_name"] == "RMSNorm" and "Gemma" in v["name"]
+    out["moe_renormalize"] = True
+    out["rope_scaling"] = _rope_scaling_from_litgpt(v, source)
+    out.update(_layer_kinds_from_litgpt(v, source))
+    out["hf_model_type"] = _guess_hf_model_type(v)
+    out["prompt_style"] = next((s for pattern, s in _LITGPT_NAME_STYLES if re.search(pattern, v["name"])), "default")
+    out.update({key: values[key] for key in values if key in _OUR_FIELDS and key not in LITGPT_DEFAULTS})
+    out.update({key: value for key, value in extra.items() if key in EXTRA_FIELDS})
+    return out
+
+
+def _rope_scaling_from_litgpt(v: dict, source: str) -> Optional[dict]:
+    adjust, condense = v["rope_adjustments"], v["rope_condense_ratio"]
+    if adjust is not None and "type" in adjust:  # written by us: our rope_scaling plus LitGPT's key names
+        return {key: value for key, value in adjust.items() if key != "original_max_seq_len"}
+    if adjust is not None and ("beta_fast" in adjust or "beta_slow" in adjust):
+        raise UserError(
+            f"{source} has YaRN rope_adjustments {adjust}: LitGPT 0.5.13 computes YaRN unlike Hugging Face, which "
+            "litgpt follows. Convert the model from its Hugging Face weights (`litgpt convert_to_litgpt`) instead."
+        )
+    if adjust is not None and "low_freq_factor" in adjust:
+        if condense != 1:
+            raise UserError(f"{source} combines rope_condense_ratio={condense} with Llama 3 rope_adjustments.")
+        return {"type": "llama3", "factor": adjust["factor"], "low_freq_factor": adjust["low_freq_factor"],
+                "high_freq_factor": adjust["high_freq_factor"],
+                "original_max_position_embeddings": adjust["original_max_seq_len"]}
+    factor = (adjust or {}).get("factor", 1.0) * condense  # both divide the positions' angles
+    return None if factor == 1 else {"type": "linear", "factor": factor}
+
+
+def _layer_kinds_from_litgpt(v: dict, source: str) -> dict:
+    """sliding_window_pattern and rope_local_base from LitGPT's per-layer indicator lists."""
+    n_layer = v["n_layer"]
+    sliding = (list(v["sliding_window_indices"] or [1] * n_layer) + [1] * n_layer)[:n_layer]
+    out: dict[str, Any] = {"sliding_window_pattern": 1, "rope_local_base": None}
+    if v["sliding_window_size"] is not None:
+        patterns = [k for k in range(1, n_layer + 1)
+                    if sliding == [int(k == 1 or (i + 1) % k != 0) for i in range(n_layer)]]
+        if not patterns:
+            raise UserError(
+                f"{source} has sliding_window_indices={v['sliding_window_indices']}; litgpt runs a window on every "
+                "layer or on all but every k-th layer."
+            )
+        out["sliding_window_pattern"] = patterns[0]
+    if v["rope_local_base_freq"] is not None:
+        local = (list(v["rope_indices"] or [1] * n_layer) + [1] * n_layer)[:n_layer]
+        windowed = sliding if v["sliding_window_size"] is not None else [0] * n_layer
+        if local != windowed:
+            raise UserError(
+                f"{source} has rope_indices={v['rope_indices']}; litgpt uses rope_local_base_freq on exactly the "
+                "sliding-window layers."
+            )
+        out["rope_local_base"] = v["rope_local_base_freq"]
+    return out
+
+
+def _guess_hf_model_type(v: dict) -> str:
+    """The Hugging Face family of a LitGPT config (LitGPT picks its converter by name; this looks at the layout)."""
+    if v["parallel_residual"]:
+        return "gpt_neox"
+    if v["mlp_class_name"] == "GemmaMLP":
+        return "gemma3" if v["norm_qk"] else "gemma2" if v["post_attention_norm"] else "gemma"
+    if v["mlp_class_name"] == "LLaMAMoE":
+        return "qwen3_moe" if v["norm_qk"] else "mixtral"
+    if v["norm_qk"]:
+        return "qwen3"
+    if v["attn_bias"]:
+        return "qwen2"
+    if re.match(r"(Phi-3|Phi-4|phi-4)", v["name"]):
+        return "phi3"
+    return "mistral" if v["sliding_window_size"] is not None else "llama"
+
+
+def fields_to_litgpt(config: Config) -> dict:
+    """LitGPT 0.5.13's Config fields describing `config` (what LitGPT computes with them is what we compute)."""
+    c = config
+    out = dict(LITGPT_DEFAULTS)
+    out.update({key: getattr(c, key) for key in SHARED_FIELDS})
+    layers = range(c.n_layer)
+    if c.sliding_window_size is not None:
+        out["sliding_window_indices"] = [int(c.is_sliding_layer(i)) for i in layers]
+    if c.rope_local_base is not None:
+        out["rope_local_base_freq"] = c.rope_local_base
+        out["rope_indices"] = [int(c.is_sliding_layer(i)) for i in layers]
+    if c.rope_scaling is not None:
+        scaling = dict(c.rope_scaling)
+        if "original_max_position_embeddings" in scaling:
+            scaling["original_max_seq_len"] = scaling["original_max_position_embeddings"]
+        if scaling["type"] == "yarn":  # LitGPT requires both betas; these are Hugging Face's defaults
+            scaling = {"beta_fast": 32, "beta_slow": 1, **scaling}
+        out["rope_adjustments"] = scaling
+    out["norm_topk_prob"] = c.moe_renormalize
+    extra = {key: getattr(c, key) for key in EXTRA_FIELDS}
+    if c.norm_unit_offset and "Gemma" not in c.name:
+        # LitGPT adds the unit offset to RMSNorm only for models whose name contains "Gemma".
+        out["name"] = f"{c.name} (Gemma)".strip()
+    out["hf_config"] = {**c.hf_config, EXTRA_KEY: extra}
+    return out

@@ -22,6 +22,7 @@ def main(checkpoint_dir: Path, out_dir: Optional[Path] = None, overwrite: bool =
     """
     from litgpt.checkpoint.model_files import CONFIG_FILE, copy_tokenizer_files, WEIGHTS_FILE
     from litgpt.checkpoint.store import consolidated_weights, SHARDED_DIR, TRAINING_STATE_FILE
+    from litgpt.config import PROMPT_STYLE_FILE
     from litgpt.io import atomic_copy, load_state_dict, save_state_dict
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -42,7 +43,7 @@ def main(checkpoint_dir: Path, out_dir: Optional[Path] = None, overwrite: bool =
     weights = consolidated_weights(checkpoint_dir)
     try:
         if out_dir != checkpoint_dir:
-            for name in (CONFIG_FILE, "hyperparameters.yaml"):
+            for name in (CONFIG_FILE, PROMPT_STYLE_FILE, "hyperparameters.yaml"):
                 if (checkpoint_dir / name).is_file():
                     atomic_copy(checkpoint_dir / name, out_dir / name)
             copy_tokenizer_files(checkpoint_dir, out_dir)

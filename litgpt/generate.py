@@ -286,8 +286,9 @@ def load_model_and_tokenizer(
     loading needs no second copy of the weights. Every bad input (missing folder or files, a model_config.yaml that
     does not fit the weights, unknown device or precision) raises UserError.
     """
-    from litgpt.checkpoint.model_files import find_checkpoint_dir, load_model_weights, meta_device, WEIGHTS_FILE
-    from litgpt.io import load_state_dict
+    from litgpt.checkpoint.model_files import (
+        find_checkpoint_dir, load_model_weights, meta_device, read_model_weights, WEIGHTS_FILE,
+    )
     from litgpt.config import Config
     from litgpt.model import GPT
     from litgpt.tokenizer import Tokenizer, check_vocab_fits
@@ -302,7 +303,7 @@ def load_model_and_tokenizer(
     with meta_device():
         model = GPT(config)
     weights_path = checkpoint_dir / WEIGHTS_FILE
-    state_dict = load_state_dict(weights_path)
+    state_dict = read_model_weights(weights_path)
     load_model_weights(model, state_dict, source=str(weights_path))
     model = model.to(device=target, dtype=dtype)
     if quantize is not None:

@@ -73,6 +73,12 @@ class PromptStyle:
     def from_config(config: "Config") -> "PromptStyle":
         return PromptStyle.from_name(config.prompt_style)
 
+    @staticmethod
+    def for_finetuning(config: "Config") -> Optional["PromptStyle"]:
+        """The style instruction data is laid out in unless the user picks one: a chat model's own; None for a base
+        model (style "default", which has no template), so that the data module uses its default, alpaca."""
+        return None if config.prompt_style == PromptStyle.name else PromptStyle.from_config(config)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -498,8 +498,9 @@ def eager_reference(final: Path, cache_dir: Path, samples: int) -> dict:
             losses.append(torch.nn.functional.cross_entropy(logits[0].float(), labels))
     prompt = val[0]["input_ids"][:16]
     tokens = list(generate(model, prompt, 5, temperature=0.0, stop_ids=tokenizer.stop_ids))
-    sample = tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
-    return {"val_loss": torch.stack(losses).mean().item(), "sample": f"sample: {sample!r}"}
+    text = tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+    continuation = text[len(tokenizer.decode(prompt.tolist(), skip_special_tokens=True)):]
+    return {"val_loss": torch.stack(losses).mean().item(), "sample": f"sample: {continuation!r}"}
 
 
 def check_evaluated_run(result, out_dir: Path, cache_dir: Path, samples: int) -> None:

@@ -45,6 +45,22 @@ def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
     return checkpoint_dir
 
 
+def read_model_weights(path: Path) -> dict:
+    """The model's tensors in a lit_model.pth, memory-mapped: ours and LitGPT's (whose converted folders hold the
+    state dict itself and whose training runs save {"model": state dict, ...} with the optimizer beside it).
+
+    LitGPT 0.5 names and lays out every tensor as we do (q/k/v fused as [q heads | k groups | v groups], the output
+    head stored also when tied), so nothing else changes.
+    """
+    from litgpt.io import load_state_dict
+
+    state_dict = load_state_dict(Path(path))
+    wrapped = state_dict.get("model")
+    if isinstance(wrapped, dict) and not any(isinstance(value, torch.Tensor) for value in state_dict.values()):
+        return wrapped
+    return state_dict
+
+
 def copy_tokenizer_files(source: Path, destination: Path) -> None:
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file():

@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-from litgpt.checkpoint.model_files import find_checkpoint_dir, meta_device, TOKENIZER_FILES, WEIGHTS_FILE
-from litgpt.io import load_state_dict
+from litgpt.checkpoint.model_files import (
+    find_checkpoint_dir, meta_device, read_model_weights, TOKENIZER_FILES, WEIGHTS_FILE,
+)
 from litgpt.config import Config
 from litgpt.convert.families import config_to_hf, weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES
@@ -77,7 +78,7 @@ def convert_lit_checkpoint(
     if lora_run:
         check_exportable(config)
         adapter = exported_adapter(lora_run, config, DTYPES.get(dtype))
-    state_dict = load_state_dict(weights_dir / WEIGHTS_FILE)
+    state_dict = read_model_weights(weights_dir / WEIGHTS_FILE)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))

@@ -323,7 +323,7 @@ class JSON(SFTDataModule):
             train.json(l) and val.json(l).
         mask_prompt: Leave the prompt out of the loss.
         val_split_fraction: For a single file: the share of records held out for validation (required then).
-        prompt_style: Prompt style name (default: the checkpoint's).
+        prompt_style: Prompt style name (default: a chat model's own, alpaca for a base model).
         ignore_index: The label of tokens without loss.
         seed: Seed of the validation split.
     """

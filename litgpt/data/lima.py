@@ -54,7 +54,7 @@ class LIMA(SFTDataModule):
     Args:
         mask_prompt: Leave the prompt out of the loss.
         val_split_fraction: Share of records held out for validation.
-        prompt_style: Prompt style name (default: the checkpoint's).
+        prompt_style: Prompt style name (default: a chat model's own, alpaca for a base model).
         ignore_index: The label of tokens without loss.
         seed: Seed of the validation split.
         include_multiturn_conversations: Learn every assistant turn of a conversation, not only the first.

@@ -42,6 +42,6 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
         precision=arguments["precision"] or default_precision(), resume=arguments["resume"],
         optimizer=arguments["optimizer"], seed=arguments["seed"], profile=arguments["profile"],
         timeout=arguments["fsdp"].timeout,
-        # LoRA lays the data out in the checkpoint's style by default; full finetuning in the data's own default.
-        prompt_style=PromptStyle.from_config(config) if lora else None,
+        # Instruction data takes a chat model's own style; on a base model, the data's default (alpaca).
+        prompt_style=PromptStyle.for_finetuning(config),
     )

@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from litgpt.args import ActivationCheckpointing, KDArgs
-from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device
+from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device, read_model_weights
 from litgpt.config import Config
-from litgpt.io import load_state_dict
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
 from litgpt.merge_lora import LORA_WEIGHTS_FILE
 from litgpt.precision import PRECISION_DTYPES
@@ -132,7 +131,7 @@ class Recipe:
         model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
         if self.initial_weights is not None and load_initial:
             path = Path(self.initial_weights)
-            copy_weights(model, load_state_dict(path), str(path), self.is_initial_key)
+            copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
         return model
 
     def _materialize_quantized(self, fabric, model: nn.Module, precision: str,
@@ -145,7 +144,7 @@ class Recipe:
         if self.quantize == "ao.nf4":
             check_nf4_precision(precision, sharded=False)
         path = Path(self.initial_weights)
-        assign_weights(model, load_state_dict(path), str(path), self.is_initial_key)
+        assign_weights(model, read_model_weights(path), str(path), self.is_initial_key)
         with torch.no_grad():
             self.initialize(model)
         # ao.nf4 dequantizes in the compute dtype (the dtype a -true precision's Fabric casts the module to, which
@@ -181,7 +180,7 @@ class Recipe:
         check_nf4_shapes(model, shard)
         check_nf4_precision(precision, sharded=shard > 1)
         path = Path(self.initial_weights)
-        state_dict = load_state_dict(path)
+        state_dict = read_model_weights(path)
         expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
         check_weights_match(expected, state_dict, str(path))
         dtype = PRECISION_DTYPES[precision]
@@ -225,7 +224,7 @@ class Recipe:
             for block in teacher.transformer.h:
                 block.set_reshard_after_forward(True)
         path = Path(self.teacher.weights)
-        copy_weights(teacher, load_state_dict(path), str(path), subject="The teacher's weights")
+        copy_weights(teacher, read_model_weights(path), str(path), subject="The teacher's weights")
         return teacher.eval()
 
     def finish(self, final_dir: Path) -> None:

@@ -247,8 +247,9 @@ class Trainer:
                 kd = f" | val kd_loss {self.val_kd_loss:.4f}"
             self.say(progress, f"step {step} | val loss {val_loss:.4f}{kd}")
             if self.eval.max_new_tokens:
-                sample = self.sample_text()  # on every rank: a sharded model's forward is collective
-                self.say(progress, f"sample: {sample!r}")
+                prompt, continuation = self.sample_text()  # on every rank: a sharded model's forward is collective
+                self.say(progress, f"sample prompt: {prompt!r}")
+                self.say(progress, f"sample: {continuation!r}")
         if self.train.save_interval is not None and step % self.train.save_interval == 0 and not last:
             self.checkpoints.save(self.model, self.optimizer, self.state)
         return val_loss
@@ -302,18 +303,40 @@ class Trainer:
         self.val_kd_loss = means[1] if len(means) > 1 else None
         return means[0]
 
-    def sample_text(self) -> str:
-        """A short greedy continuation of the start of a validation sample, to watch the model learn."""
+    def sample_text(self) -> tuple[str, str]:
+        """The prompt part of the first validation sample and the model's greedy continuation of it, to watch the
+        model learn; the prompt stops where the sample's labels begin, so its reference answer is never shown."""
         model = unwrap(self.model)
         if isinstance(self.fabric.strategy, SamplesWithOwnModel):
             model = self.fabric.strategy.sampling_model(model)
-        prompt = self.val_data[0]["input_ids"][:16]
+        sample = self.val_data[0]
+        prompt = sample_prompt(sample["input_ids"], sample["labels"])
+        # A prompt too long for a reply keeps its end, where the reply starts.
+        prompt = prompt[-max(1, self.job.recipe.config.block_size - self.eval.max_new_tokens):]
         model.eval()
         tokens = list(generate(model, prompt, self.eval.max_new_tokens, temperature=0.0,
                                stop_ids=self.tokenizer.stop_ids))
         model.clear_kv_cache()
         model.train()
-        return self.tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+        prompt_text = self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True)
+        # Decoded together, so that a word split across the boundary keeps its leading space.
+        whole = self.tokenizer.decode(prompt.tolist() + tokens, skip_special_tokens=True)
+        if whole.startswith(prompt_text):
+            return prompt_text, whole[len(prompt_text):]
+        return prompt_text, self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def sample_prompt(input_ids: torch.Tensor, labels: torch.Tensor, prefix: int = 16) -> torch.Tensor:
+    """The tokens of a (shifted) sample before its answer: up to and including the position whose label is the
+    answer's first token. A sample without a masked prompt (pretraining text) gives its first `prefix` tokens, at
+    most half of it, so that there is text left to continue."""
+    answer = (labels != IGNORE_INDEX).nonzero()
+    if answer.numel() == 0:  # the prompt fills the whole sample
+        return input_ids
+    first = int(answer[0])
+    if first > 0:
+        return input_ids[: first + 1]
+    return input_ids[: max(1, min(prefix, input_ids.numel() // 2))]
 
 
 def progress_bar(rank: int, total: int, initial: int):
