@@ -100,8 +100,8 @@ def main(
 
         data = Tiny()
 
+    from litgpt.checkpoint.model_files import read_model_weights
     from litgpt.generate import load_model_and_tokenizer
-    from litgpt.io import load_state_dict
 
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device)
@@ -109,7 +109,7 @@ def main(
     routing = collect_routing(model, batches)
     del model
     kept = [select_experts(weights, num_experts) for weights in routing.weight]
-    state_dict = load_state_dict(checkpoint_dir / WEIGHTS_FILE)
+    state_dict = read_model_weights(checkpoint_dir / WEIGHTS_FILE)
     merged_into = [{} for _ in kept]
     if strategy == "merge":
         experts = experts_by_layer(state_dict)

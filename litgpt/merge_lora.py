@@ -42,6 +42,7 @@ def merge_lora(
         meta_device,
         TOKENIZER_FILES,
         WEIGHTS_FILE,
+        read_model_weights,
     )
     from litgpt.io import load_state_dict, save_state_dict
     from litgpt.config import Config
@@ -97,7 +98,7 @@ def merge_lora(
         model = GPT(config)
     add_lora(model, settings)
     base_path = base_dir / WEIGHTS_FILE
-    load_base_weights(model, load_state_dict(base_path), source=str(base_path))
+    load_base_weights(model, read_model_weights(base_path), source=str(base_path))
     adapters = load_state_dict(lora_path)
     if set(adapters) == {"model"} and isinstance(adapters["model"], dict):
         adapters = adapters["model"]

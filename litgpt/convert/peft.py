@@ -316,14 +316,13 @@ def read_peft_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]],
 
 def check_saved_base(config: Config, base_dir: Path, saved_base: dict[str, torch.Tensor], source: str) -> None:
     """The base weights an adapter folder carries must be the base checkpoint's: litgpt's LoRA holds no others."""
-    from litgpt.checkpoint.model_files import WEIGHTS_FILE
-    from litgpt.io import load_state_dict
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE, read_model_weights
 
     if not saved_base:
         return
     lit_of = {hf: lit for group in linear_groups(config, plain_shapes(config)) if group.rule.kind == "copy"
               for hf, lit in zip(group.hf, group.lit)}
-    base = load_state_dict(base_dir / WEIGHTS_FILE)
+    base = read_model_weights(base_dir / WEIGHTS_FILE)
     for hf_name, tensor in saved_base.items():
         ours = base.get(f"{lit_of.get(hf_name)}.weight")
         if ours is None or ours.shape != tensor.shape or not torch.equal(ours.to(tensor.dtype), tensor):
