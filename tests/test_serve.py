@@ -254,10 +254,23 @@ def test_plain_http_stream_is_server_sent_events(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == json.loads(raw)["choices"][0]["text"]
 
 
-def test_a_bad_checkpoint_folder_or_port_is_one_line(checkpoint, server, tmp_path):
+def test_a_bad_checkpoint_folder_or_port_is_a_user_error(checkpoint, server, tmp_path):
+    """UserError: the CLI prints its one line and exits 1 (tests/test_cli.py checks that path for every command)."""
+    from litgpt.errors import UserError
+    from litgpt.serving.server import main
+
+    with pytest.raises(UserError, match="does not exist"):
+        main(tmp_path / "missing", device="cpu")
+    with pytest.raises(UserError, match=f"Cannot listen on 127.0.0.1:{server}"):
+        main(checkpoint, port=server, device="cpu")
+
+
+@pytest.mark.slow
+def test_completion_equals_the_generate_command(checkpoint, client):
+    """The same greedy text as `litgpt generate` prints after the prompt."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for args in ([str(tmp_path / "missing")], [str(checkpoint), "--port", str(server)]):
-        result = subprocess.run([sys.executable, "-m", "litgpt", "serve", *args, "--device", "cpu"],
-                                capture_output=True, text=True, env=env, timeout=60)
-        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "litgpt", "generate", str(checkpoint), "--prompt", "Quotes like",
+                             "--temperature", "0", "--max_new_tokens", "12", "--device", "cpu"],
+                            capture_output=True, text=True, env=env, timeout=120, check=True)
+    answer = client.completions.create(model="tiny-chatml", prompt="Quotes like", max_tokens=12, temperature=0)
+    assert result.stdout == "Quotes like" + answer.choices[0].text + "\n"

@@ -321,10 +321,9 @@ def main(
     device: str = "auto",
     devices: int = 1,
 ) -> None:
-    """Serve a litgpt checkpoint over HTTP with OpenAI's API: /v1/chat/completions and /v1/completions (streamed
-    with "stream": true), /v1/models and /health.
+    """Serve a litgpt checkpoint over HTTP with OpenAI's API: chat and text completions, streamed or not.
 
-    Chat messages are laid out with the checkpoint's prompt style (model_config.yaml's prompt_style); completions
+    The endpoints are /v1/chat/completions, /v1/completions, /v1/models and /health. Chat messages are laid out with the checkpoint's prompt style (model_config.yaml's prompt_style); completions
     continue the prompt as it is. Requests in flight are decoded together (continuous batching): each joins the
     batch between two decoding steps and leaves it when done. Ctrl-C stops the server.
 
