@@ -3,9 +3,9 @@
 Writes a small random Llama-shaped checkpoint (the bundled 4096-token tokenizer), starts `litgpt serve` on it twice,
 with continuous batching (--max_batch_size 16) and without (--max_batch_size 1: one request at a time), and has N
 client threads send completions requests back to back over HTTP (greedy, a distinct prompt each, a fixed number of
-new tokens). Prints a table and writes the figures as JSON.
+new tokens; 32 requests per level, split among the clients). Prints a table and writes the figures as JSON.
 
-    python benchmarks/serve.py [--new_tokens 32] [--requests_per_client 2] [--out benchmarks/results/serve-cpu-DATE.json]
+    python benchmarks/serve.py [--new_tokens 32] [--requests 32] [--out benchmarks/results/serve-cpu-DATE.json]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def load(port: int, clients: int, requests_per_client: int, new_tokens: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new_tokens", type=int, default=32)
-    parser.add_argument("--requests_per_client", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32, help="requests per level, split among the clients")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / f"serve-cpu-{datetime.date.today()}.json")
     args = parser.parse_args()
@@ -111,8 +111,7 @@ def main() -> None:
         process, port = start_server(checkpoint, root / f"server-{max_batch_size}.log", max_batch_size)
         try:
             for clients in CLIENTS:
-                row = {"max_batch_size": max_batch_size, **load(port, clients, args.requests_per_client,
-                                                                 args.new_tokens)}
+                row = {"max_batch_size": max_batch_size, **load(port, clients, args.requests // clients, args.new_tokens)}
                 rows.append(row)
                 print(f"batch<= {max_batch_size:>2}  clients {clients:>2}  {row['requests']:>3} requests  "
                       f"{row['requests_per_s']:6.2f} req/s  {row['tokens_per_s']:7.1f} tokens/s  "
@@ -123,9 +122,10 @@ def main() -> None:
     shutil.rmtree(root)
     result = {
         "benchmark": "serve", "model": "random Llama, 4 layers, 256 wide, 4 heads / 2 KV groups, vocab 4096",
-        "new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
+        "new_tokens": args.new_tokens, "requests": args.requests,
         "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1min_at_end": os.getloadavg()[0],
+        "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

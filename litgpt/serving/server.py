@@ -288,11 +288,12 @@ def make_server(host: str, port: int) -> ThreadingHTTPServer:
     """Bind the server (port 0 picks a free port: `server.server_address[1]`); it answers once its handler class has
     a `service` and `serve_forever` runs."""
     handler = type("ServiceHandler", (Handler,), {})
+    # The standard library's listen backlog of 5 resets connections when more clients connect at once.
+    server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
     try:
-        server = ThreadingHTTPServer((host, port), handler)
+        server = server_class((host, port), handler)
     except OSError as error:
         raise UserError(f"Cannot listen on {host}:{port} ({error.strerror or error}); pick another --port or --host.")
-    server.daemon_threads = True
     return server
 
 
