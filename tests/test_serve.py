@@ -52,6 +52,52 @@ def test_per_row_positions_match_each_sequence_alone(softcapping):
     torch.testing.assert_close(logits, torch.stack(expected), rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def make_context_matter(model: GPT) -> None:
+    """Scale a freshly initialized model so that its next token depends on the earlier ones (at initialization the
+    blocks barely change the residual stream: the current token alone decides, and a wrong KV cache goes unseen) and
+    its logits are sharp (greedy choices are not near-ties that rounding could flip)."""
+    for name, param in model.named_parameters():
+        if ".attn." in name or ".mlp." in name:
+            param.mul_(5)
+    model.lm_head.weight.mul_(20)
+
+
+def test_engine_steps_cancel_and_compact_rows():
+    """The worker's steps run by hand: a cancelled sequence leaves at the next step and the last row moves into the
+    freed one; the others go on exactly as alone."""
+    import queue
+
+    from litgpt.serving.engine import BatchingEngine, Sequence
+
+    torch.manual_seed(0)
+    config = Config(n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=64, padded_vocab_size=64,
+                    block_size=64)
+    model = GPT(config)
+    model.init_weights()
+    make_context_matter(model)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    alone = [list(generate(model, p, 12, temperature=0.0)) for p in prompts]
+    engine = BatchingEngine(model, max_batch_size=3)
+    events = queue.Queue()
+    sequences = [Sequence(p, 12, 0.0, None, 1.0, [], None, events, i) for i, p in enumerate(prompts)]
+    for sequence in sequences:
+        engine.submit(sequence)
+    engine.admit(block=False)
+    engine.decode_step()
+    sequences[0].cancelled = True
+    engine.decode_step()
+    assert engine.active == [sequences[2], sequences[1]]  # row 0 freed, the last row moved into it
+    while engine.active:
+        engine.decode_step()
+    tokens = {0: [], 1: [], 2: []}
+    while not events.empty():
+        kind, index, value = events.get()
+        if kind == "tokens":
+            tokens[index] += value
+    assert tokens[0] == alone[0][:2] and tokens[1] == alone[1] and tokens[2] == alone[2]
+
+
 # ---- a server on localhost ---------------------------------------------------------------------------------------
 def write_checkpoint(folder: Path) -> Path:
     from tokenizers import Tokenizer as Backend
@@ -66,8 +112,7 @@ def write_checkpoint(folder: Path) -> Path:
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
-    with torch.no_grad():  # sharper logits than at initialization: greedy choices are not near-ties
-        model.lm_head.weight.mul_(20)
+    make_context_matter(model)
     save_state_dict(model.state_dict(), folder / "lit_model.pth")
     config.save(folder / "model_config.yaml")
     return folder
@@ -252,6 +297,22 @@ def test_plain_http_stream_is_server_sent_events(server):
     assert all(c["object"] == "text_completion" for c in chunks) and len({c["id"] for c in chunks}) == 1
     status, raw = http_request(server, "POST", "/v1/completions", body.replace(b'"stream": true', b'"stream": false'))
     assert "".join(c["choices"][0]["text"] for c in chunks) == json.loads(raw)["choices"][0]["text"]
+
+
+def test_a_client_leaving_mid_stream_does_not_disturb_the_server(server):
+    import socket
+
+    body = json.dumps({"prompt": "Hello", "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(200).startswith(b"HTTP/1.1 200")  # then leave without reading the rest
+    deadline = time.monotonic() + 20
+    while json.loads(http_request(server, "GET", "/health")[1])["requests_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(http_request(server, "GET", "/health")[1])["requests_in_flight"] == 0
+    status, raw = http_request(server, "POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+    assert status == 200
 
 
 def test_a_bad_checkpoint_folder_or_port_is_a_user_error(checkpoint, server, tmp_path):
