@@ -111,7 +111,8 @@ def main() -> None:
         process, port = start_server(checkpoint, root / f"server-{max_batch_size}.log", max_batch_size)
         try:
             for clients in CLIENTS:
-                row = {"max_batch_size": max_batch_size, **load(port, clients, args.requests // clients, args.new_tokens)}
+                figures = load(port, clients, args.requests // clients, args.new_tokens)
+                row = {"max_batch_size": max_batch_size, **figures}
                 rows.append(row)
                 print(f"batch<= {max_batch_size:>2}  clients {clients:>2}  {row['requests']:>3} requests  "
                       f"{row['requests_per_s']:6.2f} req/s  {row['tokens_per_s']:7.1f} tokens/s  "

@@ -160,9 +160,9 @@ def reference(checkpoint):
     model, tokenizer = load_model_and_tokenizer(checkpoint, device="cpu")
     style = PromptStyle.from_config(model.config)
 
-    def run(prompt: str, chat: bool, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[str, int, int]:
+    def run(prompt: "str | list[int]", chat: bool, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[str, int, int]:
         text = style.apply_messages([("user", prompt)]) if chat else prompt
-        ids = tokenizer.encode(text)
+        ids = torch.tensor(prompt) if isinstance(prompt, list) else tokenizer.encode(text)
         stops = dict(stop_sequences=style.stop_tokens(tokenizer)) if chat else dict(stop_ids=tokenizer.stop_ids)
         tokens = list(generate(model, ids, max_new_tokens, temperature=0.0, **stops))
         decoder = IncrementalDecoder(tokenizer, prompt_ids=ids)
@@ -212,6 +212,15 @@ def test_stop_strings_cut_the_text(client, reference):
             assert answer[-1].choices[0].finish_reason == "stop"
         else:
             assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "stop"
+
+
+def test_a_prompt_near_the_context_end_stops_where_generate_does(client, reference):
+    """A prompt of token ids 4 short of the model's context (96): 4 new tokens at most, as `generate` gives."""
+    ids = [(7 * i) % 200 + 10 for i in range(92)]
+    text, _, new_tokens = reference(ids, chat=False)
+    answer = client.completions.create(model="tiny-chatml", prompt=ids, temperature=0)
+    assert answer.choices[0].text == text and answer.usage.completion_tokens == new_tokens <= 4
+    assert answer.choices[0].finish_reason == ("length" if new_tokens == 4 else "stop")
 
 
 def test_sampling_with_a_seed_repeats_and_n_gives_choices(client):

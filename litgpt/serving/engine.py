@@ -73,7 +73,7 @@ class BatchingEngine:
         """Sequences in flight or waiting: the measure by which requests are spread over several engines."""
         return len(self.active) + self.waiting.qsize()
 
-    # ---- the worker ---------------------------------------------------------------------------------------------------
+    # ---- the worker -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         while True:
             self.admit(block=not self.active)
@@ -83,7 +83,7 @@ class BatchingEngine:
                 self.decode_step()
             except Exception as error:  # e.g. out of memory: fail the requests in flight, keep serving
                 for sequence in self.active:
-                    sequence.events.put(("error", sequence.index, f"generation failed: {type(error).__name__}: {error}"))
+                    fail(sequence, error)
                 self.active.clear()
 
     def admit(self, block: bool) -> None:
@@ -99,7 +99,7 @@ class BatchingEngine:
             try:
                 self.prefill(sequence, row=len(self.active))
             except Exception as error:
-                sequence.events.put(("error", sequence.index, f"generation failed: {type(error).__name__}: {error}"))
+                fail(sequence, error)
                 continue
             self.active.append(sequence)
             self.accept_token(len(self.active) - 1)
@@ -172,3 +172,7 @@ class BatchingEngine:
                 cache.v[row] = cache.v[last]
             self.active[row] = self.active[last]
         self.active.pop()
+
+
+def fail(sequence: Sequence, error: Exception) -> None:
+    sequence.events.put(("error", sequence.index, f"generation failed: {type(error).__name__}: {error}"))

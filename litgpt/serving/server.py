@@ -283,7 +283,7 @@ class Handler(BaseHTTPRequestHandler):
         sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
 
-# ---- the command ------------------------------------------------------------------------------------------------------
+# ---- the command -------------------------------------------------------------------------------------------------
 def make_server(host: str, port: int) -> ThreadingHTTPServer:
     """Bind the server (port 0 picks a free port: `server.server_address[1]`); it answers once its handler class has
     a `service` and `serve_forever` runs."""
@@ -324,9 +324,10 @@ def main(
 ) -> None:
     """Serve a litgpt checkpoint over HTTP with OpenAI's API: chat and text completions, streamed or not.
 
-    The endpoints are /v1/chat/completions, /v1/completions, /v1/models and /health. Chat messages are laid out with the checkpoint's prompt style (model_config.yaml's prompt_style); completions
-    continue the prompt as it is. Requests in flight are decoded together (continuous batching): each joins the
-    batch between two decoding steps and leaves it when done. Ctrl-C stops the server.
+    The endpoints are /v1/chat/completions, /v1/completions, /v1/models and /health. Chat messages are laid out
+    with the checkpoint's prompt style (model_config.yaml's prompt_style); completions continue the prompt as it is.
+    Requests in flight are decoded together (continuous batching): each joins the batch between two decoding steps
+    and leaves it when done. Ctrl-C stops the server.
 
     Args:
         checkpoint_dir: Folder with lit_model.pth, model_config.yaml and the tokenizer files. Its name is the
@@ -364,7 +365,8 @@ def main(
     for engine in engines:
         engine.start()
     address = f"http://{host}:{server.server_address[1]}"
-    print(f"Serving {name!r} (prompt style {style.name!r}) at {address}/v1 on {', '.join(targets)}, batches of up "
+    where = ", ".join(str(engine.device) for engine in engines)
+    print(f"Serving {name!r} (prompt style {style.name!r}) at {address}/v1 on {where}, batches of up "
           f"to {max_batch_size}; Ctrl-C stops.", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
