@@ -6,7 +6,7 @@ with per-row positions (`GPT.forward` with `input_pos` of shape (n, 1)). Between
 prompt is run alone (prefill) in a one-row cache exactly as `litgpt generate` runs it, and its keys and values are
 copied into the sequence's row. So a request's greedy tokens are those it gets when it runs alone. A decoding step
 attends to the cache only up to the longest sequence in flight (`CacheWindow`), not to the whole context: with 16
-rows of a 5M model and a 512-token context on a CPU, 12.5 ms a step instead of 20.5.
+rows of a 5M model and a 512-token context on a shared 2-core CPU, 12.5 ms a step instead of 20.5 (one run).
 """
 
 from __future__ import annotations
