@@ -12,6 +12,7 @@ import queue
 import random
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,13 +67,14 @@ class Generation:
                  stops: list[list[int]]) -> None:
         from litgpt.tokenizer import IncrementalDecoder
 
+        engine = min(service.engines, key=BatchingEngine.load)
         self.events: "queue.Queue[tuple]" = queue.Queue()
         self.sequences = []
         for index in range(sampling.n):
             generator = None
             if sampling.temperature > 0:
                 seed = random.randrange(2**62) if sampling.seed is None else sampling.seed + index
-                generator = torch.Generator(device=service.device).manual_seed(seed)
+                generator = torch.Generator(device=engine.device).manual_seed(seed)
             self.sequences.append(Sequence(
                 prompt_ids, sampling.max_tokens, sampling.temperature, sampling.top_k, sampling.top_p, stops,
                 generator, self.events, index,
@@ -81,7 +83,6 @@ class Generation:
         self.stop_strings = [StopStrings(sampling.stop) for _ in self.sequences]
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
-        engine = min(service.engines, key=BatchingEngine.load)
         for sequence in self.sequences:
             engine.submit(sequence)
 
@@ -118,7 +119,6 @@ class Service:
     def __init__(self, name: str, tokenizer, style, engines: list[BatchingEngine], max_new_tokens: int) -> None:
         self.name, self.tokenizer, self.style, self.engines = name, tokenizer, style, engines
         self.max_new_tokens = max_new_tokens
-        self.device = engines[0].device
         self.block_size = engines[0].block_size
         self.max_n = engines[0].max_batch_size
         self.created = int(time.time())
@@ -193,6 +193,11 @@ class Handler(BaseHTTPRequestHandler):
             generation, sampling = self.service.start(body, chat=routes[path])
         except api.RequestError as error:
             self.send_error_json(error)
+            return
+        except Exception as error:  # a bug of ours: answer, log its traceback, keep serving
+            traceback.print_exc()
+            self.send_error_json(api.RequestError(500, f"{type(error).__name__}: {error}", type="server_error",
+                                                  code="internal_error"))
             return
         try:
             if sampling.stream:
