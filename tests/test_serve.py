@@ -83,6 +83,7 @@ def test_engine_steps_cancel_and_compact_rows():
     sequences = [Sequence(p, 12, 0.0, None, 1.0, [], None, events, i) for i, p in enumerate(prompts)]
     for sequence in sequences:
         engine.submit(sequence)
+    assert engine.load() == 3 and not engine.active
     engine.admit(block=False)
     engine.decode_step()
     sequences[0].cancelled = True
@@ -90,6 +91,7 @@ def test_engine_steps_cancel_and_compact_rows():
     assert engine.active == [sequences[2], sequences[1]]  # row 0 freed, the last row moved into it
     while engine.active:
         engine.decode_step()
+    assert engine.load() == 0
     tokens = {0: [], 1: [], 2: []}
     while not events.empty():
         kind, index, value = events.get()
@@ -240,8 +242,10 @@ def test_concurrent_requests_are_batched_and_each_equals_its_solo_result(server,
     lengths = [MAX_NEW_TOKENS - 2 * i for i in range(8)]  # they finish at different steps
     expected = [reference(p, chat=True, max_new_tokens=n)[0] for p, n in zip(prompts, lengths)]
     results: dict[int, str] = {}
+    together = threading.Barrier(8)
 
     def ask(i):
+        together.wait()
         answer = client.chat.completions.create(model="tiny-chatml", temperature=0, max_tokens=lengths[i],
                                                 messages=[{"role": "user", "content": prompts[i]}])
         results[i] = answer.choices[0].message.content
@@ -253,7 +257,7 @@ def test_concurrent_requests_are_batched_and_each_equals_its_solo_result(server,
         thread.join()
     assert [results.get(i) for i in range(8)] == expected
     health = json.loads(http_request(server, "GET", "/health")[1])
-    assert health["status"] == "ok" and health["largest_batch"] > 1
+    assert health["status"] == "ok" and health["largest_batch"] >= 4  # more than the n=3 of another test
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------------

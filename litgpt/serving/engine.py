@@ -77,17 +77,24 @@ class BatchingEngine:
         self.waiting: "queue.Queue[Sequence]" = queue.Queue()
         self.active: list[Sequence] = []  # active[i] owns cache row i
         self.largest_batch = 0  # the most sequences decoded in one step so far (reported by /health)
+        self.in_flight = 0  # submitted and not yet done: waiting, being prefilled or decoding
+        self.count_lock = threading.Lock()
         self.thread = threading.Thread(target=self.run, name="litgpt-serve-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, sequence: Sequence) -> None:
+        self.count(+1)
         self.waiting.put(sequence)
 
+    def count(self, change: int) -> None:
+        with self.count_lock:
+            self.in_flight += change
+
     def load(self) -> int:
-        """Sequences in flight or waiting: the measure by which requests are spread over several engines."""
-        return len(self.active) + self.waiting.qsize()
+        """Sequences waiting or in flight: the measure by which requests are spread over several engines."""
+        return self.in_flight
 
     # ---- the worker -----------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -100,6 +107,7 @@ class BatchingEngine:
             except Exception as error:  # e.g. out of memory: fail the requests in flight, keep serving
                 for sequence in self.active:
                     fail(sequence, error)
+                self.count(-len(self.active))
                 self.active.clear()
 
     def admit(self, block: bool) -> None:
@@ -111,11 +119,13 @@ class BatchingEngine:
                 return
             block = False
             if sequence.cancelled:
+                self.count(-1)
                 continue
             try:
                 self.prefill(sequence, row=len(self.active))
             except Exception as error:
                 fail(sequence, error)
+                self.count(-1)
                 continue
             self.active.append(sequence)
             self.accept_token(len(self.active) - 1)
@@ -203,6 +213,7 @@ class BatchingEngine:
                 cache.v[row] = cache.v[last]
             self.active[row] = self.active[last]
         self.active.pop()
+        self.count(-1)
 
 
 def fail(sequence: Sequence, error: Exception) -> None:

@@ -168,7 +168,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0].rstrip("/")
         service = self.service
         if path in ("/health", "/v1/health"):
-            busy = sum(len(engine.active) for engine in service.engines)
+            busy = sum(engine.load() for engine in service.engines)  # decoding or waiting for a row
             largest = max(engine.largest_batch for engine in service.engines)
             self.send_json(200, {"status": "ok", "model": service.name, "requests_in_flight": busy,
                                  "largest_batch": largest})
