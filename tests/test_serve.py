@@ -284,7 +284,8 @@ def http_request(port: int, method: str, path: str, body: "bytes | None" = None)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "invalid_value"),
     ("/v1/completions", json.dumps({"prompt": "word " * 200}).encode(), 400, "context_length_exceeded"),
     ("/v1/embeddings", b'{"input": "Hi"}', 404, "not_found"),
-])
+], ids=["malformed-json", "not-an-object", "no-messages", "no-prompt", "unknown-model", "temperature-type",
+        "max-tokens-0", "logprobs", "unknown-role", "content-type", "too-long", "unknown-route"])
 def test_a_bad_request_gets_a_json_error_and_the_server_keeps_serving(server, path, body, status, code):
     got_status, raw = http_request(server, "POST", path, body)
     error = json.loads(raw)["error"]
