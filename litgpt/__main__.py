@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert_from_litgpt": ("litgpt.convert.litgpt_to_hf:convert_lit_checkpoint", "Convert a litgpt checkpoint to a Hugging Face folder."),
     "generate": ("litgpt.generate:main", "Generate text from a prompt."),
     "chat": ("litgpt.chat:main", "Chat with a model interactively."),
+    "serve": ("litgpt.serving.server:main", "Serve a model over HTTP with OpenAI's API (continuous batching)."),
     "merge_lora": ("litgpt.merge_lora:merge_lora", "Merge LoRA adapters into the base weights."),
     "compress_moe": ("litgpt.compress_moe:main", "Keep the most-routed experts of a mixture-of-experts model."),
     "consolidate": ("litgpt.consolidate:main", "Turn a sharded checkpoint into one lit_model.pth."),

@@ -74,6 +74,8 @@ class GPT(nn.Module):
         `input_pos` (T,) gives the positions of `idx` and every layer reads and writes its KV cache. Queries then
         attend to the whole cache through a mask that hides the positions not written yet: the shapes do not depend
         on the position, so decoding needs no host-device sync and one compiled graph serves every step.
+        `input_pos` (B, T) gives each row its own positions (rows 0..B-1 of the cache: a server's batch of requests
+        of different lengths).
         """
         c = self.config
         T = idx.size(1)
@@ -103,7 +105,9 @@ class GPT(nn.Module):
             if positions is None:
                 cos, sin = cos[:T], sin[:T]
             else:
-                cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+                cos, sin = cos[positions], sin[positions]
+                if positions.dim() == 2:  # per-row positions: (B, 1, T, n_elem) broadcasts over the heads
+                    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             ropes[local] = (cos.to(x.dtype), sin.to(x.dtype))
 
         masks = {}
@@ -275,7 +279,13 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k and v (B, ng, T, hs) at `input_pos` (T,); returns the whole cache."""
+        """Write k and v (B, ng, T, hs) at `input_pos` (T,) and return the whole cache; or, with `input_pos` (B, T),
+        write row b at its own positions input_pos[b] and return the cache's first B rows."""
+        if input_pos.dim() == 2:
+            rows = torch.arange(input_pos.size(0), device=input_pos.device)[:, None]
+            self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # indexed as (B, T, ng, hs)
+            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+            return self.k[: input_pos.size(0)], self.v[: input_pos.size(0)]
         self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
         self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
         return self.k, self.v
@@ -284,15 +294,16 @@ class KVCache(nn.Module):
 def attention_mask(
     q_len: int, kv_length: int, input_pos: Optional[torch.Tensor], window: Optional[int], device: torch.device
 ) -> Optional[torch.Tensor]:
-    """Boolean (q_len, kv_length) mask, True where a query may attend; None for plain causal attention."""
+    """Boolean (q_len, kv_length) mask, True where a query may attend, or (B, 1, q_len, kv_length) for per-row
+    positions (B, q_len); None for plain causal attention."""
     if input_pos is None and window is None:
         return None
     q_pos = input_pos if input_pos is not None else torch.arange(q_len, device=device)
     k_pos = torch.arange(kv_length, device=device)
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    allowed = k_pos <= q_pos[..., None]
     if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
-    return allowed
+        allowed &= k_pos > q_pos[..., None] - window
+    return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
 
 
 # ---- rotary position embeddings --------------------------------------------------------------------------------------
