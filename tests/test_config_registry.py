@@ -28,6 +28,7 @@ PUBLISHED = {
     "pythia-12b": (5120, 36, 40, 40, 20480, 50688, 10000, 1e-5, False, 128),
     "tiny-llama-1.1b": (2048, 22, 32, 4, 5632, 32000, 10000, 1e-5, False, 64),
     "tiny-llama-1.1b-chat": (2048, 22, 32, 4, 5632, 32000, 10000, 1e-5, False, 64),
+    "micro-llama-300M": (1024, 12, 16, 4, 5632, 32000, 10000, 1e-5, False, 64),
     "Llama-2-7b-hf": (4096, 32, 32, 32, 11008, 32000, 10000, 1e-5, False, 128),
     "Llama-2-13b-chat-hf": (5120, 40, 40, 40, 13824, 32000, 10000, 1e-5, False, 128),
     "Llama-2-70b-hf": (8192, 80, 64, 8, 28672, 32000, 10000, 1e-5, False, 128),
@@ -80,6 +81,7 @@ PUBLISHED_BLOCK_SIZE = {
     "pythia-14m": 512,
     "pythia-410m": 2048,
     "tiny-llama-1.1b": 2048,
+    "micro-llama-300M": 2048,
     "Llama-2-7b-hf": 4096,
     "Meta-Llama-3-8B": 8192,
     "Llama-3.1-8B": 131072,
@@ -106,6 +108,7 @@ PUBLISHED_PARAMS = {
     "pythia-70m": 70.4e6,
     "pythia-12b": 11.85e9,
     "tiny-llama-1.1b": 1.1e9,
+    "micro-llama-300M": 3.05e8,  # the hub page's safetensors count (305M; "300M" in the name)
     "Llama-2-7b-hf": 6.74e9,
     "Llama-2-70b-hf": 69.0e9,
     "Llama-3.1-8B": 8.03e9,

@@ -1,4 +1,4 @@
-"""Meta Llama 2 / 3 / 3.1 / 3.2 / 3.3, Code Llama and TinyLlama: https://huggingface.co/meta-llama."""
+"""Meta Llama 2 / 3 / 3.1 / 3.2 / 3.3, Code Llama, TinyLlama and MicroLlama: https://huggingface.co/meta-llama."""
 
 from litgpt.configs import tuned, variants
 
@@ -21,6 +21,12 @@ TINYLLAMA = variants(
     dict(name="tiny-llama-1.1b", hf_config=dict(org="TinyLlama", name="TinyLlama-1.1B-intermediate-step-1431k-3T")),
     dict(name="tiny-llama-1.1b-chat", hf_config=dict(org="TinyLlama", name="TinyLlama-1.1B-Chat-v1.0"),
          prompt_style="tinyllama"),
+)
+# MicroLlama (keeeeenw/MicroLlama): TinyLlama's recipe at 300M parameters.
+MICRO_LLAMA = variants(
+    "keeeeenw",
+    {**COMMON, **_TINY, "n_layer": 12, "n_embd": 1024, "n_head": 16},
+    dict(name="micro-llama-300M", hf_config=dict(org="keeeeenw", name="MicroLlama")),
 )
 
 # ---- Llama 2 -----------------------------------------------------------------------------------------------------
@@ -95,6 +101,7 @@ CODE_LLAMA = variants(
 
 CONFIGS = [
     *TINYLLAMA,
+    *MICRO_LLAMA,
     *LLAMA_2,
     *LLAMA_2_CHAT,
     *LLAMA_3,
