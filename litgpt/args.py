@@ -127,7 +127,7 @@ class FSDPArgs:
         timeout: Seconds a collective may wait for the other ranks before the run fails (a rank that died).
         forward_prefetch: In the forward pass, each block issues the all-gathers of the next N blocks as soon as its
             own parameters are gathered (more overlap of communication with compute, up to N more blocks' parameters
-            held at once). 0: FSDP2's implicit behaviour (a block is gathered when the previous one has run). true
+            held at once). 0: FSDP2's implicit behaviour (a block's all-gather is issued as the block starts). true
             (FSDP1's and Hugging Face Trainer's spelling) is 1, false or null 0. Shard groups of one device (NO_SHARD,
             HYBRID_SHARD with one device per node) gather nothing, so there it changes nothing.
         backward_prefetch: In the backward pass, each block issues the all-gathers of the N blocks before it

@@ -51,6 +51,14 @@ def test_bad_prefetch_values_are_refused_in_one_line(field, value):
     assert ("BACKWARD_PRE (1)" in message) == (field == "backward_prefetch")
 
 
+def test_thunder_refuses_prefetching_it_does_not_do():
+    from extensions.thunder.pretrain import check_fsdp_args
+
+    with pytest.raises(UserError, match="--fsdp.backward_prefetch configures PyTorch's FSDP"):
+        check_fsdp_args(FSDPArgs(backward_prefetch="BACKWARD_PRE"))
+    check_fsdp_args(FSDPArgs(forward_prefetch=False, backward_prefetch="BACKWARD_POST"))  # FSDP2's own behaviour: 0
+
+
 def test_bad_prefetch_value_on_the_command_line(tmp_path):
     """Refused while the arguments are parsed: exit 1, one line, no traceback, nothing on disk."""
     from test_distributed import ROOT, litgpt
