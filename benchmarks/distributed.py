@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the results")
     parser.add_argument("--prefetch", type=int, nargs="+", default=None,
-                        help="instead of the cases: 2 processes, FULL_SHARD, forward and backward prefetch N for each N")
+                        help="instead of the cases: 2 processes, FULL_SHARD, forward/backward prefetch N for each N")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --prefetch setting (the median counts)")
     args = parser.parse_args()
     results = []

@@ -72,7 +72,7 @@ def test_bad_prefetch_value_on_the_command_line(tmp_path):
 
 # ---- the prefetch lists, on 2 real processes -------------------------------------------------------------------------
 # Written out by hand for 4 blocks: forward, block i gathers i+1..i+n ahead; backward, i-1..i-n (nearest first).
-# None: the block keeps FSDP2's implicit order (an empty list).
+# An empty list: the block keeps FSDP2's implicit order.
 EXPECTED_FORWARD = {0: [[], [], [], []], 1: [[1], [2], [3], []], 2: [[1, 2], [2, 3], [3], []]}
 EXPECTED_BACKWARD = {0: [[], [], [], []], 1: [[], [0], [1], [2]], 2: [[], [0], [1, 0], [2, 1]]}
 
@@ -126,7 +126,8 @@ def prefetch_worker(rank: int, port: int, out: str) -> None:
             for checkpointing in ("false", "full"):
                 plain = full_gradients(sharded_tiny_gpt(strategy, 0, 0, checkpointing), tokens)
                 ahead = full_gradients(sharded_tiny_gpt(strategy, 2, 2, checkpointing), tokens)
-                differences[f"{strategy} {checkpointing}"] = max((plain[k] - ahead[k]).abs().max().item() for k in plain)
+                difference = max((plain[k] - ahead[k]).abs().max().item() for k in plain)
+                differences[f"{strategy} {checkpointing}"] = difference
         if rank == 0:
             Path(out).write_text(json.dumps({"lists": lists, "differences": differences}))
         dist.barrier()
@@ -171,7 +172,7 @@ def test_prefetching_leaves_the_gradients_as_they_are(two_rank_results):
 
 
 
-# ---- training with prefetching, 2 real processes through the CLI -------------------------------------------------------
+# ---- training with prefetching, 2 real processes through the CLI ----------------------------------------------------
 PREFETCH_2 = ("--fsdp.forward_prefetch", "2", "--fsdp.backward_prefetch", "2")
 
 
