@@ -93,7 +93,7 @@ def run_prefetch_cases(model: str, settings: list[int], steps: int, repeats: int
                         prefetch_flags(n))
         results.append({
             "model": model, "processes": 2, "strategy": "FULL_SHARD", "forward_prefetch": n, "backward_prefetch": n,
-            "tokens_per_sec": statistics.median(tokens_per_sec[n]), "tokens_per_sec_runs": tokens_per_sec[n],
+            "tokens_per_sec": round(statistics.median(tokens_per_sec[n]), 1), "tokens_per_sec_runs": tokens_per_sec[n],
             "step_seconds": round(statistics.median(step_seconds[n]), 3),
             "peak_memory_mb_per_rank": memory["metrics"]["peak_memory_mb_per_rank"], "command": commands[n],
         })
