@@ -10,6 +10,12 @@ rank holds (that setting slows allocation, so the throughput run goes without it
 
     python benchmarks/distributed.py                       # both models, every case
     python benchmarks/distributed.py --models small --steps 4
+    python benchmarks/distributed.py --models 100m --prefetch 0 1 2 --repeats 2   # FSDP2's explicit prefetching
+
+`--prefetch N ...` runs, instead of the cases above, 2 processes with FULL_SHARD and `--fsdp.forward_prefetch N
+--fsdp.backward_prefetch N` for each N (0: FSDP2's implicit order), `--repeats` times with the settings interleaved
+(a busy spell of a shared host then falls on all of them); it reports the median tokens/s and step time, and the
+peak memory per rank.
 
 Models: `small`, the ~5M shape of config_hub/pretrain/tiny.yaml (4 layers, n_embd 256, GQA 4/2, vocab 4096),
 micro batch 4 x seq 256; `100m`, a ~100M Llama shape (12 layers, n_embd 768, 12 heads / 4 KV groups,
@@ -24,6 +30,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,9 +76,37 @@ def run_case(model: str, processes: int, strategy, steps: int, work: Path) -> di
 RETURN_FREED_MEMORY = "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0"
 
 
-def launch(model: str, processes: int, strategy, steps: int, work: Path, extra_env: dict) -> dict:
+def run_prefetch_cases(model: str, settings: list[int], steps: int, repeats: int, work: Path) -> list[dict]:
+    """2 processes, FULL_SHARD, forward and backward prefetch N for each N in `settings`: the median tokens/s of
+    `repeats` interleaved runs, the median step time, and per-rank peak memory from a 2-step run."""
+    tokens_per_sec, step_seconds = {n: [] for n in settings}, {n: [] for n in settings}
+    commands = {}
+    for repeat in range(repeats):
+        for n in settings:
+            run = launch(model, 2, "FULL_SHARD", steps, work / f"throughput-{repeat}", {}, prefetch_flags(n))
+            tokens_per_sec[n].append(run["metrics"]["tokens_per_sec"])
+            step_seconds[n].append(run["metrics"]["train_seconds"] / run["metrics"]["steps"])
+            commands[n] = run["command"]
+    results = []
+    for n in settings:
+        memory = launch(model, 2, "FULL_SHARD", 2, work / "memory", {"GLIBC_TUNABLES": RETURN_FREED_MEMORY},
+                        prefetch_flags(n))
+        results.append({
+            "model": model, "processes": 2, "strategy": "FULL_SHARD", "forward_prefetch": n, "backward_prefetch": n,
+            "tokens_per_sec": round(statistics.median(tokens_per_sec[n]), 1), "tokens_per_sec_runs": tokens_per_sec[n],
+            "step_seconds": round(statistics.median(step_seconds[n]), 3),
+            "peak_memory_mb_per_rank": memory["metrics"]["peak_memory_mb_per_rank"], "command": commands[n],
+        })
+    return results
+
+
+def prefetch_flags(n: int) -> list[str]:
+    return ["--fsdp.forward_prefetch", str(n), "--fsdp.backward_prefetch", str(n)]
+
+
+def launch(model: str, processes: int, strategy, steps: int, work: Path, extra_env: dict, flags=()) -> dict:
     spec = MODELS[model]
-    out_dir = work / f"{model}-{processes}-{strategy or 'single'}"
+    out_dir = work / f"{model}-{processes}-{strategy or 'single'}{''.join(flags).replace('--fsdp.', '-')}"
     micro = spec["micro_batch_size"]
     global_batch = micro * 4  # the same samples per step for 1, 2 and 4 processes
     args = [
@@ -79,7 +114,7 @@ def launch(model: str, processes: int, strategy, steps: int, work: Path, extra_e
         "--data.cache_dir", str(work.parent / "cache"), "--train.max_steps", str(steps), "--train.log_interval", str(steps),
         "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(global_batch),
         "--train.save_interval", "null", "--eval.initial_validation", "false", "--eval.final_validation", "false",
-        "--eval.max_new_tokens", "0", "--train.lr_warmup_steps", "1",
+        "--eval.max_new_tokens", "0", "--train.lr_warmup_steps", "1", *flags,
     ]
     env = {**os.environ, **extra_env}
     if processes == 1:
@@ -110,28 +145,52 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def print_strategy_cases(model: str, steps: int, work: Path) -> list[dict]:
+    print(f"\n{model}: processes  strategy       tokens/s   peak MB per rank", flush=True)
+    results, baseline = [], None
+    for processes, strategy in CASES:
+        result = run_case(model, processes, strategy, steps, work)
+        baseline = baseline or result["tokens_per_sec"]
+        results.append(result)
+        peaks = ", ".join(f"{peak:,.0f}" for peak in result["peak_memory_mb_per_rank"])
+        print(f"{model:>5}: {processes:>9}  {result['strategy']:<13} {result['tokens_per_sec']:>9,.0f} "
+              f"({result['tokens_per_sec'] / baseline:.2f}x)  [{peaks}]", flush=True)
+    return results
+
+
+def print_prefetch_cases(model: str, settings: list[int], steps: int, repeats: int, work: Path) -> list[dict]:
+    print(f"\n{model}: 2 processes, FULL_SHARD  prefetch  tokens/s (runs)  step s  peak MB per rank", flush=True)
+    results = run_prefetch_cases(model, settings, steps, repeats, work)
+    for result in results:
+        runs = ", ".join(f"{t:,.0f}" for t in result["tokens_per_sec_runs"])
+        peaks = ", ".join(f"{peak:,.0f}" for peak in result["peak_memory_mb_per_rank"])
+        print(f"{model:>5}: {result['forward_prefetch']:>27}  {result['tokens_per_sec']:>8,.0f} ({runs})  "
+              f"{result['step_seconds']:>6.2f}  [{peaks}]", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--output", type=Path, default=None, help="JSON file for the results")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=None,
+                        help="instead of the cases: 2 processes, FULL_SHARD, forward/backward prefetch N for each N")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each --prefetch setting (the median counts)")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as work:
         for model in args.models:
-            print(f"\n{model}: processes  strategy       tokens/s   peak MB per rank", flush=True)
-            baseline = None
-            for processes, strategy in CASES:
-                result = run_case(model, processes, strategy, args.steps, Path(work))
-                baseline = baseline or result["tokens_per_sec"]
-                results.append(result)
-                peaks = ", ".join(f"{peak:,.0f}" for peak in result["peak_memory_mb_per_rank"])
-                print(f"{model:>5}: {processes:>9}  {result['strategy']:<13} {result['tokens_per_sec']:>9,.0f} "
-                      f"({result['tokens_per_sec'] / baseline:.2f}x)  [{peaks}]", flush=True)
+            if args.prefetch is None:
+                results += print_strategy_cases(model, args.steps, Path(work))
+            else:
+                results += print_prefetch_cases(model, args.prefetch, args.steps, args.repeats, Path(work))
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    output = args.output or REPO / "benchmarks" / "results" / f"distributed-{datetime.date.today()}.json"
-    output.write_text(json.dumps({"machine": machine, "steps": args.steps, "results": results}, indent=2) + "\n")
+    name = f"distributed-{'prefetch-' if args.prefetch is not None else ''}{datetime.date.today()}.json"
+    output = args.output or REPO / "benchmarks" / "results" / name
+    record = {"machine": machine, "steps": args.steps, "repeats": args.repeats, "results": results}
+    output.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nWrote {output}")
 
 

@@ -135,12 +135,51 @@ class FSDPArgs:
         cpu_offload: Keep parameters, gradients and optimizer state in CPU memory (GPU memory for activations only;
             several devices only; with --quantize the sharded 4-bit base too, which NO_SHARD does not shard).
         timeout: Seconds a collective may wait for the other ranks before the run fails (a rank that died).
+        forward_prefetch: In the forward pass, each block issues the all-gathers of the next N blocks as soon as its
+            own parameters are gathered (more overlap of communication with compute, up to N more blocks' parameters
+            held at once). 0: FSDP2's implicit behaviour (a block's all-gather is issued as the block starts). true
+            (FSDP1's and Hugging Face Trainer's spelling) is 1, false or null 0. Shard groups of one device (NO_SHARD,
+            HYBRID_SHARD with one device per node) gather nothing, so there it changes nothing.
+        backward_prefetch: In the backward pass, each block issues the all-gathers of the N blocks before it
+            (computed next) when its own backward starts. 0: FSDP2's implicit behaviour, which already prefetches
+            the next block, so 1 behaves the same and 2 or more overlaps more. FSDP1's names are read too:
+            BACKWARD_PRE is 1; BACKWARD_POST, NO_PREFETCH, false and null are 0, the nearest FSDP2 has (it neither
+            waits for the gradient computation to prefetch nor turns backward prefetching off).
     """
 
     sharding_strategy: ShardingStrategy = "HYBRID_SHARD"
     state_dict_type: Literal["full", "sharded"] = "full"
     cpu_offload: bool = False
     timeout: float = 600.0
+    forward_prefetch: Union[bool, int, str, None] = 0  # a number of blocks once built (prefetch_blocks)
+    backward_prefetch: Union[bool, int, str, None] = 0
+
+    def __post_init__(self) -> None:
+        # Read here, so a bad value fails while the command line is parsed and the fields hold numbers afterwards.
+        self.forward_prefetch = prefetch_blocks(self.forward_prefetch, "--fsdp.forward_prefetch")
+        self.backward_prefetch = prefetch_blocks(self.backward_prefetch, "--fsdp.backward_prefetch", FSDP1_BACKWARD)
+
+
+# FSDP1's BackwardPrefetch names, as `--fsdp.backward_prefetch` reads them (see FSDPArgs).
+FSDP1_BACKWARD = {"backward_pre": 1, "backward_post": 0, "no_prefetch": 0}
+
+
+def prefetch_blocks(value: Union[bool, int, str, None], option: str, names: Optional[dict] = None) -> int:
+    """The number of blocks a `--fsdp.*_prefetch` setting prefetches: N >= 0, true (1), false or null (0), or one
+    of `names` (case-insensitive); UserError naming `option` for anything else."""
+    if value is None or isinstance(value, bool):
+        return int(bool(value))
+    text = str(value).strip().lower()
+    known = {"true": 1, "false": 0, "none": 0, "null": 0, **(names or {})}
+    if text in known:
+        return known[text]
+    if text.isdigit():
+        return int(text)
+    spellings = "".join(f", {name.upper()} ({n})" for name, n in (names or {}).items())
+    raise UserError(
+        f"{option} {value!r} is not a setting: use a number of blocks N >= 0 (0: FSDP2's implicit prefetching, "
+        f"1 or 2: gather the next N blocks ahead), true (1), false (0){spellings}."
+    )
 
 
 CheckpointingMode = Literal["none", "full", "every", "ops"]

@@ -93,7 +93,7 @@ def setup(
 
 def check_fsdp_args(fsdp: FSDPArgs) -> None:
     defaults = FSDPArgs()
-    for name in ("sharding_strategy", "state_dict_type", "cpu_offload"):
+    for name in ("sharding_strategy", "state_dict_type", "cpu_offload", "forward_prefetch", "backward_prefetch"):
         if getattr(fsdp, name) != getattr(defaults, name):
             raise UserError(
                 f"--fsdp.{name} configures PyTorch's FSDP, which --compiler thunder does not use: Thunder's FSDP "

@@ -94,6 +94,20 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
                     ignored_params=frozen_unshardable(block, mesh))
     # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    if mesh.shape[-1] > 1:  # a shard group of one device gathers nothing: nothing to issue ahead
+        set_prefetching(list(model.transformer.h), fsdp.forward_prefetch, fsdp.backward_prefetch)
+
+
+def set_prefetching(blocks: list[FSDPModule], forward: int, backward: int) -> None:
+    """FSDP2's explicit prefetching (`--fsdp.forward_prefetch`, `--fsdp.backward_prefetch`): in the forward pass
+    block i issues the all-gathers of blocks i+1..i+forward, in the backward pass those of blocks i-1..i-backward,
+    nearest first. 0 leaves FSDP2's implicit order. The root is never in the lists: its parameters (embeddings, final
+    norm, head) are gathered before the first block runs and stay gathered until the backward pass ends."""
+    for index, block in enumerate(blocks):
+        if forward:
+            block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + forward])
+        if backward:
+            block.set_modules_to_backward_prefetch(blocks[max(index - backward, 0):index][::-1])
 
 
 def frozen_unshardable(module: nn.Module, mesh) -> set[nn.Parameter]:
