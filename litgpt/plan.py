@@ -95,7 +95,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litgpt.args import ActivationCheckpointing
+from litgpt.args import FSDP1_BACKWARD, ActivationCheckpointing, prefetch_blocks
 from litgpt.config import Config
 from litgpt.distributed.activation_checkpointing import is_kept
 from litgpt.errors import UserError
@@ -224,6 +224,7 @@ def main(
     loss_chunk_size: Optional[int] = None,
     teacher_model_name: Optional[str] = None,
     teacher_config: Optional[Config] = None,
+    backward_prefetch: Union[bool, int, str, None] = 0,
 ) -> None:
     """Print the memory a training run needs per device, and whether it fits, before anything is allocated.
 
@@ -263,6 +264,8 @@ def main(
             automatic, the training commands' rule).
         teacher_model_name: Distillation (`litgpt distill`): the frozen teacher's registered name.
         teacher_config: Or the teacher's config fields (in YAML under `teacher_config:`).
+        backward_prefetch: As --fsdp.backward_prefetch: the blocks a block's backward pass gathers ahead (0 or 1:
+            FSDP2's own one block ahead; N: N ahead, N - 1 more blocks gathered at once).
     """
     from litgpt.lora import LoRASettings
 
@@ -282,6 +285,7 @@ def main(
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
         loss_chunk_size=loss_chunk_size, teacher=teacher,
+        backward_prefetch=backward_prefetch,
     )
     if json:
         import json as json_module
@@ -324,6 +328,7 @@ class _Run:
     accumulate_gradients: bool
     shard: int  # the shard group: how many devices one copy of the state is split over
     loss_chunk_size: int = 0  # positions per chunk of the head and loss
+    backward_prefetch: int = 0  # blocks a block's backward pass gathers ahead (0: FSDP2's implicit one)
 
     @property
     def stored_quantize(self) -> Optional[str]:  # how the training commands store the quantized base
@@ -383,6 +388,7 @@ def estimate(
     device_memory_gb: float = 80.0,
     loss_chunk_size: Optional[int] = None,
     teacher: Optional[Config] = None,
+    backward_prefetch: Union[bool, int, str, None] = 0,
 ) -> MemoryPlan:
     """The per-device memory of one training step; `lora` is a `LoRASettings` (default settings when None);
     `teacher` the config of a frozen teacher the model is distilled from (`_add_teacher`)."""
@@ -391,7 +397,7 @@ def estimate(
         num_nodes=num_nodes, micro_batch_size=micro_batch_size, seq_length=seq_length, lora=lora, quantize=quantize,
         activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, device=device, device_memory_gb=device_memory_gb,
-        loss_chunk_size=loss_chunk_size,
+        loss_chunk_size=loss_chunk_size, backward_prefetch=backward_prefetch,
     )
     layout = _parameter_layout(config, run.lora, run.quantize)
     saved = saved_activation_bytes(
@@ -441,7 +447,7 @@ def estimate(
 
 def _check_run(config: Config, *, method, precision, sharding_strategy, devices, num_nodes, micro_batch_size,
                seq_length, lora, quantize, activation_checkpointing, cpu_offload, accumulate_gradients, device,
-               device_memory_gb, loss_chunk_size=None) -> _Run:
+               device_memory_gb, loss_chunk_size=None, backward_prefetch=0) -> _Run:
     """The options checked (by the training commands' own validators where they have one) and completed."""
     from litgpt.lora import LoRASettings
     from litgpt.distributed.topology import check_sharding_strategy
@@ -493,7 +499,7 @@ def _check_run(config: Config, *, method, precision, sharding_strategy, devices,
         activation_checkpointing=ActivationCheckpointing.parse(activation_checkpointing, "--activation_checkpointing"),
         cpu_offload=cpu_offload,
         accumulate_gradients=accumulate_gradients, shard=shard,
-        loss_chunk_size=chunk,
+        loss_chunk_size=chunk, backward_prefetch=prefetch_blocks(backward_prefetch, "--backward_prefetch", FSDP1_BACKWARD),
     )
 
 
@@ -601,11 +607,13 @@ def _gathered_params(run: _Run, layout: "_Layout", saved: "SavedActivations") ->
         # starts with the head. A block is gathered for its forward and again for its backward, the next one
         # prefetched (a shard group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
         # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
-        gathered["backward"] = root_bytes + sum(block_bytes[-(2 if run.shard > 1 else 1):])
+        ahead = max(1, run.backward_prefetch) if run.shard > 1 else 0
+        gathered["backward"] = root_bytes + sum(block_bytes[-(1 + ahead):])
         if run.sharding_strategy == "SHARD_GRAD_OP" and run.shard > 1:
             gathered.update(start=root_bytes + sum(block_bytes), detail="every block + root, from forward to backward")
         else:
-            gathered.update(start=root_bytes, detail="root + 2 blocks at a time, compute dtype")
+            gathered.update(start=root_bytes, detail=f"root + {1 + max(1, run.backward_prefetch)} blocks at a time, "
+                                                     "compute dtype")
     elif run.autocast:
         # Autocast's 16-bit copies of the weights that autograd saved; with checkpointing only the head's and the
         # recomputed block's are saved, but the cached copies of trainable weights last until the forward pass ends.
