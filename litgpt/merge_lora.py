@@ -38,7 +38,6 @@ def merge_lora(
     """
     from litgpt.checkpoint.model_files import (
         CONFIG_FILE,
-        find_checkpoint_dir,
         meta_device,
         TOKENIZER_FILES,
         WEIGHTS_FILE,
@@ -74,22 +73,8 @@ def merge_lora(
     if precision is not None and precision not in PRECISION_DTYPES:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISION_DTYPES)}.")
     hparams = read_hparams(checkpoint_dir)
-    hparams_source = str(checkpoint_dir / HPARAMS_FILE)
-    settings = LoRASettings.from_hparams(hparams, source=hparams_source)
-    if pretrained_checkpoint_dir is None:
-        recorded = hparams.get("checkpoint_dir")
-        if not recorded:
-            raise UserError(
-                f"{hparams_source} does not record the base checkpoint_dir; pass --pretrained_checkpoint_dir BASE_DIR."
-            )
-        pretrained_checkpoint_dir = Path(str(recorded))
-    base_dir = Path(pretrained_checkpoint_dir)
-    if not base_dir.is_dir():
-        raise UserError(
-            f"The base checkpoint folder {str(base_dir)!r} does not exist; pass the folder the run was finetuned from "
-            "with --pretrained_checkpoint_dir."
-        )
-    base_dir = find_checkpoint_dir(base_dir)
+    settings = LoRASettings.from_hparams(hparams, source=str(checkpoint_dir / HPARAMS_FILE))
+    base_dir = base_checkpoint_dir(checkpoint_dir, hparams, pretrained_checkpoint_dir)
     config_dir = checkpoint_dir if (checkpoint_dir / CONFIG_FILE).is_file() else base_dir
     config = Config.from_checkpoint(config_dir)
 
@@ -117,6 +102,25 @@ def merge_lora(
             copied.append(name)
     note = f"; copied {', '.join(copied)} from the base" if copied else ""
     print(f"Merged {len(adapters)} LoRA tensors of {lora_path} into the weights of {base_path}: wrote {output}{note}")
+
+
+def base_checkpoint_dir(checkpoint_dir: Path, hparams: dict, pretrained_checkpoint_dir: Optional[Path]) -> Path:
+    """The base checkpoint a LoRA run's adapters belong to: `pretrained_checkpoint_dir`, else the checkpoint_dir its
+    hyperparameters.yaml records; checked to be a checkpoint folder."""
+    from litgpt.checkpoint.model_files import find_checkpoint_dir
+
+    if pretrained_checkpoint_dir is None:
+        recorded = hparams.get("checkpoint_dir")
+        if not recorded:
+            raise UserError(f"{str(checkpoint_dir / HPARAMS_FILE)!r} does not record the base checkpoint_dir; pass "
+                            "--pretrained_checkpoint_dir BASE_DIR.")
+        pretrained_checkpoint_dir = Path(str(recorded))
+    if not Path(pretrained_checkpoint_dir).is_dir():
+        raise UserError(
+            f"The base checkpoint folder {str(pretrained_checkpoint_dir)!r} does not exist; pass the folder the run "
+            "was finetuned from with --pretrained_checkpoint_dir."
+        )
+    return find_checkpoint_dir(Path(pretrained_checkpoint_dir))
 
 
 def read_hparams(checkpoint_dir: Path) -> dict:

@@ -202,8 +202,6 @@ LITGPT_COMMANDS = (FIXTURES / "commands.txt").read_text().split()
 
 @pytest.mark.parametrize("name", LITGPT_COMMANDS)
 def test_every_litgpt_command_name_resolves(name, capsys):
-    if name in ("evaluate", "serve") and name not in COMMANDS:
-        pytest.skip(f"`litgpt {name}` comes with issue 20's {name} work")
     with pytest.raises(SystemExit) as info:
         cli_main([name, "--help"])
     output = capsys.readouterr()

@@ -195,8 +195,8 @@ def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
     checkpoint of a LoRA run); a folder with merged weights (a run's final/) converts as the merged model unless
     `peft` is True.
     """
-    from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
-    from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, read_hparams
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE
+    from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, base_checkpoint_dir, read_hparams
 
     checkpoint_dir = Path(checkpoint_dir)
     has_adapters = (checkpoint_dir / LORA_WEIGHTS_FILE).is_file()
@@ -218,19 +218,8 @@ def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
         )
     hparams = read_hparams(checkpoint_dir)
     settings = LoRASettings.from_hparams(hparams, source=str(checkpoint_dir / HPARAMS_FILE))
-    if pretrained_checkpoint_dir is None:
-        if not hparams.get("checkpoint_dir"):
-            raise UserError(
-                f"{str(checkpoint_dir / HPARAMS_FILE)!r} does not record the base checkpoint_dir; pass "
-                "--pretrained_checkpoint_dir BASE_DIR."
-            )
-        pretrained_checkpoint_dir = Path(str(hparams["checkpoint_dir"]))
-    if not Path(pretrained_checkpoint_dir).is_dir():
-        raise UserError(
-            f"The base checkpoint folder {str(pretrained_checkpoint_dir)!r} does not exist; pass the folder the run "
-            "was finetuned from with --pretrained_checkpoint_dir."
-        )
-    return LoRARunExport(checkpoint_dir, find_checkpoint_dir(Path(pretrained_checkpoint_dir)), settings)
+    return LoRARunExport(checkpoint_dir, base_checkpoint_dir(checkpoint_dir, hparams, pretrained_checkpoint_dir),
+                         settings)
 
 
 def exported_adapter(export: LoRARunExport, config: Config,
