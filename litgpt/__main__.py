@@ -183,6 +183,37 @@ def raised_by_a_collective(error: BaseException) -> bool:
                for frame in traceback.extract_tb(error.__traceback__))
 
 
+MODEL_CONFIG_OPTIONS = ("--model_config", "--teacher_config")
+
+
+def model_config_files_read(args: list[str]) -> list[str]:
+    """`args` with each --model_config / --teacher_config FILE replaced by the config it holds, in our fields.
+
+    The model_config.yaml that our runs and LitGPT write holds LitGPT's field names (so that LitGPT reads our
+    folders); `Config.from_file` reads both, the parser knows only ours."""
+    import json
+    from pathlib import Path
+
+    from litgpt.config import Config
+
+    def read(value: str) -> str:
+        return json.dumps(Config.from_file(value).to_dict()) if Path(value).is_file() else value
+
+    result, position = [], 0
+    while position < len(args):
+        arg = args[position]
+        name, equals, value = arg.partition("=")
+        if name in MODEL_CONFIG_OPTIONS and equals:
+            result.append(f"{name}={read(value)}")
+        elif arg in MODEL_CONFIG_OPTIONS and position + 1 < len(args):
+            result += [arg, read(args[position + 1])]
+            position += 1
+        else:
+            result.append(arg)
+        position += 1
+    return result
+
+
 def check_config_files(args: list[str]) -> None:
     """Name a --config file that is not valid YAML, with the place of the problem (jsonargparse names neither)."""
     import os
@@ -242,6 +273,7 @@ def run_cli(function, args: list[str], prog: str) -> None:
 
     try:
         check_config_files(args)
+        args = model_config_files_read(args)
         CLI(function, args=args, prog=prog, as_positional=True, exit_on_error=False)
     except ArgumentError as error:
         # jsonargparse spreads one problem over indented lines; join them into one.

@@ -123,7 +123,7 @@ class BatchingEngine:
                 continue
             try:
                 self.prefill(sequence, row=len(self.active))
-            except Exception as error:
+            except Exception as error:  # a failed prefill ends its own request, with the error; the others go on
                 fail(sequence, error)
                 self.count(-1)
                 continue
