@@ -19,6 +19,10 @@ from litgpt.config import EXTRA_KEY, LITGPT_DEFAULTS, Config
 from litgpt.data.tiny import TOKENIZER_DIR
 from litgpt.errors import UserError
 
+# Each test runs LitGPT 0.5.13's own code in a subprocess (or a command of ours): the whole suite (-m '', CI) runs
+# them, the quick default run leaves them out.
+pytestmark = pytest.mark.slow
+
 PROMPT = [1, 306, 465, 278, 3186, 2988, 450, 499]
 NEW_TOKENS = 12
 _BASE = dict(block_size=128, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=4096,
