@@ -250,6 +250,7 @@ def distilled(world) -> Path:
     return out_dir
 
 
+@pytest.mark.slow  # a whole distill run through the CLI: with the whole suite (CI)
 def test_the_run_logs_both_losses_and_saves_the_student_alone(world, distilled):
     rows = logged(distilled)
     assert len(rows) == 4

@@ -189,6 +189,7 @@ def test_tasks_from_include_path(checkpoint, task_folder, loaded, tmp_path):
     assert 0 <= results[1]["results"]["tiny_gen"]["exact_match,none"] <= 1
 
 
+@pytest.mark.slow  # a second harness run through the CLI: with the whole suite (CI)
 def test_one_shot_group(checkpoint, task_folder, tmp_path):
     runs = []
     for batch_size in (1, 2):
