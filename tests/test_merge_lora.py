@@ -44,8 +44,10 @@ def make_base(folder: Path, **overrides) -> Path:
     return folder
 
 
-def make_run(folder: Path, base: Path, settings: LoRASettings = SETTINGS, **hparams_overrides) -> GPT:
-    """A LoRA finetuning output folder with 'trained' (random non-zero) adapters; returns the adapted model."""
+def make_run(folder: Path, base: Path, settings: LoRASettings = SETTINGS, scale: float = 0.05,
+             **hparams_overrides) -> GPT:
+    """A LoRA finetuning output folder with 'trained' (random non-zero, std `scale`) adapters; returns the adapted
+    model."""
     config = Config.from_checkpoint(base)
     model = GPT(config)
     add_lora(model, settings)
@@ -54,7 +56,7 @@ def make_run(folder: Path, base: Path, settings: LoRASettings = SETTINGS, **hpar
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
     folder.mkdir(parents=True)
     save_state_dict(lora_state_dict(model), folder / "lit_model.pth.lora")
     hparams = {"checkpoint_dir": str(base), "out_dir": str(folder), "learning_rate": 3e-4, **settings.to_hparams()}

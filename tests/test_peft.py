@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from hf_models import save_hf_model
+from test_merge_lora import make_run
 
 from litgpt.__main__ import main as cli_main
 from litgpt.checkpoint.model_files import load_model_weights
@@ -17,8 +18,8 @@ from litgpt.config import Config
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
 from litgpt.errors import UserError
-from litgpt.io import load_state_dict, save_state_dict
-from litgpt.lora import LoRASettings, add_lora, load_base_weights, lora_state_dict
+from litgpt.io import load_state_dict
+from litgpt.lora import LoRASettings, lora_state_dict
 from litgpt.merge_lora import merge_lora
 from litgpt.model import GPT
 
@@ -41,20 +42,7 @@ def base(tmp_path_factory) -> Path:
 def make_lora_run(folder: Path, base: Path, settings: LoRASettings) -> GPT:
     """A LoRA run's step folder (adapters, hyperparameters, config; no merged weights) with random non-zero
     adapters; returns the adapted model."""
-    config = Config.from_checkpoint(base)
-    model = GPT(config)
-    add_lora(model, settings)
-    load_base_weights(model, load_state_dict(base / "lit_model.pth"), source="base")
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    folder.mkdir(parents=True)
-    save_state_dict(lora_state_dict(model), folder / "lit_model.pth.lora")
-    (folder / "hyperparameters.yaml").write_text(yaml.safe_dump({"checkpoint_dir": str(base), **settings.to_hparams()}))
-    config.save(folder / "model_config.yaml")
-    return model.eval()
+    return make_run(folder, base, settings, scale=0.1)
 
 
 def load_plain(folder: Path) -> GPT:
