@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
 
+from litgpt.__main__ import main as cli_main
 from litgpt.args import KDArgs
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR
@@ -384,40 +385,44 @@ BAD_INPUT = [
     ("other_tokenizer", [], "differ: 2 token(s) have another id or are missing in one"),
     ("teacher", ["--kd.loss", "kl"],
      "--kd.loss 'kl' is not a distillation loss: use one of forward_kl, reverse_kl, js"),
-    pytest.param("teacher", ["--kd.alpha", "1.5"], "--kd.alpha 1.5 is outside [0, 1]", marks=pytest.mark.slow),
-    pytest.param("teacher", ["--kd.temperature", "0"], "--kd.temperature 0.0 must be a finite number above 0",
-                 marks=pytest.mark.slow),
-    pytest.param("no_config", [], "has no model_config.yaml", marks=pytest.mark.slow),
-    pytest.param("other_padding", [], "The student's padded_vocab_size is 4096 but the teacher's",
-                 marks=pytest.mark.slow),
-    pytest.param("short", [], "longer than the teacher's block size 32", marks=pytest.mark.slow),
-    pytest.param("teacher", ["--kd.alpha", "-0.1"], "--kd.alpha -0.1 is outside [0, 1]", marks=pytest.mark.slow),
-    pytest.param("teacher", ["--kd.temperature", "-1"], "--kd.temperature -1.0 must be", marks=pytest.mark.slow),
-    pytest.param("missing", [], "--teacher_dir: Checkpoint folder '{root}/missing' does not exist",
-                 marks=pytest.mark.slow),
-    pytest.param("teacher", ["--model_config", "{root}/student/model_config.yaml"], "not both",
-                 marks=pytest.mark.slow),
+    ("teacher", ["--kd.alpha", "1.5"], "--kd.alpha 1.5 is outside [0, 1]"),
+    ("teacher", ["--kd.temperature", "0"], "--kd.temperature 0.0 must be a finite number above 0"),
+    ("no_config", [], "has no model_config.yaml"),
+    ("other_padding", [], "The student's padded_vocab_size is 4096 but the teacher's"),
+    ("short", [], "longer than the teacher's block size 32"),
+    ("teacher", ["--kd.alpha", "-0.1"], "--kd.alpha -0.1 is outside [0, 1]"),
+    ("teacher", ["--kd.temperature", "-1"], "--kd.temperature -1.0 must be"),
+    ("missing", [], "--teacher_dir: Checkpoint folder '{root}/missing' does not exist"),
+    ("teacher", ["--model_config", "{root}/student/model_config.yaml"], "not both"),
 ]
 
 
 @pytest.mark.parametrize("teacher, flags, message", BAD_INPUT)
-def test_bad_input_is_one_line(bad_world, teacher, flags, message):
+def test_bad_input_is_one_line(bad_world, teacher, flags, message, capsys):
     before = folder_digest(bad_world)
     flags = [flag.format(root=bad_world) for flag in flags]
-    p = litgpt("distill", bad_world / "student", "--teacher_dir", bad_world / teacher, "--out_dir",
-               bad_world / "out", "--train.max_steps", 1, *flags)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    lines = distill_error(bad_world / "student", "--teacher_dir", bad_world / teacher, "--out_dir", bad_world / "out",
+                          "--train.max_steps", 1, *flags, capsys=capsys)
+    assert len(lines) == 1, lines
     assert lines[0].startswith("litgpt distill: error: ") and message.format(root=bad_world) in lines[0], lines[0]
     assert folder_digest(bad_world) == before
 
 
-@pytest.mark.slow
-def test_no_student_or_no_teacher_is_one_line(bad_world):
+def test_no_student_or_no_teacher_is_one_line(bad_world, capsys):
     for args, message in (([], "Give the student"), ([bad_world / "student"], "--teacher_dir")):
         teacher = [] if args else ["--teacher_dir", bad_world / "teacher"]
-        p = litgpt("distill", *args, *teacher, "--out_dir", bad_world / "out")
-        assert p.returncode == 1 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        lines = distill_error(*args, *teacher, "--out_dir", bad_world / "out", capsys=capsys)
+        assert len(lines) == 1 and message in lines[0], lines
+
+
+def distill_error(*args, capsys) -> list[str]:
+    """The lines `litgpt distill ARGS` writes to stderr, run in this process (bad input stops it before any heavy
+    work); it must exit with code 1, and any other exception (a traceback) fails the test."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["distill", *map(str, args)])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 1, stderr
+    return stderr.strip().splitlines()
 
 
 # ---- the teacher on its devices --------------------------------------------------------------------------------------
