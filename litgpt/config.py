@@ -87,6 +87,11 @@ class Config:
     # How chat and finetuning format a conversation for this model (see litgpt/prompts.py).
     prompt_style: str = "default"
 
+    # Older architectures (Falcon, StableLM, phi-1.5/2, OLMo 1).
+    norm_affine: bool = True  # False: LayerNorms without weight or bias (OLMo 1)
+    clip_qkv: Optional[float] = None  # clamp q, k and v to [-clip_qkv, clip_qkv] after their projection (OLMo 1)
+    norm_qk_per_head: bool = False  # with norm_qk: each head has its own LayerNorm weight, no bias (StableLM 2)
+
     def __post_init__(self) -> None:
         if self.head_size is None:
             if self.n_embd % self.n_head:
@@ -113,6 +118,15 @@ class Config:
                 self.moe_intermediate_size = self.intermediate_size
         if not self.router_aux_loss_coef >= 0:
             raise UserError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
+        if not self.norm_affine and self.norm_class_name != "LayerNorm":
+            raise UserError("norm_affine=False (norms without weights) needs norm_class_name='LayerNorm'.")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise UserError(f"clip_qkv must be a positive number or null, got {self.clip_qkv}.")
+        if self.norm_qk_per_head and not (self.norm_qk and self.norm_class_name == "LayerNorm" and self.norm_affine):
+            raise UserError(
+                "norm_qk_per_head=True needs norm_qk=True, norm_class_name='LayerNorm' and norm_affine=True "
+                "(StableLM's per-head q/k LayerNorms)."
+            )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):
