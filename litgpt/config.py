@@ -302,10 +302,7 @@ def _litgpt_unsupported(v: dict) -> list[str]:
         ("first_k_dense_replace", v["first_k_dense_replace"] is not None),
         ("routed_scaling_factor", v["routed_scaling_factor"] != 1.0),
     )
-    found = [f"{name}={v[name]!r}" for name, bad in checks if bad]
-    if v["norm_class_name"] == "LayerNorm" and "OLMo" in v["name"]:
-        found.append(f"norm_class_name='LayerNorm' with {v['name']!r} (LitGPT's OLMo LayerNorm has no weights)")
-    return found
+    return [f"{name}={v[name]!r}" for name, bad in checks if bad]
 
 
 def fields_from_litgpt(values: dict, source: str) -> dict:
@@ -330,6 +327,7 @@ def fields_from_litgpt(values: dict, source: str) -> dict:
         out["vocab_size"] = min(v["vocab_size"], v["padded_vocab_size"])
     # LitGPT scales RMSNorm by (1 + weight) for models named Gemma; its top-k router always renormalizes.
     out["norm_unit_offset"] = v["norm_class_name"] == "RMSNorm" and "Gemma" in v["name"]
+    out["norm_affine"] = not _litgpt_olmo_norm(v)  # LitGPT's LayerNorm has no weights for models named OLMo
     out["moe_renormalize"] = True
     out["rope_scaling"] = _rope_scaling_from_litgpt(v, source)
     out.update(_layer_kinds_from_litgpt(v, source))
@@ -385,10 +383,20 @@ def _layer_kinds_from_litgpt(v: dict, source: str) -> dict:
     return out
 
 
+def _litgpt_olmo_norm(v: dict) -> bool:
+    return v["norm_class_name"] == "LayerNorm" and "OLMo" in v["name"]
+
+
 def _guess_hf_model_type(v: dict) -> str:
     """The Hugging Face family of a LitGPT config (LitGPT picks its converter by name; this looks at the layout)."""
+    if v["parallel_residual"] and v["shared_attention_norm"] and v["lm_head_bias"]:
+        return "phi"
+    if v["parallel_residual"] and not v["bias"] and v["mlp_class_name"] == "GptNeoxMLP":
+        return "falcon"
     if v["parallel_residual"]:
         return "gpt_neox"
+    if v["norm_class_name"] == "LayerNorm" and v["mlp_class_name"] == "LLaMAMLP":
+        return "olmo" if _litgpt_olmo_norm(v) else "stablelm"
     if v["mlp_class_name"] == "GemmaMLP":
         return "gemma3" if v["norm_qk"] else "gemma2" if v["post_attention_norm"] else "gemma"
     if v["mlp_class_name"] == "LLaMAMoE":
@@ -425,5 +433,7 @@ def fields_to_litgpt(config: Config) -> dict:
     if c.norm_unit_offset and "Gemma" not in c.name:
         # LitGPT adds the unit offset to RMSNorm only for models whose name contains "Gemma".
         out["name"] = f"{c.name} (Gemma)".strip()
+    if not c.norm_affine and "OLMo" not in c.name:
+        out["name"] = f"{c.name} (OLMo)".strip()  # and its LayerNorms without weights only for names with "OLMo"
     out["hf_config"] = {**c.hf_config, EXTRA_KEY: extra}
     return out
