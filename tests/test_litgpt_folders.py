@@ -182,7 +182,8 @@ def test_litgpt_config_fields_are_known():
 # ---- our folders in LitGPT -------------------------------------------------------------------------------------------
 # Converted from tiny Hugging Face models: Llama, and families whose fields LitGPT spells differently (Gemma 2: the
 # sliding-window layers, the unit-offset norms that LitGPT derives from the name; Qwen 3: QK norms, tied head;
-# Llama 3 scaled rotary frequencies; Falcon and phi: parallel attention and MLP). The prompt fits in Gemma 2's window: LitGPT's cache refuses a longer prefill.
+# Llama 3 scaled rotary frequencies; Falcon and phi: parallel attention and MLP). The prompt fits in Gemma 2's window:
+# LitGPT's cache refuses a longer prefill.
 OUR_CASES = ("llama", "llama3_rope", "qwen3", "gemma2", "falcon_mqa", "falcon_gqa", "phi")
 SHORT_PROMPT = [1, 17, 100, 42]
 
