@@ -195,3 +195,40 @@ def test_fields_survive_model_config_yaml(tmp_path):
     qk = Config(**TINY, norm_class_name="LayerNorm", norm_qk=True, norm_qk_per_head=True, hf_model_type="stablelm")
     qk.save(tmp_path / "model_config.yaml")
     assert Config.from_file(tmp_path / "model_config.yaml") == qk
+
+
+# The published config.json files (their architecture keys, written out by hand): `litgpt download NAME` converts with
+# what they derive and names the result after the registered model only when the two agree.
+PUBLISHED_JSON = {
+    "falcon-7b": dict(model_type="falcon", alibi=False, bias=False, hidden_size=4544, layer_norm_epsilon=1e-5,
+                      multi_query=True, new_decoder_architecture=False, num_attention_heads=71, num_hidden_layers=32,
+                      parallel_attn=True, vocab_size=65024),
+    "falcon-40b": dict(model_type="falcon", alibi=False, bias=False, hidden_size=8192, layer_norm_epsilon=1e-5,
+                       multi_query=True, new_decoder_architecture=True, num_attention_heads=128, num_hidden_layers=60,
+                       num_kv_heads=8, parallel_attn=True, vocab_size=65024),
+    "phi-2": dict(model_type="phi", hidden_act="gelu_new", hidden_size=2560, intermediate_size=10240,
+                  layer_norm_eps=1e-5, max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=32,
+                  num_key_value_heads=32, partial_rotary_factor=0.4, qk_layernorm=False, rope_scaling=None,
+                  rope_theta=10000.0, tie_word_embeddings=False, vocab_size=51200),
+    "OLMo-1B-hf": dict(model_type="olmo", attention_bias=False, clip_qkv=None, hidden_act="silu", hidden_size=2048,
+                       intermediate_size=8192, max_position_embeddings=2048, num_attention_heads=16,
+                       num_hidden_layers=16, num_key_value_heads=16, rope_scaling=None, rope_theta=10000.0,
+                       tie_word_embeddings=True, vocab_size=50304),
+    "stablelm-3b-4e1t": dict(model_type="stablelm", hidden_act="silu", hidden_size=2560, intermediate_size=6912,
+                             layer_norm_eps=1e-5, max_position_embeddings=4096, num_attention_heads=32,
+                             num_hidden_layers=32, num_key_value_heads=32, partial_rotary_factor=0.25,
+                             rope_theta=10000, tie_word_embeddings=False, use_qkv_bias=False, vocab_size=50304),
+    "stablelm-base-alpha-3b": dict(model_type="gpt_neox", hidden_act="gelu", hidden_size=4096, intermediate_size=16384,
+                                   layer_norm_eps=1e-5, max_position_embeddings=4096, num_attention_heads=32,
+                                   num_hidden_layers=16, rotary_emb_base=10000, rotary_pct=0.25,
+                                   tie_word_embeddings=False, use_parallel_residual=True, vocab_size=50688),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_JSON))
+def test_published_config_json_derives_the_named_config(name):
+    from litgpt.convert.families import config_from_hf
+    from litgpt.convert.hf_to_litgpt import architecture_differences
+
+    derived = config_from_hf(PUBLISHED_JSON[name], f"{name}/config.json")
+    assert architecture_differences(Config.from_name(name), derived) == ""
