@@ -683,7 +683,10 @@ def _falcon_layout(c: Config) -> tuple[bool, bool, int]:
             "n_query_groups 1 or n_head."
         )
     if c.parallel_residual != c.shared_attention_norm:
-        raise UserError("Hugging Face 'falcon' with parallel_residual needs shared_attention_norm or two norms.")
+        raise UserError(
+            f"Hugging Face 'falcon' with n_query_groups={c.n_query_groups} and parallel_residual="
+            f"{c.parallel_residual} needs shared_attention_norm={c.parallel_residual}."
+        )
     return False, c.n_query_groups == 1, 1
 
 
