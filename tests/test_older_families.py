@@ -8,6 +8,7 @@ are in tests/test_config_registry.py.)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,21 @@ def test_unsupported_falcon_switches_are_named(tmp_path, changes, named):
 def test_contradicting_fields_are_named(changes, named):
     with pytest.raises(UserError, match=named):
         Config(**{**TINY, **changes})
+
+
+@pytest.mark.parametrize("name, changes, named", [
+    ("falcon-40b", dict(parallel_residual=False, n_query_groups=2), "grouped-query attention only with parallel_residual=True"),
+    ("falcon-7b", dict(shared_attention_norm=False, parallel_residual=False, n_query_groups=1, bias=True,
+                       rotary_percentage=0.5), "rotary_percentage=0.5 (needs 1.0)"),
+    ("stablelm-3b-4e1t", dict(parallel_residual=True), "shared_attention_norm equal to parallel_residual"),
+    ("OLMo-1B-hf", dict(norm_affine=True), "norm_affine=True (needs False)"),
+])
+def test_configs_hugging_face_cannot_hold_are_named(name, changes, named):
+    from litgpt.convert.families import config_to_hf
+
+    with pytest.raises(UserError, match=re.escape(named)) as error:
+        config_to_hf(Config.from_name(name, **dict(TINY, **changes)))
+    assert "\n" not in str(error.value)
 
 
 def test_fields_survive_model_config_yaml(tmp_path):
