@@ -389,11 +389,13 @@ def test_older_family_specifics():
     falcon7, falcon40 = c["falcon-7b-instruct"], c["falcon-40b"]
     assert falcon7.parallel_residual and falcon7.shared_attention_norm and falcon7.n_query_groups == 1
     assert falcon40.parallel_residual and not falcon40.shared_attention_norm and not falcon40.bias
-    assert (falcon40.mlp_class_name, falcon40.rotary_percentage, falcon40.gelu_approximate) == ("GptNeoxMLP", 1.0, "none")
+    assert falcon40.mlp_class_name == "GptNeoxMLP" and falcon40.rotary_percentage == 1.0
+    assert falcon40.gelu_approximate == "none"
     assert c["falcon-180B-chat"].hf_config == {"org": "tiiuae", "name": "falcon-180B-chat"}
 
     stablelm = c["stablelm-zephyr-3b"]
-    assert (stablelm.hf_model_type, stablelm.mlp_class_name, stablelm.norm_class_name) == ("stablelm", "LLaMAMLP", "LayerNorm")
+    assert stablelm.hf_model_type == "stablelm"
+    assert (stablelm.mlp_class_name, stablelm.norm_class_name) == ("LLaMAMLP", "LayerNorm")
     assert stablelm.rotary_percentage == 0.25 and not stablelm.parallel_residual and not stablelm.attn_bias
     assert c["stablelm-tuned-alpha-3b"].hf_model_type == "gpt_neox" and c["stablelm-tuned-alpha-3b"].parallel_residual
     assert c["stablecode-instruct-alpha-3b"].hf_model_type == "gpt_neox"

@@ -186,7 +186,8 @@ def test_contradicting_fields_are_named(changes, named):
 
 
 @pytest.mark.parametrize("name, changes, named", [
-    ("falcon-40b", dict(parallel_residual=False, n_query_groups=2), "grouped-query attention only with parallel_residual=True"),
+    ("falcon-40b", dict(parallel_residual=False, n_query_groups=2),
+     "grouped-query attention only with parallel_residual=True"),
     ("falcon-7b", dict(shared_attention_norm=False, parallel_residual=False, n_query_groups=1, bias=True,
                        rotary_percentage=0.5), "rotary_percentage=0.5 (needs 1.0)"),
     ("stablelm-3b-4e1t", dict(parallel_residual=True), "shared_attention_norm equal to parallel_residual"),

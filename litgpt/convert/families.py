@@ -530,7 +530,7 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
     return out
 
 
-# ---- Falcon, StableLM, phi-1.5/2 and OLMo 1 ------------------------------------------------------------------------------
+# ---- Falcon, StableLM, phi-1.5/2 and OLMo 1 -------------------------------------------------------------------------
 # Older architectures: LayerNorm (OLMo 1's without weights), partial rotary, parallel attention and MLP. Their
 # config.json keys and weight names differ from the Llama-style families above, so they are read and written here.
 _LAYER_NORM = dict(norm_class_name="LayerNorm")
@@ -719,7 +719,8 @@ def _legacy_modules(c: Config, family: Family, add) -> None:
         add(f"{lit}.attn.qkv", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"), "cat", qkv_sizes)
         add(f"{lit}.attn.proj", f"{attn}.dense" if kind == "phi" else f"{attn}.o_proj")
         if c.norm_qk and c.norm_qk_per_head:
-            for ours, theirs, heads in (("norm_q", "q_layernorm", c.n_head), ("norm_k", "k_layernorm", c.n_query_groups)):
+            per_head = (("norm_q", "q_layernorm", c.n_head), ("norm_k", "k_layernorm", c.n_query_groups))
+            for ours, theirs, heads in per_head:
                 names = tuple(f"{attn}.{theirs}.norms.{h}" for h in range(heads))
                 add(f"{lit}.attn.{ours}", names, "cat", (c.head_size,) * heads)
         elif c.norm_qk:
