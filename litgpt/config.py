@@ -87,6 +87,11 @@ class Config:
     # How chat and finetuning format a conversation for this model (see litgpt/prompts.py).
     prompt_style: str = "default"
 
+    # Older architectures (Falcon, StableLM, phi-1.5/2, OLMo 1).
+    norm_affine: bool = True  # False: LayerNorms without weight or bias (OLMo 1)
+    clip_qkv: Optional[float] = None  # clamp q, k and v to [-clip_qkv, clip_qkv] after their projection (OLMo 1)
+    norm_qk_per_head: bool = False  # with norm_qk: each head has its own LayerNorm weight, no bias (StableLM 2)
+
     def __post_init__(self) -> None:
         if self.head_size is None:
             if self.n_embd % self.n_head:
@@ -113,6 +118,15 @@ class Config:
                 self.moe_intermediate_size = self.intermediate_size
         if not self.router_aux_loss_coef >= 0:
             raise UserError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
+        if not self.norm_affine and self.norm_class_name != "LayerNorm":
+            raise UserError("norm_affine=False (norms without weights) needs norm_class_name='LayerNorm'.")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise UserError(f"clip_qkv must be a positive number or null, got {self.clip_qkv}.")
+        if self.norm_qk_per_head and not (self.norm_qk and self.norm_class_name == "LayerNorm" and self.norm_affine):
+            raise UserError(
+                "norm_qk_per_head=True needs norm_qk=True, norm_class_name='LayerNorm' and norm_affine=True "
+                "(StableLM's per-head q/k LayerNorms)."
+            )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):
@@ -288,10 +302,7 @@ def _litgpt_unsupported(v: dict) -> list[str]:
         ("first_k_dense_replace", v["first_k_dense_replace"] is not None),
         ("routed_scaling_factor", v["routed_scaling_factor"] != 1.0),
     )
-    found = [f"{name}={v[name]!r}" for name, bad in checks if bad]
-    if v["norm_class_name"] == "LayerNorm" and "OLMo" in v["name"]:
-        found.append(f"norm_class_name='LayerNorm' with {v['name']!r} (LitGPT's OLMo LayerNorm has no weights)")
-    return found
+    return [f"{name}={v[name]!r}" for name, bad in checks if bad]
 
 
 def fields_from_litgpt(values: dict, source: str) -> dict:
@@ -316,6 +327,7 @@ def fields_from_litgpt(values: dict, source: str) -> dict:
         out["vocab_size"] = min(v["vocab_size"], v["padded_vocab_size"])
     # LitGPT scales RMSNorm by (1 + weight) for models named Gemma; its top-k router always renormalizes.
     out["norm_unit_offset"] = v["norm_class_name"] == "RMSNorm" and "Gemma" in v["name"]
+    out["norm_affine"] = not _litgpt_olmo_norm(v)  # LitGPT's LayerNorm has no weights for models named OLMo
     out["moe_renormalize"] = True
     out["rope_scaling"] = _rope_scaling_from_litgpt(v, source)
     out.update(_layer_kinds_from_litgpt(v, source))
@@ -371,10 +383,20 @@ def _layer_kinds_from_litgpt(v: dict, source: str) -> dict:
     return out
 
 
+def _litgpt_olmo_norm(v: dict) -> bool:
+    return v["norm_class_name"] == "LayerNorm" and "OLMo" in v["name"]
+
+
 def _guess_hf_model_type(v: dict) -> str:
     """The Hugging Face family of a LitGPT config (LitGPT picks its converter by name; this looks at the layout)."""
+    if v["parallel_residual"] and v["shared_attention_norm"] and v["lm_head_bias"]:
+        return "phi"
+    if v["parallel_residual"] and not v["bias"] and v["mlp_class_name"] == "GptNeoxMLP":
+        return "falcon"
     if v["parallel_residual"]:
         return "gpt_neox"
+    if v["norm_class_name"] == "LayerNorm" and v["mlp_class_name"] == "LLaMAMLP":
+        return "olmo" if _litgpt_olmo_norm(v) else "stablelm"
     if v["mlp_class_name"] == "GemmaMLP":
         return "gemma3" if v["norm_qk"] else "gemma2" if v["post_attention_norm"] else "gemma"
     if v["mlp_class_name"] == "LLaMAMoE":
@@ -411,5 +433,7 @@ def fields_to_litgpt(config: Config) -> dict:
     if c.norm_unit_offset and "Gemma" not in c.name:
         # LitGPT adds the unit offset to RMSNorm only for models whose name contains "Gemma".
         out["name"] = f"{c.name} (Gemma)".strip()
+    if not c.norm_affine and "OLMo" not in c.name:
+        out["name"] = f"{c.name} (OLMo)".strip()  # and its LayerNorms without weights only for names with "OLMo"
     out["hf_config"] = {**c.hf_config, EXTRA_KEY: extra}
     return out

@@ -171,7 +171,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            elif isinstance(module, (RMSNorm, nn.LayerNorm, HeadwiseLayerNorm)):
                 module.reset_parameters()
         self._rope_cache.clear()
 
@@ -211,7 +211,10 @@ class CausalSelfAttention(nn.Module):
         # q, k and v of all heads in one matmul; rows are laid out [q heads | k groups | v groups].
         self.qkv = nn.Linear(config.n_embd, config.qkv_size, bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
-        if config.norm_qk:
+        if config.norm_qk and config.norm_qk_per_head:
+            self.norm_q = HeadwiseLayerNorm(config.n_head, config.head_size, config.norm_eps)
+            self.norm_k = HeadwiseLayerNorm(config.n_query_groups, config.head_size, config.norm_eps)
+        elif config.norm_qk:
             self.norm_q = build_norm(config, config.head_size)
             self.norm_k = build_norm(config, config.head_size)
         self.kv_cache: Optional[KVCache] = None
@@ -226,7 +229,10 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)
+        if c.clip_qkv is not None:
+            qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
+        q, k, v = qkv.split(
             (c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), dim=-1
         )
         q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
@@ -451,7 +457,24 @@ def _sum_to_last_dim(t: torch.Tensor) -> torch.Tensor:
 def build_norm(config: Config, size: int) -> nn.Module:
     if config.norm_class_name == "RMSNorm":
         return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
-    return nn.LayerNorm(size, eps=config.norm_eps, bias=True)
+    return nn.LayerNorm(size, eps=config.norm_eps, bias=True, elementwise_affine=config.norm_affine)
+
+
+class HeadwiseLayerNorm(nn.Module):
+    """LayerNorm over each head of x (B, n_heads, T, head_size) with a weight of its own per head and no bias
+    (StableLM 2's q/k norms). The weight is kept flat, (n_heads * head_size,), one head after another."""
+
+    def __init__(self, n_heads: int, head_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_heads * head_size))
+        self.n_heads, self.head_size, self.eps = n_heads, head_size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, (self.head_size,), eps=self.eps)
+        return normed * self.weight.view(self.n_heads, 1, self.head_size)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
 
 # ---- MLPs ------------------------------------------------------------------------------------------------------------------

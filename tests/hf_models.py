@@ -38,6 +38,12 @@ def _family_configs():
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, intermediate_size=128, rotary_pct=0.25)),
         "gpt_neox_serial": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=211, intermediate_size=128, rotary_pct=0.5, use_parallel_residual=False)),
+        "falcon_mqa": (tf.FalconConfig, tf.FalconForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False)),
+        "falcon_gqa": (tf.FalconConfig, tf.FalconForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2, num_hidden_layers=3, vocab_size=211, ffn_hidden_size=96, new_decoder_architecture=True, bias=True, tie_word_embeddings=False)),
+        "stablelm_qk_norm": (tf.StableLmConfig, tf.StableLmForCausalLM, dict(_ATTN, intermediate_size=96, qk_layernorm=True, use_qkv_bias=True)),
+        "stablelm_parallel": (tf.StableLmConfig, tf.StableLmForCausalLM, dict(_ATTN, intermediate_size=96, use_parallel_residual=True, partial_rotary_factor=0.5, tie_word_embeddings=True)),
+        "phi": (tf.PhiConfig, tf.PhiForCausalLM, dict(_ATTN, intermediate_size=128, partial_rotary_factor=0.5)),
+        "olmo": (tf.OlmoConfig, tf.OlmoForCausalLM, dict(_ATTN, intermediate_size=96, clip_qkv=0.1, pad_token_id=0, eos_token_id=2)),
     }
 
 
@@ -57,7 +63,7 @@ def build_hf_model(case: str, seed: int = 0):
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or ".ln_" in name:  # Falcon's norms are ln_attn, ln_mlp and ln_f
                 param.add_(torch.randn(param.shape, generator=generator) * 0.5)
             elif name.endswith(".bias"):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)

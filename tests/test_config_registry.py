@@ -74,6 +74,22 @@ PUBLISHED = {
     "SmolLM2-135M": (576, 30, 9, 3, 1536, 49152, 100000, 1e-5, True, 64),
     "SmolLM2-360M-Instruct": (960, 32, 15, 5, 2560, 49152, 100000, 1e-5, True, 64),
     "SmolLM2-1.7B": (2048, 24, 32, 32, 8192, 49152, 130000, 1e-5, True, 64),
+    # Falcon's config.json has num_kv_heads (new_decoder_architecture) or multi_query (one KV head), ffn_hidden_size
+    # or none (4 * hidden_size), no tie_word_embeddings (FalconConfig ties).
+    "falcon-7b": (4544, 32, 71, 1, 18176, 65024, 10000, 1e-5, True, 64),
+    "falcon-40b-instruct": (8192, 60, 128, 8, 32768, 65024, 10000, 1e-5, True, 64),
+    "falcon-180B": (14848, 80, 232, 8, 59392, 65024, 10000, 1e-5, True, 64),
+    "stablelm-3b-4e1t": (2560, 32, 32, 32, 6912, 50304, 10000, 1e-5, False, 80),
+    "stablelm-zephyr-3b": (2560, 32, 32, 32, 6912, 50304, 10000, 1e-5, False, 80),
+    "stable-code-3b": (2560, 32, 32, 32, 6912, 50304, 1000000, 1e-5, False, 80),
+    "stablelm-base-alpha-3b": (4096, 16, 32, 32, 16384, 50688, 10000, 1e-5, False, 128),
+    "stablelm-tuned-alpha-7b": (6144, 16, 48, 48, 24576, 50432, 10000, 1e-5, False, 128),
+    "stablecode-completion-alpha-3b": (2560, 32, 32, 32, 10240, 49152, 10000, 1e-5, False, 80),
+    "phi-1_5": (2048, 24, 32, 32, 8192, 51200, 10000, 1e-5, False, 64),
+    "phi-2": (2560, 32, 32, 32, 10240, 51200, 10000, 1e-5, False, 80),
+    "OLMo-1B-hf": (2048, 16, 16, 16, 8192, 50304, 10000, 1e-5, True, 128),
+    "OLMo-7B-hf": (4096, 32, 32, 32, 11008, 50304, 10000, 1e-5, False, 128),
+    "OLMo-7B-Instruct-hf": (4096, 32, 32, 32, 11008, 50304, 10000, 1e-5, False, 128),
 }
 
 # Published context lengths (max_position_embeddings).
@@ -100,6 +116,13 @@ PUBLISHED_BLOCK_SIZE = {
     "gemma-3-1b-it": 32768,
     "gemma-3-27b-it": 131072,
     "SmolLM2-135M": 8192,
+    "falcon-180B-chat": 2048,
+    "stable-code-3b": 16384,
+    "stablecode-completion-alpha-3b": 16384,
+    "stablecode-completion-alpha-3b-4k": 4096,
+    "stablelm-zephyr-3b": 4096,
+    "phi-2": 2048,
+    "OLMo-7B-hf": 2048,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -135,11 +158,20 @@ PUBLISHED_PARAMS = {
     "SmolLM2-135M": 135e6,
     "SmolLM2-360M": 362e6,
     "SmolLM2-1.7B": 1.71e9,
+    # The hub counts Falcon's head, stored beside the embedding it is tied to.
+    "falcon-7b": 7.22e9 - 65024 * 4544,
+    "falcon-40b": 41.8e9 - 65024 * 8192,
+    "stablelm-3b-4e1t": 2_795_443_200,  # the model card's exact count
+    "phi-1_5": 1.42e9,
+    "phi-2": 2.78e9,
+    "OLMo-1B-hf": 1.18e9,
+    "OLMo-7B-hf": 6.89e9,
 }
 
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
 HF_MODEL_TYPES = {
-    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox"
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
+    "falcon", "stablelm", "phi", "olmo",
 }
 
 
@@ -349,3 +381,29 @@ def test_unknown_name_suggests_close_names():
         Config.from_name("Llama-3.2-1b")
     with pytest.raises(UserError, match=re.escape("'Qwen3-0.6B'")):
         Config.from_name("qwen3-0.6b")
+
+
+def test_older_family_specifics():
+    """Falcon, StableLM, phi-1.5/2 and OLMo 1: the layout switches their config.json files (or classes) set."""
+    c = {name: Config(**values) for name, values in REGISTRY.items()}
+    falcon7, falcon40 = c["falcon-7b-instruct"], c["falcon-40b"]
+    assert falcon7.parallel_residual and falcon7.shared_attention_norm and falcon7.n_query_groups == 1
+    assert falcon40.parallel_residual and not falcon40.shared_attention_norm and not falcon40.bias
+    assert falcon40.mlp_class_name == "GptNeoxMLP" and falcon40.rotary_percentage == 1.0
+    assert falcon40.gelu_approximate == "none"
+    assert c["falcon-180B-chat"].hf_config == {"org": "tiiuae", "name": "falcon-180B-chat"}
+
+    stablelm = c["stablelm-zephyr-3b"]
+    assert stablelm.hf_model_type == "stablelm"
+    assert (stablelm.mlp_class_name, stablelm.norm_class_name) == ("LLaMAMLP", "LayerNorm")
+    assert stablelm.rotary_percentage == 0.25 and not stablelm.parallel_residual and not stablelm.attn_bias
+    assert c["stablelm-tuned-alpha-3b"].hf_model_type == "gpt_neox" and c["stablelm-tuned-alpha-3b"].parallel_residual
+    assert c["stablecode-instruct-alpha-3b"].hf_model_type == "gpt_neox"
+
+    phi2 = c["phi-2"]
+    assert phi2.rotary_percentage == 0.4 and c["phi-1_5"].rotary_percentage == 0.5
+    assert phi2.bias and phi2.lm_head_bias and phi2.shared_attention_norm and phi2.gelu_approximate == "tanh"
+
+    olmo = c["OLMo-7B-Instruct-hf"]
+    assert not olmo.norm_affine and olmo.clip_qkv is None and olmo.mlp_class_name == "LLaMAMLP" and not olmo.bias
+    assert olmo.hf_config == {"org": "allenai", "name": "OLMo-7B-Instruct-hf"}

@@ -42,10 +42,17 @@ LITGPT_CASES = {
                     moe_intermediate_size=16, sliding_window_size=None),
     "neox": dict(_BASE, name="pythia-tiny", norm_class_name="LayerNorm", bias=True, parallel_residual=True,
                  rotary_percentage=0.25, mlp_class_name="GptNeoxMLP", intermediate_size=None),
+    "falcon": dict(_BASE, name="falcon-tiny", norm_class_name="LayerNorm", parallel_residual=True,
+                   shared_attention_norm=True, n_query_groups=1, mlp_class_name="GptNeoxMLP"),
+    "phi": dict(_BASE, name="phi-tiny", norm_class_name="LayerNorm", bias=True, parallel_residual=True,
+                shared_attention_norm=True, lm_head_bias=True, rotary_percentage=0.5, mlp_class_name="GptNeoxMLP",
+                gelu_approximate="tanh", n_query_groups=4),
+    "stablelm": dict(_BASE, name="stablelm-tiny", norm_class_name="LayerNorm", rotary_percentage=0.25),
+    "olmo": dict(_BASE, name="OLMo-tiny", norm_class_name="LayerNorm"),
 }
 # LitGPT's full finetuning saves {"model": ...} and writes prompt_style.yaml; its converter saves the state dict.
 SAVED_AS = {"llama3": dict(wrapped=True, prompt_style="alpaca"), "qwen3": {}, "gemma2": dict(wrapped=True),
-            "mixtral": {}, "neox": {}}
+            "mixtral": {}, "neox": {}, "falcon": {}, "phi": {}, "stablelm": {}, "olmo": {}}
 LITGPT_HPARAMS = {"checkpoint_dir": "checkpoints/meta-llama/Llama-3.2-1B", "out_dir": "out/finetune/full",
                   "precision": "bf16-true",
                   "data": {"class_path": "litgpt.data.Alpaca2k", "init_args": {"num_workers": 4}},
@@ -107,9 +114,12 @@ def test_litgpt_folder_fields_map_to_ours(litgpt_folders):
     assert mixtral.hf_model_type == "mixtral" and mixtral.moe_renormalize  # LitGPT: softmax over the top-k logits
     neox = Config.from_checkpoint(litgpt_folders["neox"][0])
     assert neox.parallel_residual and neox.rope_n_elem == 2 and neox.hf_model_type == "gpt_neox"
+    older = {case: Config.from_checkpoint(litgpt_folders[case][0]) for case in ("falcon", "phi", "stablelm", "olmo")}
+    assert {case: c.hf_model_type for case, c in older.items()} == {case: case for case in older}
+    assert not older["olmo"].norm_affine and older["stablelm"].norm_affine
 
 
-@pytest.mark.parametrize("case", ["llama3", "qwen3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("case", ["llama3", "qwen3", "gemma2", "mixtral", "falcon", "phi", "stablelm", "olmo"])
 def test_convert_from_litgpt_on_a_litgpt_folder(litgpt_folders, case, tmp_path):
     """LitGPT's folder converts to a Hugging Face model that continues the prompt as LitGPT's model does."""
     from transformers import AutoModelForCausalLM
@@ -172,8 +182,9 @@ def test_litgpt_config_fields_are_known():
 # ---- our folders in LitGPT -------------------------------------------------------------------------------------------
 # Converted from tiny Hugging Face models: Llama, and families whose fields LitGPT spells differently (Gemma 2: the
 # sliding-window layers, the unit-offset norms that LitGPT derives from the name; Qwen 3: QK norms, tied head;
-# Llama 3 scaled rotary frequencies). The prompt fits in Gemma 2's window: LitGPT's cache refuses a longer prefill.
-OUR_CASES = ("llama", "llama3_rope", "qwen3", "gemma2")
+# Llama 3 scaled rotary frequencies; Falcon and phi: parallel attention and MLP). The prompt fits in Gemma 2's window:
+# LitGPT's cache refuses a longer prefill.
+OUR_CASES = ("llama", "llama3_rope", "qwen3", "gemma2", "falcon_mqa", "falcon_gqa", "phi")
 SHORT_PROMPT = [1, 17, 100, 42]
 
 

@@ -165,10 +165,11 @@ def test_round_trip_ours_to_peft_and_back(tmp_path, base):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["phi3", "gpt_neox"])
+@pytest.mark.parametrize("case", ["phi3", "gpt_neox", "falcon_gqa", "phi"])
 def test_fused_hugging_face_modules_both_ways(tmp_path, case):
-    """Phi-3 fuses q/k/v and gate/up, GPT-NeoX interleaves q/k/v per head: our parts become one adapter of stacked
-    rank there, and a PEFT adapter on the fused module gives each of our parts the shared A and its rows of B."""
+    """Phi-3 fuses q/k/v and gate/up, GPT-NeoX interleaves q/k/v per head, Falcon groups them per KV head: our parts
+    become one adapter of stacked rank there, and a PEFT adapter on the fused module gives each of our parts the
+    shared A and its rows of B. (phi-2 keeps q, k and v apart.)"""
     from transformers import AutoModelForCausalLM
 
     base = tmp_path / "base"
@@ -181,7 +182,8 @@ def test_fused_hugging_face_modules_both_ways(tmp_path, case):
                                              tmp_path / "hf" / "adapter").eval()
     assert max_diff(ours, adapted) <= 1e-4
 
-    targets = {"phi3": ["qkv_proj", "gate_up_proj", "o_proj"], "gpt_neox": ["query_key_value", "dense_h_to_4h"]}
+    targets = {"phi3": ["qkv_proj", "gate_up_proj", "o_proj"], "gpt_neox": ["query_key_value", "dense_h_to_4h"],
+               "falcon_gqa": ["query_key_value", "dense_h_to_4h", "dense"], "phi": ["q_proj", "v_proj", "fc1", "dense"]}
     adapted, folder = make_peft_adapter(tmp_path, base, r=3, lora_alpha=4, target_modules=targets[case])
     convert_hf_checkpoint(folder, pretrained_checkpoint_dir=base)
     merge_lora(folder)

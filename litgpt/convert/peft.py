@@ -134,7 +134,7 @@ def peft_adapter(config: Config, settings: LoRASettings, adapters: dict[str, tor
             for index, (start, stop, part_start, _, b) in enumerate(pieces):
                 b_blocks[start - first: stop - first, index * settings.r: (index + 1) * settings.r] = \
                     b[start - part_start: stop - part_start]
-            if group.rule.kind == "neox_qkv":  # the rows in GPT-NeoX's interleaved order
+            if group.rule.kind in ("neox_qkv", "falcon_qkv"):  # the rows in GPT-NeoX's (Falcon's) order
                 b_blocks = group.rule.to_hf([b_blocks], config)[0]
             short = hf_name.rsplit(".", 1)[-1]
             targets.add(short)
@@ -408,7 +408,7 @@ def assign_parts(config: Config, shapes: dict, adaptable: dict, peft_values: dic
                     f"The adapter of {hf_name} in {source} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}, which "
                     f"do not fit the base model ({last - first} x {in_features}): it belongs to another base model."
                 )
-            if group.rule.kind == "neox_qkv":
+            if group.rule.kind in ("neox_qkv", "falcon_qkv"):
                 b = group.rule.to_lit([b], config)[0]
             rank = a.shape[0]
             alpha = pattern_value(peft_values.get("alpha_pattern"), hf_name, peft_values.get("lora_alpha", 8))
