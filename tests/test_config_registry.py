@@ -138,9 +138,12 @@ PUBLISHED_PARAMS = {
 }
 
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
+PROMPT_STYLES |= {"qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
+                  "codellama-70b", "platypus", "freewilly2"}
 HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox"
 }
+HF_MODEL_TYPES |= {"gemma"}
 
 
 def test_registry_size_and_shape():
@@ -223,7 +226,7 @@ def test_family_specifics():
 
     qwen25 = c["Qwen2.5-7B-Instruct"]
     assert qwen25.attn_bias and not qwen25.bias and not qwen25.norm_qk and qwen25.hf_model_type == "qwen2"
-    assert qwen25.prompt_style == "chatml" and qwen25.sliding_window_size is None
+    assert qwen25.prompt_style == "qwen2.5" and qwen25.sliding_window_size is None
     qwen3 = c["Qwen3-8B"]
     assert qwen3.norm_qk and not qwen3.attn_bias and qwen3.hf_model_type == "qwen3"
     moe = c["Qwen3-30B-A3B"]
