@@ -171,7 +171,8 @@ PUBLISHED_BLOCK_SIZE.update({
     "gemma-7b": 8192, "CodeLlama-70b-hf": 16384, "Mathstral-7B-v0.1": 32768, "Mistral-Large-Instruct-2411": 131072,
     "Mixtral-8x22B-v0.1": 65536, "QwQ-32B": 40960, "QwQ-32B-Preview": 32768, "Qwen2.5-Coder-7B": 32768,
     "Qwen2.5-Math-72B-Instruct": 4096, "Qwen2.5-14B-Instruct-1M": 1010000, "Qwen3-0.6B-Base": 32768,
-    "Qwen3-235B-A22B-Instruct-2507": 262144, "Falcon3-1B-Base": 4096, "Falcon3-10B-Instruct": 32768,
+    "Qwen3-235B-A22B-Instruct-2507": 262144, "Falcon3-1B-Base": 4096, "Falcon3-1B-Instruct": 8192,
+    "Falcon3-3B-Base": 32768, "Falcon3-10B-Instruct": 32768,
     "salamandra-7b": 8192, "open_llama_13b": 2048, "Platypus-30B": 2048, "LLaMA-2-7B-32K": 32768,
     "R1-Distill-Llama-70B": 131072,
 })

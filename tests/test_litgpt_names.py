@@ -57,6 +57,18 @@ def test_every_litgpt_name_resolves():
         assert _same_repo(ours, LITGPT_REPOS[name]), (name, ours, LITGPT_REPOS[name])
 
 
+def test_every_litgpt_name_converts():
+    """Each config writes a Hugging Face config.json that reads back as itself: what `litgpt convert_to_litgpt
+    --model_name NAME` checks a downloaded checkpoint against (the layout of its family's transformers class)."""
+    from litgpt.convert.families import config_from_hf, config_to_hf
+
+    for name in RESOLVING:
+        config = Config.from_name(name)
+        back = config_from_hf(config_to_hf(config))
+        assert back.to_dict() == {**config.to_dict(), "name": back.name, "hf_config": back.hf_config,
+                                  "prompt_style": back.prompt_style}, name
+
+
 def test_pending_names_are_not_registered_yet():
     registered = [name for name in sorted(PENDING) if name in configs_by_name()]
     assert not registered, f"{registered} are registered now: delete them from PENDING"

@@ -1,7 +1,8 @@
 """TII Falcon3 (Llama architecture): https://huggingface.co/tiiuae.
 
-Every size has head_dim 256 with 4 key/value heads, a 131072-token vocabulary and rope_theta 1000042; the 1B model
-was trained for 4096 positions, the others for 32768. The -Instruct twins share their base model's config.
+Every size has head_dim 256 with 4 key/value heads, a 131072-token vocabulary and rope_theta 1000042. The base
+models' config.json allow 4096 positions at 1B and 32768 from 3B on; post-training lengthened the 1B model's context
+to 8192 (its model card).
 """
 
 from litgpt.configs import tuned, variants
@@ -27,4 +28,9 @@ FALCON3 = variants(
     dict(name="Falcon3-10B-Base", n_layer=40, n_embd=3072, n_head=12, intermediate_size=23040),
 )
 
-CONFIGS = [*FALCON3, *tuned(FALCON3, lambda name: name.replace("-Base", "-Instruct"), "falcon3")]
+FALCON3_INSTRUCT = [
+    dict(c, block_size=8192) if c["name"] == "Falcon3-1B-Instruct" else c
+    for c in tuned(FALCON3, lambda name: name.replace("-Base", "-Instruct"), "falcon3")
+]
+
+CONFIGS = [*FALCON3, *FALCON3_INSTRUCT]

@@ -15,11 +15,12 @@ _COMMON = dict(
 )
 
 # ---- Gemma (1) and CodeGemma -----------------------------------------------------------------------------------
-# No post-norms, softcapping or sliding windows; 2B has one key/value head, 7B full multi-head attention.
+# No post-norms, softcapping or sliding windows; 2B has one key/value head, 7B full multi-head attention. Scores are
+# scaled by 1/sqrt(head_dim), which the converter writes as attention_scores_scalar = head_dim.
 _GEMMA_1 = dict(
     {k: v for k, v in _COMMON.items() if k not in ("post_attention_norm", "post_mlp_norm")},
     hf_model_type="gemma", block_size=8192, vocab_size=256000, padded_vocab_size=256000, rope_base=10000.0,
-    head_size=256,
+    head_size=256, attention_scores_scalar=256,
 )
 _GEMMA_7B = dict(n_layer=28, n_embd=3072, n_head=16, n_query_groups=16, intermediate_size=24576)
 GEMMA_1 = variants(

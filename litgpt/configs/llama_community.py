@@ -1,5 +1,5 @@
-"""Llama-architecture models from other organizations: OpenLLaMA, Platypus, FreeWilly2, DeepSeek-R1-Distill-Llama,
-Nemotron and community Llama 2 variants: https://huggingface.co.
+"""Llama models of other organizations (OpenLLaMA, Platypus, FreeWilly2, Llama 2 variants, R1-Distill-Llama,
+Nemotron): https://huggingface.co.
 
 Each is a re-training or fine-tune of a Meta Llama shape, so the values are Llama's (litgpt/configs/llama.py) except
 where the repo's own config.json differs, as noted per family.
