@@ -262,6 +262,28 @@ class Mistral(ChatStyle):
         return "".join(parts)
 
 
+class MistralV3(ChatStyle):
+    """The layout of Mistral's v3 tokenizer (Mistral 7B Instruct v0.3, Mathstral, Mistral Large 2, Mixtral 8x22B
+    Instruct): "[INST] text[/INST]" turns, each reply after a space and closed by </s>. A system message opens the
+    last instruction."""
+
+    name = "mistral-v3"
+
+    def render(self, pairs, add_generation_prompt):
+        system = pairs[0][1] if pairs[0][0] == "system" else None
+        turns = pairs[1:] if system is not None else pairs
+        check_alternation(turns, self.name)
+        parts = []
+        for index, (role, content) in enumerate(turns):
+            if role == "user":
+                last = index == len(turns) - 1
+                text = f"{system}\n\n{content}" if system is not None and last else content
+                parts.append(f"[INST] {text}[/INST]")
+            else:
+                parts.append(f" {content.strip()}</s>")
+        return "".join(parts)
+
+
 class Gemma(ChatStyle):
     """<start_of_turn>user|model\\ntext<end_of_turn>\\n; Gemma has no system role, so it opens the first turn."""
 
@@ -278,7 +300,7 @@ class Gemma(ChatStyle):
         return text + ("<start_of_turn>model\n" if add_generation_prompt else "")
 
 
-# ---- the layouts of models LitGPT 0.5.13 also names -------------------------------------------------------------------
+# ---- the layouts of models LitGPT 0.5.13 also names ------------------------------------------------------------
 class Qwen25(ChatML):
     """ChatML with the system message Qwen2.5's template adds to a conversation that has none."""
 
@@ -403,6 +425,7 @@ class FreeWilly2(PromptStyle):
 
 def prompt_styles() -> dict[str, type[PromptStyle]]:
     """Every prompt style by name."""
-    styles = (PromptStyle, Alpaca, ChatML, Llama2, Llama3, Mistral, Phi3, Gemma, TinyLlama, Qwen25, Qwen25Math,
-              QwQPreview, ChatMLThinking, DeepSeekR1, Falcon3, Salamandra, CodeLlama70B, Platypus, FreeWilly2)
+    styles = (PromptStyle, Alpaca, ChatML, Llama2, Llama3, Mistral, MistralV3, Phi3, Gemma, TinyLlama, Qwen25,
+              Qwen25Math, QwQPreview, ChatMLThinking, DeepSeekR1, Falcon3, Salamandra, CodeLlama70B, Platypus,
+              FreeWilly2)
     return {style.name: style for style in styles}

@@ -186,7 +186,7 @@ PUBLISHED_PARAMS.update({
 
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
 PROMPT_STYLES |= {"qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
-                  "codellama-70b", "platypus", "freewilly2"}
+                  "codellama-70b", "platypus", "freewilly2", "mistral-v3"}
 HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox"
 }
@@ -265,7 +265,7 @@ def test_family_specifics():
     assert c["Mistral-7B-v0.1"].sliding_window_size == 4096
     assert c["Mistral-7B-v0.1"].sliding_window_pattern == 1
     assert c["Mistral-7B-v0.3"].sliding_window_size is None
-    assert c["Mistral-7B-Instruct-v0.3"].prompt_style == "mistral"
+    assert c["Mistral-7B-Instruct-v0.3"].prompt_style == "mistral-v3"
     mixtral = c["Mixtral-8x7B-v0.1"]
     assert (mixtral.hf_model_type, mixtral.mlp_class_name) == ("mixtral", "LLaMAMoE")
     assert (mixtral.n_expert, mixtral.n_expert_per_token, mixtral.moe_intermediate_size) == (8, 2, 14336)

@@ -96,8 +96,8 @@ def test_litgpt_spellings():
 
 def test_families_convert_and_chat_as_published():
     c = Config.from_name
-    for name in ("Falcon3-7B-Base", "salamandra-2b", "open_llama_3b", "Platypus2-13B", "FreeWilly2", "R1-Distill-Llama-8B",
-                 "Llama-3.1-Nemotron-70B-Instruct-HF", "CodeLlama-70b-hf", "LLaMA-2-7B-32K"):
+    for name in ("Falcon3-7B-Base", "salamandra-2b", "open_llama_3b", "Platypus2-13B", "FreeWilly2",
+                 "R1-Distill-Llama-8B", "Llama-3.1-Nemotron-70B-Instruct-HF", "CodeLlama-70b-hf", "LLaMA-2-7B-32K"):
         assert c(name).hf_model_type == "llama", name
     assert c("Gemma-7b").hf_model_type == "gemma" and not c("Gemma-7b").post_attention_norm
     assert c("Mathstral-7B-v0.1").hf_model_type == "mistral" and c("Mathstral-7B-v0.1").sliding_window_size is None
@@ -109,7 +109,8 @@ def test_families_convert_and_chat_as_published():
         "Falcon3-1B-Instruct": "falcon3", "Falcon3-1B-Base": "default", "salamandra-7b-instruct": "salamandra",
         "Platypus2-7B": "platypus", "FreeWilly2": "freewilly2", "R1-Distill-Llama-8B": "deepseek-r1",
         "CodeLlama-70b-Instruct-hf": "codellama-70b", "CodeLlama-70b-hf": "default", "Gemma-2b-it": "gemma",
-        "CodeGemma-7b-it": "gemma", "Mistral-Large-Instruct-2411": "mistral", "Mixtral-8x22B-Instruct-v0.1": "mistral",
+        "CodeGemma-7b-it": "gemma", "Mistral-Large-Instruct-2411": "mistral-v3",
+        "Mixtral-8x22B-Instruct-v0.1": "mistral-v3", "Mathstral-7B-v0.1": "mistral-v3",
         "QwQ-32B": "chatml-thinking", "QwQ-32B-Preview": "qwq-preview", "Qwen2.5-Coder-7B-Instruct": "qwen2.5",
         "Qwen2.5-Math-72B-Instruct": "qwen2.5-math", "Qwen2.5-14B-Instruct-1M": "qwen2.5", "Qwen3-4B-Base": "default",
         "Qwen3-4B-Instruct-2507": "chatml", "Qwen3-235B-A22B-Thinking-2507": "chatml-thinking",

@@ -13,7 +13,7 @@ from litgpt.prompts import ChatStyle, PromptStyle, prompt_styles
 ALL_STYLES = ["default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"]
 # The layouts of models LitGPT 0.5.13 also names (their expected strings are at the end of this file).
 ALL_STYLES += ["qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
-               "codellama-70b", "platypus", "freewilly2"]
+               "codellama-70b", "platypus", "freewilly2", "mistral-v3"]
 
 # One user message, no system message.
 SINGLE_TURN = {
@@ -265,7 +265,9 @@ def test_llama2_turn_markers_become_special_ids(tmp_path):
 # ---- the layouts of models LitGPT 0.5.13 also names ------------------------------------------------------------------
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-QWQ_SYSTEM = "You are a helpful and harmless assistant. You are Qwen developed by Alibaba. You should think step-by-step."
+QWQ_SYSTEM = (
+    "You are a helpful and harmless assistant. You are Qwen developed by Alibaba. You should think step-by-step."
+)
 SALAMANDRA_SYSTEM = (
     "I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
     "Technologies Unit. My knowledge base was last updated on August 2023. Today Date: 2024-09-30\n"
@@ -287,6 +289,7 @@ SINGLE_TURN.update({
     "salamandra": _chatml_with_system(SALAMANDRA_SYSTEM),
     "chatml-thinking": "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n",
     "deepseek-r1": "<｜User｜>Hi there<｜Assistant｜><think>\n",
+    "mistral-v3": "[INST] Hi there[/INST]",
     "falcon3": "<|user|>\nHi there\n<|assistant|>\n",
     "codellama-70b": "Source: user\n\n Hi there <step> Source: assistant\nDestination: user\n\n ",
     "platypus": "### Instruction:\n\nHi there\n\n### Response:\n",
@@ -303,7 +306,9 @@ THINKING_CONVERSATION = [
     ("assistant", "<think>\nA greeting.\n</think>\n\nHello!"),
     ("user", "Name a color."),
 ]
-MULTI_TURN.update({
+# (test_multi_turn's cases were collected above; these run in test_multi_turn_of_the_new_styles.)
+MULTI_TURN_NEW = {
+    "mistral-v3": "[INST] Hi[/INST] Hello!</s>[INST] Be brief.\n\nName a color.[/INST]",
     "qwen2.5": MULTI_TURN["chatml"],  # a system message of the conversation's own replaces the default
     "falcon3": (
         "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!<|endoftext|>\n<|user|>\nName a color.\n"
@@ -313,7 +318,14 @@ MULTI_TURN.update({
         "Source: system\n\n Be brief. <step> Source: user\n\n Hi <step> Source: assistant\n\n Hello! <step> "
         "Source: user\n\n Name a color. <step> Source: assistant\nDestination: user\n\n "
     ),
-})
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_TURN_NEW))
+def test_multi_turn_of_the_new_styles(name):
+    style = PromptStyle.from_name(name)
+    assert style.multi_turn
+    assert style.apply_messages(CONVERSATION) == MULTI_TURN_NEW[name]
 
 
 def test_reasoning_styles_show_earlier_answers_without_thinking():
@@ -385,7 +397,8 @@ CODELLAMA_70B_TEMPLATE = (
     "{% for message in messages %}{% if (message['role'] == 'user') != ((loop.index0 - user_index) % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "{% if loop.index0 == 0 %}{{ '<s>' }}{% endif %}{% set content = 'Source: ' + message['role'] + '\\n\\n ' + "
-    "message['content'] | trim %}{{ content + ' <step> ' }}{% endfor %}{{'Source: assistant\\nDestination: user\\n\\n '}}"
+    "message['content'] | trim %}{{ content + ' <step> ' }}{% endfor %}"
+    "{{'Source: assistant\\nDestination: user\\n\\n '}}"
 )
 _SALAMANDRA_DEFAULT = (
     "\"I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
@@ -394,6 +407,21 @@ _SALAMANDRA_DEFAULT = (
     "Technologies Unit. Mi base de conocimientos se actualizó por última vez en agosto de 2023.\\nSoc Salamandra, un "
     "model de llenguatge d'IA desenvolupat al Barcelona Supercomputing Centre (BSC) per la Language Technologies "
     "Unit.\""
+)
+MISTRAL_V3_TEMPLATE = (
+    "{%- if messages[0][\"role\"] == \"system\" %}\n    {%- set system_message = messages[0][\"content\"] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = messages %}\n{%- endif %}\n"
+    "{%- for message in loop_messages | rejectattr(\"role\", \"equalto\", \"tool\") %}\n    {%- if "
+    "(message[\"role\"] == \"user\") != (loop.index0 % 2 == 0) %}\n        {{- raise_exception(\"After the "
+    "optional system message, conversation roles must alternate user/assistant/user/assistant/...\") }}\n    "
+    "{%- endif %}\n{%- endfor %}\n\n{{- bos_token }}\n{%- for message in loop_messages %}\n    {%- if "
+    "message[\"role\"] == \"user\" %}\n        {%- if loop.last and system_message is defined %}\n            "
+    "{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}\n        {%- else %}\n"
+    "            {{- \"[INST] \" + message[\"content\"] + \"[/INST]\" }}\n        {%- endif %}\n    {%- elif "
+    "message[\"role\"] == \"assistant\" %}\n        {{- \" \" + message[\"content\"]|trim + eos_token}}\n    "
+    "{%- else %}\n"
+    "        {{- raise_exception(\"Only user and assistant roles are supported, with the exception of an initial "
+    "optional system message!\") }}\n    {%- endif %}\n{%- endfor %}\n"
 )
 # name -> (template, BOS token the template writes itself)
 PUBLISHED_TEMPLATES = {
@@ -406,6 +434,7 @@ PUBLISHED_TEMPLATES = {
     "falcon3": (FALCON3_TEMPLATE.replace("eos_token", "'<|endoftext|>'"), ""),
     "salamandra": (SALAMANDRA_TEMPLATE.replace("SYSTEM", _SALAMANDRA_DEFAULT), ""),
     "codellama-70b": (CODELLAMA_70B_TEMPLATE, "<s>"),
+    "mistral-v3": (MISTRAL_V3_TEMPLATE, "<s>"),
 }
 
 
