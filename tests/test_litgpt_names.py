@@ -44,7 +44,6 @@ def test_fixture_is_litgpts_sorted_list():
     names = [name for name, _ in ROWS]
     assert len(names) == 210 and names == sorted(names) and len(set(names)) == 210
     assert PENDING <= set(names)
-    assert len(RESOLVING) == 175
 
 
 def test_every_litgpt_name_resolves():
@@ -70,10 +69,12 @@ def test_every_litgpt_name_converts():
 
 
 def test_pending_names_are_not_registered_yet():
+    """Fails as soon as a pending name is registered: delete it from PENDING (and this test with the last one)."""
     registered = [name for name in sorted(PENDING) if name in configs_by_name()]
     assert not registered, f"{registered} are registered now: delete them from PENDING"
-    with pytest.raises(UserError, match="Unknown model name 'falcon-7b'"):
-        Config.from_name("falcon-7b")
+    for name in PENDING:
+        with pytest.raises(UserError, match="Unknown model name"):
+            Config.from_name(name)
 
 
 def test_litgpt_spellings():
