@@ -13,7 +13,8 @@ import importlib
 from functools import lru_cache
 from typing import Callable, Iterable, Union
 
-FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "llama_community", "falcon3", "salamandra")
+FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm")
+FAMILIES += ("llama_community", "falcon3", "salamandra")  # the rest of LitGPT 0.5.13's names
 
 
 def variants(org: str, common: dict, *sizes: dict) -> list[dict]:

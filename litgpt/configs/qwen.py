@@ -95,6 +95,7 @@ QWEN_3 = variants(
          moe_intermediate_size=1536, **_MOE),
 )
 
+# The pretrained checkpoints the above were post-trained from (no 32B or 235B one was published): plain text.
 QWEN_3_BASE = tuned(
     [c for c in QWEN_3 if c["name"] not in ("Qwen3-32B", "Qwen3-235B-A22B")], "-Base", "default", block_size=32768
 )
