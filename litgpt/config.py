@@ -152,9 +152,10 @@ class Config:
     # ---- construction ----------------------------------------------------------------------------------------------
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Config":
-        from litgpt.configs import configs_by_name
+        from litgpt.configs import canonical_name, configs_by_name
 
         registry = configs_by_name()
+        name = canonical_name(name)  # LitGPT's spelling of a name registered here under another
         if name not in registry:
             # Accept the hub id too ("meta-llama/Llama-3.2-1B").
             by_repo = {f"{c['hf_config']['org']}/{c['hf_config']['name']}": c for c in registry.values()}
@@ -260,13 +261,23 @@ EXTRA_FIELDS = ("name",) + tuple(k for k in _OUR_FIELDS if k not in LITGPT_DEFAU
 PROMPT_STYLE_FILE = "prompt_style.yaml"
 # Our prompt style -> LitGPT's class of the same layout (litgpt.prompts.X in LitGPT).
 LITGPT_PROMPT_STYLES = {"default": "Default", "alpaca": "Alpaca", "chatml": "ChatML", "llama2": "Llama2",
-                        "llama3": "Llama3", "phi3": "Phi3", "gemma": "Gemma", "tinyllama": "TinyLlama"}
+                        "llama3": "Llama3", "phi3": "Phi3", "gemma": "Gemma", "tinyllama": "TinyLlama",
+                        "qwen2.5": "Qwen2_5", "qwen2.5-math": "Qwen2_5_Math", "qwq-preview": "QwQ",
+                        "deepseek-r1": "R1Base", "falcon3": "Falcon3", "salamandra": "Salamandra",
+                        "platypus": "Platypus", "freewilly2": "FreeWilly2"}
+# LitGPT's classes for models whose style we write under another class (read only): Qwen3 and SmolLM2 are ChatML
+# with LitGPT's own default system messages, CodeLlama is its [INST] layout.
+_LITGPT_CLASSES_READ = {"Qwen3": "chatml", "SmolLM2": "chatml", "CodeLlama": "llama2"}
 # LitGPT picks a style from the model's name when the folder has no prompt_style.yaml (its model_name_to_prompt_style);
-# these are the rules whose style we have.
+# these are the rules whose style we have (in its order: the first match wins).
 _LITGPT_NAME_STYLES = (
+    (r"Falcon3.*-Instruct", "falcon3"),
     (r"Llama-2.*-chat", "llama2"), (r"Llama-3.*-Instruct", "llama3"), (r"OLMo-2.*-(Instruct|SFT|DPO)", "llama3"),
+    (r"R1", "deepseek-r1"), (r"FreeWilly2", "freewilly2"), (r"Platypus", "platypus"),
+    (r"CodeLlama", "llama2"), (r"Mi[sx]tral.*Instruct", "mistral"),
     (r"Phi-3", "phi3"), (r"tiny-llama.*chat", "tinyllama"), (r"(Code)?Gemma.*-it", "gemma"),
-    (r"SmolLM2.*-Instruct", "chatml"),
+    (r"Qwen2\.5-Math-", "qwen2.5-math"), (r"Qwen2\.5-", "qwen2.5"), (r"QwQ-", "qwq-preview"), (r"Qwen3-", "chatml"),
+    (r"SmolLM2.*-Instruct", "chatml"), (r"salamandra-.*-instruct", "salamandra"),
 )
 
 
@@ -279,7 +290,7 @@ def read_litgpt_prompt_style(checkpoint_dir: Path) -> Optional[str]:
         class_path = (yaml.safe_load(path.read_text()) or {}).get("class_path", "")
     except (yaml.YAMLError, AttributeError):
         raise UserError(f"{str(path)!r} is not LitGPT's prompt_style.yaml (class_path: litgpt.prompts.NAME).") from None
-    by_class = {litgpt: ours for ours, litgpt in LITGPT_PROMPT_STYLES.items()}
+    by_class = {**_LITGPT_CLASSES_READ, **{litgpt: ours for ours, litgpt in LITGPT_PROMPT_STYLES.items()}}
     style = by_class.get(str(class_path).rsplit(".", 1)[-1]) if str(class_path).startswith("litgpt.prompts.") else None
     if style is None:
         raise UserError(

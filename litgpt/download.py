@@ -68,14 +68,21 @@ def download(
 
 
 def print_registered_models() -> None:
-    """Print every registered model name with the hub repo its weights come from."""
-    from litgpt.configs import configs_by_name
+    """Print every registered model name with the hub repo its weights come from, family by family, and LitGPT's
+    spelling of the names it spells differently."""
+    from litgpt.configs import configs_by_family, configs_by_name, litgpt_names
 
     registry = configs_by_name()
+    spellings: dict[str, list[str]] = {}
+    for litgpt_name, name in litgpt_names().items():
+        spellings.setdefault(name, []).append(litgpt_name)
     width = max((len(name) for name in registry), default=0)
     print("Registered models (pass the repo id, or the name, to `litgpt download`):")
-    for name in sorted(registry, key=str.lower):
-        print(f"  {name:<{width}}  {_hub_repo(registry[name]) or ''}".rstrip())
+    for title, names in configs_by_family():
+        print(f"\n{title}:")
+        for name in names:
+            also = f"  (LitGPT: {', '.join(spellings[name])})" if name in spellings else ""
+            print(f"  {name:<{width}}  {_hub_repo(registry[name]) or ''}{also}".rstrip())
 
 
 # ---- repo ids ------------------------------------------------------------------------------------------------------
@@ -94,6 +101,7 @@ def _resolve_repo_id(repo_id: str) -> str:
             repo_id = repo_id[len(prefix) :]
     if "/" not in repo_id:
         registry = _registry_or_empty()
+        repo_id = _canonical_name(repo_id)
         if repo_id in registry and _hub_repo(registry[repo_id]):
             return _hub_repo(registry[repo_id])
         import difflib
@@ -119,6 +127,15 @@ def _registry_or_empty() -> dict:
     except ImportError:
         return {}
     return configs_by_name()
+
+
+def _canonical_name(name: str) -> str:
+    """The registered name for LitGPT's spelling of it ("Llama-3-8B" for "Meta-Llama-3-8B")."""
+    try:
+        from litgpt.configs import canonical_name
+    except ImportError:
+        return name
+    return canonical_name(name)
 
 
 def _check_conversion_options(dtype: Optional[str], model_name: Optional[str]) -> None:

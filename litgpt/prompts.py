@@ -262,6 +262,28 @@ class Mistral(ChatStyle):
         return "".join(parts)
 
 
+class MistralV3(ChatStyle):
+    """The layout of Mistral's v3 tokenizer (Mistral 7B Instruct v0.3, Mathstral, Mistral Large 2, Mixtral 8x22B
+    Instruct): "[INST] text[/INST]" turns, each reply after a space and closed by </s>. A system message opens the
+    last instruction."""
+
+    name = "mistral-v3"
+
+    def render(self, pairs, add_generation_prompt):
+        system = pairs[0][1] if pairs[0][0] == "system" else None
+        turns = pairs[1:] if system is not None else pairs
+        check_alternation(turns, self.name)
+        parts = []
+        for index, (role, content) in enumerate(turns):
+            if role == "user":
+                last = index == len(turns) - 1
+                text = f"{system}\n\n{content}" if system is not None and last else content
+                parts.append(f"[INST] {text}[/INST]")
+            else:
+                parts.append(f" {content.strip()}</s>")
+        return "".join(parts)
+
+
 class Gemma(ChatStyle):
     """<start_of_turn>user|model\\ntext<end_of_turn>\\n; Gemma has no system role, so it opens the first turn."""
 
@@ -278,8 +300,132 @@ class Gemma(ChatStyle):
         return text + ("<start_of_turn>model\n" if add_generation_prompt else "")
 
 
+# ---- the layouts of models LitGPT 0.5.13 also names ------------------------------------------------------------
+class Qwen25(ChatML):
+    """ChatML with the system message Qwen2.5's template adds to a conversation that has none."""
+
+    name = "qwen2.5"
+    default_system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+class Qwen25Math(ChatML):
+    """ChatML with Qwen2.5-Math-Instruct's default system message."""
+
+    name = "qwen2.5-math"
+    default_system = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class QwQPreview(ChatML):
+    """ChatML with QwQ-32B-Preview's default system message."""
+
+    name = "qwq-preview"
+    default_system = (
+        "You are a helpful and harmless assistant. You are Qwen developed by Alibaba. You should think step-by-step."
+    )
+
+
+def answer_only(text: str, strip_newlines: bool = True) -> str:
+    """A reasoning model's earlier reply as its template shows it again: the text after its thinking (</think>)."""
+    answer = text.split("</think>")[-1]
+    return answer.lstrip("\n") if strip_newlines else answer
+
+
+class ChatMLThinking(ChatML):
+    """ChatML for reasoning models (QwQ-32B, Qwen3 -Thinking-2507): earlier replies keep only their answer, and the
+    new reply opens with <think>."""
+
+    name = "chatml-thinking"
+
+    def render(self, pairs, add_generation_prompt):
+        pairs = [(role, answer_only(text) if role == "assistant" else text) for role, text in pairs]
+        return super().render(pairs, add_generation_prompt) + ("<think>\n" if add_generation_prompt else "")
+
+
+class DeepSeekR1(ChatStyle):
+    """DeepSeek-R1's layout (and its distilled models'): the system message first, then <｜User｜>text and
+    <｜Assistant｜>answer<｜end▁of▁sentence｜> turns (earlier answers without their thinking); the reply opens with
+    <think>."""
+
+    name = "deepseek-r1"
+    end_of_turn = ("<｜end▁of▁sentence｜>",)
+
+    def render(self, pairs, add_generation_prompt):
+        systems = [text for role, text in pairs if role == "system"]
+        parts = [systems[-1] if systems else ""]  # the template keeps the last system message
+        for role, content in pairs:
+            if role == "user":
+                parts.append(f"<｜User｜>{content}")
+            elif role == "assistant":
+                parts.append(f"<｜Assistant｜>{answer_only(content, strip_newlines=False)}<｜end▁of▁sentence｜>")
+        return "".join(parts) + ("<｜Assistant｜><think>\n" if add_generation_prompt else "")
+
+
+class Falcon3(ChatStyle):
+    """<|role|>\ntext\n per message; a reply ends with <|endoftext|> (Falcon3's end-of-sequence token)."""
+
+    name = "falcon3"
+    end_of_turn = ("<|endoftext|>",)
+
+    def render(self, pairs, add_generation_prompt):
+        parts = []
+        for index, (role, content) in enumerate(pairs):
+            if role == "assistant":
+                parts.append(f"<|assistant|>\n{content}<|endoftext|>" + ("\n" if index < len(pairs) - 1 else ""))
+            else:
+                parts.append(f"<|{role}|>\n{content}\n")
+        return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+class Salamandra(ChatML):
+    """ChatML with the default system message of Salamandra's template (at its default date)."""
+
+    name = "salamandra"
+    default_system = (
+        "I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
+        "Technologies Unit. My knowledge base was last updated on August 2023. Today Date: 2024-09-30\n"
+        "Soy Salamandra, un modelo lingüístico de IA desarrollado en el Barcelona Supercomputing Centre (BSC) por la "
+        "Language Technologies Unit. Mi base de conocimientos se actualizó por última vez en agosto de 2023.\n"
+        "Soc Salamandra, un model de llenguatge d'IA desenvolupat al Barcelona Supercomputing Centre (BSC) per la "
+        "Language Technologies Unit."
+    )
+
+
+class CodeLlama70B(ChatStyle):
+    """Code Llama 70B Instruct: "Source: role\\n\\n text <step> " per message, then the reply's header (which its
+    template always adds); <step> ends a turn."""
+
+    name = "codellama-70b"
+    end_of_turn = ("<step>",)
+
+    def render(self, pairs, add_generation_prompt):
+        check_alternation(pairs[1:] if pairs[0][0] == "system" else pairs, self.name)
+        text = "".join(f"Source: {role}\n\n {content.strip()} <step> " for role, content in pairs)
+        return text + "Source: assistant\nDestination: user\n\n "
+
+
+class Platypus(PromptStyle):
+    """The instruction format Platypus models were tuned on (single turn)."""
+
+    name = "platypus"
+
+    def apply(self, prompt: str, **kwargs: Any) -> str:
+        return f"### Instruction:\n\n{prompt}\n\n### Response:\n"
+
+
+class FreeWilly2(PromptStyle):
+    """FreeWilly2's System/User/Assistant sections (single turn), with its model card's system message by default."""
+
+    name = "freewilly2"
+    default_system = "This is a system prompt, please behave and help the user."
+
+    def apply(self, prompt: str, *, system: Optional[str] = None, **kwargs: Any) -> str:
+        system = self.default_system if system is None else system
+        return f"### System:\n{system}\n\n### User:\n{prompt}\n\n### Assistant:\n"
+
+
 def prompt_styles() -> dict[str, type[PromptStyle]]:
     """Every prompt style by name."""
-    return {
-        style.name: style for style in (PromptStyle, Alpaca, ChatML, Llama2, Llama3, Mistral, Phi3, Gemma, TinyLlama)
-    }
+    styles = (PromptStyle, Alpaca, ChatML, Llama2, Llama3, Mistral, MistralV3, Phi3, Gemma, TinyLlama, Qwen25,
+              Qwen25Math, QwQPreview, ChatMLThinking, DeepSeekR1, Falcon3, Salamandra, CodeLlama70B, Platypus,
+              FreeWilly2)
+    return {style.name: style for style in styles}

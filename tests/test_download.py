@@ -173,11 +173,15 @@ def test_list_prints_registered_names(monkeypatch, capsys):
         "pythia-14m": {"hf_config": {"org": "EleutherAI", "name": "pythia-14m"}},
         "Llama-3.2-1B": {"hf_config": {"org": "meta-llama", "name": "Llama-3.2-1B"}},
     }
+    fake.configs_by_family = lambda: [("Pythia", ["pythia-14m"]), ("Llama", ["Llama-3.2-1B"])]
+    fake.litgpt_names = lambda: {"Llama-3.2-1b": "Llama-3.2-1B"}
     monkeypatch.setitem(sys.modules, "litgpt.configs", fake)
     download("list")
     lines = capsys.readouterr().out.splitlines()
-    assert any("Llama-3.2-1B" in line and "meta-llama/Llama-3.2-1B" in line for line in lines)
-    assert any("pythia-14m" in line and "EleutherAI/pythia-14m" in line for line in lines)
+    assert lines[1:] == [
+        "", "Pythia:", "  pythia-14m    EleutherAI/pythia-14m",
+        "", "Llama:", "  Llama-3.2-1B  meta-llama/Llama-3.2-1B  (LitGPT: Llama-3.2-1b)",
+    ]
 
 
 def test_list_with_the_real_registry(capsys):
@@ -185,8 +189,11 @@ def test_list_with_the_real_registry(capsys):
 
     download("list")
     out = capsys.readouterr().out
-    for name in list(configs.configs_by_name())[:5]:
-        assert name in out
+    for name in configs.configs_by_name():
+        assert f"  {name} " in out
+    # By family, each under its module's title; LitGPT's other spellings beside the names.
+    assert "\nTII Falcon3 (Llama architecture):\n  Falcon3-1B-Base " in out
+    assert "(LitGPT: Gemma-2-2b)" in out and "(LitGPT: Llama-3-8B)" in out
 
 
 def test_pick_weights():
@@ -281,6 +288,23 @@ def test_online_download_asks_for_safetensors_config_and_tokenizer(tmp_path, fak
     download("org/name", checkpoint_dir=tmp_path, tokenizer_only=True)
     assert fake_hub.calls[-1]["token"] == "hf_from_env"
     assert not any(p.endswith((".safetensors", ".bin")) for p in fake_hub.calls[-1]["allow_patterns"])
+
+
+@pytest.mark.parametrize(
+    ("name", "repo"),
+    [
+        ("Llama-3-8B", "meta-llama/Meta-Llama-3-8B"),  # LitGPT's spelling of Meta-Llama-3-8B
+        ("Gemma-2-9b-it", "google/gemma-2-9b-it"),  # of gemma-2-9b-it
+        ("R1-Distill-Llama-8B", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"),
+        ("Mistral-7B-v0.2", "unsloth/Mistral-7B-v0.2"),
+        ("Mathstral-7B-v0.1", "mistralai/mathstral-7B-v0.1"),
+    ],
+)
+def test_litgpt_names_download_their_repo(tmp_path, fake_hub, name, repo):
+    fake_hub.files = ["config.json", "model.safetensors", "tokenizer.json"]
+    download(name, checkpoint_dir=tmp_path, convert_checkpoint=False)
+    (call,) = fake_hub.calls
+    assert call["repo_id"] == repo and call["local_dir"] == tmp_path / repo
 
 
 def test_online_repo_without_weights(tmp_path, fake_hub):

@@ -280,9 +280,14 @@ def test_prompt_style_round_trip(tmp_path):
         tmp_path / "model_config.yaml")
     assert not (tmp_path / "prompt_style.yaml").exists()
     assert Config.from_checkpoint(tmp_path).prompt_style == "mistral"
-    (tmp_path / "prompt_style.yaml").write_text("class_path: litgpt.prompts.Qwen2_5\n")
-    with pytest.raises(UserError, match="Qwen2_5"):
+    (tmp_path / "prompt_style.yaml").write_text("class_path: litgpt.prompts.Longform\n")
+    with pytest.raises(UserError, match="Longform"):
         Config.from_checkpoint(tmp_path)
+    # The classes LitGPT writes for the models of its name list read as our style of the same layout.
+    for litgpt_class, ours in (("Qwen2_5", "qwen2.5"), ("Qwen3", "chatml"), ("R1Base", "deepseek-r1"),
+                               ("CodeLlama", "llama2"), ("Falcon3", "falcon3"), ("Platypus", "platypus")):
+        (tmp_path / "prompt_style.yaml").write_text(f"class_path: litgpt.prompts.{litgpt_class}\n")
+        assert Config.from_checkpoint(tmp_path).prompt_style == ours
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ from litgpt.errors import UserError
 from litgpt.prompts import ChatStyle, PromptStyle, prompt_styles
 
 ALL_STYLES = ["default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"]
+# The layouts of models LitGPT 0.5.13 also names (their expected strings are at the end of this file).
+ALL_STYLES += ["qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
+               "codellama-70b", "platypus", "freewilly2", "mistral-v3"]
 
 # One user message, no system message.
 SINGLE_TURN = {
@@ -256,3 +259,195 @@ def test_llama2_turn_markers_become_special_ids(tmp_path):
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     assert ids[0] == bos and ids.count(bos) == 2  # the tokenizer's BOS, then the one opening the second turn
     assert [eos, bos] == ids[ids.index(eos) : ids.index(eos) + 2]
+
+
+
+# ---- the layouts of models LitGPT 0.5.13 also names ------------------------------------------------------------------
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+QWQ_SYSTEM = (
+    "You are a helpful and harmless assistant. You are Qwen developed by Alibaba. You should think step-by-step."
+)
+SALAMANDRA_SYSTEM = (
+    "I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
+    "Technologies Unit. My knowledge base was last updated on August 2023. Today Date: 2024-09-30\n"
+    "Soy Salamandra, un modelo lingüístico de IA desarrollado en el Barcelona Supercomputing Centre (BSC) por la "
+    "Language Technologies Unit. Mi base de conocimientos se actualizó por última vez en agosto de 2023.\n"
+    "Soc Salamandra, un model de llenguatge d'IA desenvolupat al Barcelona Supercomputing Centre (BSC) per la "
+    "Language Technologies Unit."
+)
+
+
+def _chatml_with_system(system):
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+
+
+SINGLE_TURN.update({
+    "qwen2.5": _chatml_with_system(QWEN_SYSTEM),
+    "qwen2.5-math": _chatml_with_system(MATH_SYSTEM),
+    "qwq-preview": _chatml_with_system(QWQ_SYSTEM),
+    "salamandra": _chatml_with_system(SALAMANDRA_SYSTEM),
+    "chatml-thinking": "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n",
+    "deepseek-r1": "<｜User｜>Hi there<｜Assistant｜><think>\n",
+    "mistral-v3": "[INST] Hi there[/INST]",
+    "falcon3": "<|user|>\nHi there\n<|assistant|>\n",
+    "codellama-70b": "Source: user\n\n Hi there <step> Source: assistant\nDestination: user\n\n ",
+    "platypus": "### Instruction:\n\nHi there\n\n### Response:\n",
+    "freewilly2": (
+        "### System:\nThis is a system prompt, please behave and help the user.\n\n### User:\nHi there\n\n"
+        "### Assistant:\n"
+    ),
+})
+
+# A reasoning model's earlier reply, thinking included: the templates show only its answer again.
+THINKING_CONVERSATION = [
+    ("system", "Be brief."),
+    ("user", "Hi"),
+    ("assistant", "<think>\nA greeting.\n</think>\n\nHello!"),
+    ("user", "Name a color."),
+]
+# (test_multi_turn's cases were collected above; these run in test_multi_turn_of_the_new_styles.)
+MULTI_TURN_NEW = {
+    "mistral-v3": "[INST] Hi[/INST] Hello!</s>[INST] Be brief.\n\nName a color.[/INST]",
+    "qwen2.5": MULTI_TURN["chatml"],  # a system message of the conversation's own replaces the default
+    "falcon3": (
+        "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!<|endoftext|>\n<|user|>\nName a color.\n"
+        "<|assistant|>\n"
+    ),
+    "codellama-70b": (
+        "Source: system\n\n Be brief. <step> Source: user\n\n Hi <step> Source: assistant\n\n Hello! <step> "
+        "Source: user\n\n Name a color. <step> Source: assistant\nDestination: user\n\n "
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_TURN_NEW))
+def test_multi_turn_of_the_new_styles(name):
+    style = PromptStyle.from_name(name)
+    assert style.multi_turn
+    assert style.apply_messages(CONVERSATION) == MULTI_TURN_NEW[name]
+
+
+def test_reasoning_styles_show_earlier_answers_without_thinking():
+    assert PromptStyle.from_name("chatml-thinking").apply_messages(THINKING_CONVERSATION) == (
+        MULTI_TURN["chatml"] + "<think>\n"
+    )
+    assert PromptStyle.from_name("deepseek-r1").apply_messages(THINKING_CONVERSATION) == (
+        "Be brief.<｜User｜>Hi<｜Assistant｜>\n\nHello!<｜end▁of▁sentence｜><｜User｜>Name a color.<｜Assistant｜><think>\n"
+    )
+
+
+def test_freewilly2_system_message():
+    assert PromptStyle.from_name("freewilly2").apply("Hi", system="S") == (
+        "### System:\nS\n\n### User:\nHi\n\n### Assistant:\n"
+    )
+
+
+def test_codellama_70b_turns_must_alternate():
+    with pytest.raises(UserError, match="alternate"):
+        PromptStyle.from_name("codellama-70b").apply_messages([("user", "a"), ("user", "b")])
+
+
+# The published chat templates of these models, as in their tokenizer_config.json (the branches for tool calls left
+# out: litgpt's conversations have none).
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}\n{%- else %}\n    {{- '<|im_start|>system\\nSYSTEM<|im_end|>\\n' }}\n{%- endif %}\n"
+    "{%- for message in messages %}\n    {%- if (message.role == \"user\") or (message.role == \"system\" and not "
+    "loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}\n        {{- '<|im_start|>' + "
+    "message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+QWQ_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == \"user\") or "
+    "(message.role == \"system\" and not loop.first) %}\n        {{- '<|im_start|>' + message.role + '\\n' + "
+    "message.content + '<|im_end|>' + '\\n' }}\n    {%- elif message.role == \"assistant\" and not message.tool_calls "
+    "%}\n        {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n        {{- "
+    "'<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}\n"
+)
+R1_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] "
+    "%}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if "
+    "message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}{% set content = message['content'] "
+    "%}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor -%}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+)
+FALCON3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] + "
+    "'\\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif "
+    "message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\\n' + message['content'] + eos_token + "
+    "'\\n' }}{% else %}{{ '<|assistant|>\\n' + message['content'] + eos_token }}{% endif %}{% endif %}{% if loop.last "
+    "and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}{% endfor %}"
+)
+SALAMANDRA_TEMPLATE = (
+    "{%- if not date_string is defined %}{%- set date_string = \"2024-09-30\" %}{%- endif %}{%- set system_message = "
+    "messages[0].content if messages[0].role == \"system\" else SYSTEM -%}{%- if messages[0].role == \"system\" -%}"
+    "{%- set messages = messages[1:] -%}{%- endif -%}{{ \"<|im_start|>system\\n\" + system_message + "
+    "\"<|im_end|>\\n\" }}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CODELLAMA_70B_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set user_index = 1 %}{% else %}{% set user_index = 0 %}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != ((loop.index0 - user_index) % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 %}{{ '<s>' }}{% endif %}{% set content = 'Source: ' + message['role'] + '\\n\\n ' + "
+    "message['content'] | trim %}{{ content + ' <step> ' }}{% endfor %}"
+    "{{'Source: assistant\\nDestination: user\\n\\n '}}"
+)
+_SALAMANDRA_DEFAULT = (
+    "\"I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
+    "Technologies Unit. My knowledge base was last updated on August 2023. Today Date: \"+ date_string +\"\\nSoy "
+    "Salamandra, un modelo lingüístico de IA desarrollado en el Barcelona Supercomputing Centre (BSC) por la Language "
+    "Technologies Unit. Mi base de conocimientos se actualizó por última vez en agosto de 2023.\\nSoc Salamandra, un "
+    "model de llenguatge d'IA desenvolupat al Barcelona Supercomputing Centre (BSC) per la Language Technologies "
+    "Unit.\""
+)
+MISTRAL_V3_TEMPLATE = (
+    "{%- if messages[0][\"role\"] == \"system\" %}\n    {%- set system_message = messages[0][\"content\"] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = messages %}\n{%- endif %}\n"
+    "{%- for message in loop_messages | rejectattr(\"role\", \"equalto\", \"tool\") %}\n    {%- if "
+    "(message[\"role\"] == \"user\") != (loop.index0 % 2 == 0) %}\n        {{- raise_exception(\"After the "
+    "optional system message, conversation roles must alternate user/assistant/user/assistant/...\") }}\n    "
+    "{%- endif %}\n{%- endfor %}\n\n{{- bos_token }}\n{%- for message in loop_messages %}\n    {%- if "
+    "message[\"role\"] == \"user\" %}\n        {%- if loop.last and system_message is defined %}\n            "
+    "{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}\n        {%- else %}\n"
+    "            {{- \"[INST] \" + message[\"content\"] + \"[/INST]\" }}\n        {%- endif %}\n    {%- elif "
+    "message[\"role\"] == \"assistant\" %}\n        {{- \" \" + message[\"content\"]|trim + eos_token}}\n    "
+    "{%- else %}\n"
+    "        {{- raise_exception(\"Only user and assistant roles are supported, with the exception of an initial "
+    "optional system message!\") }}\n    {%- endif %}\n{%- endfor %}\n"
+)
+# name -> (template, BOS token the template writes itself)
+PUBLISHED_TEMPLATES = {
+    "qwen2.5": (QWEN25_TEMPLATE.replace("SYSTEM", QWEN_SYSTEM), ""),
+    "qwen2.5-math": (QWEN25_TEMPLATE.replace("SYSTEM", MATH_SYSTEM.replace("\\", "\\\\")), ""),
+    "qwq-preview": (QWEN25_TEMPLATE.replace("SYSTEM", QWQ_SYSTEM), ""),
+    "chatml-thinking": (QWQ_TEMPLATE, ""),
+    "deepseek-r1": (R1_TEMPLATE, "<｜begin▁of▁sentence｜>"),
+    # Falcon3's eos_token is <|endoftext|> (the test tokenizer's is </s>).
+    "falcon3": (FALCON3_TEMPLATE.replace("eos_token", "'<|endoftext|>'"), ""),
+    "salamandra": (SALAMANDRA_TEMPLATE.replace("SYSTEM", _SALAMANDRA_DEFAULT), ""),
+    "codellama-70b": (CODELLAMA_70B_TEMPLATE, "<s>"),
+    "mistral-v3": (MISTRAL_V3_TEMPLATE, "<s>"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TEMPLATES))
+@pytest.mark.parametrize(
+    "conversation",
+    [CONVERSATION, CONVERSATION[1:], THINKING_CONVERSATION, [("user", "  Just one.  ")]],
+    ids=["with_system", "multi_turn", "with_thinking", "one_message"],
+)
+def test_matches_the_published_chat_template(tmp_path, name, conversation):
+    template, bos = PUBLISHED_TEMPLATES[name]
+    hf = hf_tokenizer_with_template(tmp_path / "tok", template, bos or "<s>", ["<|im_start|>", "<|im_end|>"])
+    messages = [{"role": role, "content": text} for role, text in conversation]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert expected.startswith(bos)
+    assert PromptStyle.from_name(name).apply_messages(conversation) == expected[len(bos) :]

@@ -2,7 +2,8 @@
 
 Every value is taken from the published Hugging Face `config.json` of the model (`hf_config` names the repo).
 A family module lists the values its sizes share once and stamps out the sizes with `variants`; chat/instruct
-twins of a base model come from `tuned`.
+twins of a base model come from `tuned`. A module may also map LitGPT 0.5.13's spelling of a name it registers
+under another spelling (LitGPT's "Gemma-2-2b" for "gemma-2-2b") in `LITGPT_NAMES`; both spellings resolve.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from functools import lru_cache
 from typing import Callable, Iterable, Union
 
 FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "falcon", "stablelm", "phi_legacy", "olmo1")
+FAMILIES += ("llama_community", "falcon3", "salamandra")  # the rest of LitGPT 0.5.13's names
 
 
 def variants(org: str, common: dict, *sizes: dict) -> list[dict]:
@@ -58,6 +60,37 @@ def _registry() -> dict[str, dict]:
     return registry
 
 
+@lru_cache(maxsize=None)
+def _litgpt_names() -> dict[str, str]:
+    names: dict[str, str] = {}
+    for family in FAMILIES:
+        module = importlib.import_module(f"{__name__}.{family}")
+        names.update(getattr(module, "LITGPT_NAMES", {}))
+    return names
+
+
 def configs_by_name() -> dict[str, dict]:
     """Every registered model: name -> the keyword arguments of `litgpt.config.Config` (a fresh copy per call)."""
     return copy.deepcopy(_registry())
+
+
+def litgpt_names() -> dict[str, str]:
+    """LitGPT 0.5.13's spelling of a registered model whose name here differs -> the name here."""
+    return dict(_litgpt_names())
+
+
+def canonical_name(name: str) -> str:
+    """The registered name for `name` given in LitGPT's spelling; any other name as it is."""
+    return _litgpt_names().get(name, name)
+
+
+def configs_by_family() -> list[tuple[str, list[str]]]:
+    """(title, registered names) per family module, the title being the first sentence of its docstring (up to the
+    address of the hub organization)."""
+    out = []
+    for family in FAMILIES:
+        module = importlib.import_module(f"{__name__}.{family}")
+        first_paragraph = (module.__doc__ or family).strip().split("\n\n")[0]
+        title = " ".join(first_paragraph.split()).split(": http")[0].rstrip(".")
+        out.append((title, [values["name"] for values in module.CONFIGS]))
+    return out

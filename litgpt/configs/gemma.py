@@ -1,4 +1,4 @@
-"""Google Gemma 2 and Gemma 3 (text): https://huggingface.co/google."""
+"""Google Gemma, CodeGemma, Gemma 2 and Gemma 3 (text): https://huggingface.co/google."""
 
 from litgpt.configs import tuned, variants
 
@@ -13,6 +13,23 @@ _COMMON = dict(
     gelu_approximate="tanh",
     tie_embeddings=True,
 )
+
+# ---- Gemma (1) and CodeGemma -----------------------------------------------------------------------------------
+# No post-norms, softcapping or sliding windows; 2B has one key/value head, 7B full multi-head attention. Scores are
+# scaled by 1/sqrt(head_dim), which the converter writes as attention_scores_scalar = head_dim.
+_GEMMA_1 = dict(
+    {k: v for k, v in _COMMON.items() if k not in ("post_attention_norm", "post_mlp_norm")},
+    hf_model_type="gemma", block_size=8192, vocab_size=256000, padded_vocab_size=256000, rope_base=10000.0,
+    head_size=256, attention_scores_scalar=256,
+)
+_GEMMA_7B = dict(n_layer=28, n_embd=3072, n_head=16, n_query_groups=16, intermediate_size=24576)
+GEMMA_1 = variants(
+    "google",
+    _GEMMA_1,
+    dict(name="gemma-2b", n_layer=18, n_embd=2048, n_head=8, n_query_groups=1, intermediate_size=16384),
+    dict(name="gemma-7b", **_GEMMA_7B),
+)
+CODEGEMMA = variants("google", _GEMMA_1, dict(name="codegemma-7b-it", **_GEMMA_7B, prompt_style="gemma"))
 
 # ---- Gemma 2 -----------------------------------------------------------------------------------------------------
 # Layers alternate a 4096-token sliding window (even layers) with global attention (odd layers).
@@ -55,8 +72,19 @@ GEMMA_3 = variants(
 )
 
 CONFIGS = [
+    *GEMMA_1,
+    *tuned(GEMMA_1, "-it", "gemma"),
+    *CODEGEMMA,
     *GEMMA_2,
     *tuned(GEMMA_2, "-it", "gemma"),
     *GEMMA_3,
     *tuned(GEMMA_3, lambda name: name.replace("-pt", "-it"), "gemma"),
 ]
+
+# LitGPT 0.5.13 capitalizes "Gemma" (its code recognizes the family by that word) and registers the -it models only
+# of Gemma 3.
+LITGPT_NAMES = {
+    name.replace("codegemma", "CodeGemma").replace("gemma", "Gemma", 1): name
+    for name in (c["name"] for c in CONFIGS)
+    if not name.startswith("gemma-3-") or name.endswith("-it")
+}

@@ -78,11 +78,13 @@ LLAMA_3_3 = variants(
 )
 
 # ---- Code Llama --------------------------------------------------------------------------------------------------
-# 7B and 13B (base and instruct) add 16 infilling tokens to the vocabulary; the Python and 34B models do not.
+# 7B and 13B (base and instruct) add 16 infilling tokens to the vocabulary; the 7B/13B Python and 34B models do not.
+# 70B (all three) has 32016 rows and Llama 2 70B's shape; its instruct model ends turns with <step> (id 32015).
 _CODE = dict(COMMON, block_size=16384, rope_base=1000000.0)
 _CODE_7B = dict(n_layer=32, n_embd=4096, n_head=32, intermediate_size=11008)
 _CODE_13B = dict(n_layer=40, n_embd=5120, n_head=40, intermediate_size=13824)
 _CODE_34B = dict(n_layer=48, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=22016)
+_CODE_70B = dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672)
 _V32016 = dict(vocab_size=32016, padded_vocab_size=32016)
 _V32000 = dict(vocab_size=32000, padded_vocab_size=32000)
 CODE_LLAMA = variants(
@@ -97,6 +99,9 @@ CODE_LLAMA = variants(
     dict(name="CodeLlama-7b-Instruct-hf", **_CODE_7B, **_V32016, prompt_style="llama2"),
     dict(name="CodeLlama-13b-Instruct-hf", **_CODE_13B, **_V32016, prompt_style="llama2"),
     dict(name="CodeLlama-34b-Instruct-hf", **_CODE_34B, **_V32000, prompt_style="llama2"),
+    dict(name="CodeLlama-70b-hf", **_CODE_70B, **_V32016),
+    dict(name="CodeLlama-70b-Python-hf", **_CODE_70B, **_V32016),
+    dict(name="CodeLlama-70b-Instruct-hf", **_CODE_70B, **_V32016, prompt_style="codellama-70b"),
 )
 
 CONFIGS = [
@@ -113,3 +118,6 @@ CONFIGS = [
     *LLAMA_3_3,
     *CODE_LLAMA,
 ]
+
+# LitGPT 0.5.13 names Llama 3 without "Meta-".
+LITGPT_NAMES = {name[len("Meta-"):]: name for name in (c["name"] for c in CONFIGS) if name.startswith("Meta-Llama-3-")}
