@@ -24,13 +24,6 @@ PENDING = {
     "OLMo-2-1124-13B", "OLMo-2-1124-13B-SFT", "OLMo-2-1124-13B-DPO", "OLMo-2-1124-13B-Instruct",
     "Phi-3-mini-128k-instruct", "Phi-3.5-mini-instruct", "Phi-4-mini-instruct", "Phi-4-mini-reasoning",
     "Phi-4-reasoning", "Phi-4-reasoning-plus",
-    # Falcon, StableLM / StableCode, phi-1.5 / phi-2, OLMo 1 (legacy21)
-    "falcon-7b", "falcon-7b-instruct", "falcon-40b", "falcon-40b-instruct", "falcon-180B", "falcon-180B-chat",
-    "stablelm-base-alpha-3b", "stablelm-base-alpha-7b", "stablelm-tuned-alpha-3b", "stablelm-tuned-alpha-7b",
-    "stablelm-3b-4e1t", "stablelm-zephyr-3b", "stablecode-completion-alpha-3b", "stablecode-completion-alpha-3b-4k",
-    "stablecode-instruct-alpha-3b", "stable-code-3b",
-    "phi-1_5", "phi-2",
-    "OLMo-1B-hf", "OLMo-7B-hf", "OLMo-7B-Instruct-hf",
 }
 RESOLVING = [name for name, _ in ROWS if name not in PENDING]
 
