@@ -87,6 +87,15 @@ class Config:
     # How chat and finetuning format a conversation for this model (see litgpt/prompts.py).
     prompt_style: str = "default"
 
+    # gpt-oss
+    # A learned logit per head that joins every softmax's denominator and attends to nothing ("attention sinks").
+    attention_sinks: bool = False
+    router_bias: bool = False  # the MoE router's linear layer has a bias
+    # The clamped SwiGLU of gpt-oss, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit),
+    # in LLaMAMLP and the experts; both None: the plain SwiGLU silu(gate) * up.
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
+
     def __post_init__(self) -> None:
         if self.head_size is None:
             if self.n_embd % self.n_head:
@@ -113,6 +122,15 @@ class Config:
                 self.moe_intermediate_size = self.intermediate_size
         if not self.router_aux_loss_coef >= 0:
             raise UserError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
+        if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
+            raise UserError(
+                f"swiglu_alpha ({self.swiglu_alpha}) and swiglu_limit ({self.swiglu_limit}) go together: set both "
+                "for gpt-oss's clamped SwiGLU, or neither."
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise UserError(f"swiglu_limit must be > 0, got {self.swiglu_limit}.")
+        if self.router_bias and self.mlp_class_name != "LLaMAMoE":
+            raise UserError(f"router_bias=True needs mlp_class_name='LLaMAMoE', got {self.mlp_class_name!r}.")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):
