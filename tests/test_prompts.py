@@ -10,7 +10,7 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.prompts import ChatStyle, PromptStyle, prompt_styles
 
-ALL_STYLES = ["default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"]
+ALL_STYLES = ["default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama", "harmony"]
 
 # One user message, no system message.
 SINGLE_TURN = {
@@ -29,6 +29,7 @@ SINGLE_TURN = {
         "<|system|>\nYou are a friendly chatbot who always gives helpful, detailed, and polite answers.</s>\n"
         "<|user|>\nHi there</s>\n<|assistant|>\n"
     ),
+    "harmony": "<|start|>user<|message|>Hi there<|end|><|start|>assistant",
 }
 
 CONVERSATION = [
@@ -256,3 +257,21 @@ def test_llama2_turn_markers_become_special_ids(tmp_path):
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     assert ids[0] == bos and ids.count(bos) == 2  # the tokenizer's BOS, then the one opening the second turn
     assert [eos, bos] == ids[ids.index(eos) : ids.index(eos) + 2]
+
+
+def test_harmony_matches_the_published_example():
+    """A system message as harmony's developer message, the way gpt-oss' published chat template renders it (with
+    the blank line before <|end|> that the template writes after the instructions), and an earlier reply as its
+    final channel."""
+    published = (
+        "<|start|>developer<|message|># Instructions\n\nAlways respond in riddles\n\n<|end|>"
+        "<|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant"
+    )
+    style = PromptStyle.from_name("harmony")
+    assert style.apply("What is the weather like in SF?", system="Always respond in riddles") == published
+    turns = [("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")]
+    assert style.apply_messages(turns) == (
+        "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|end|>"
+        "<|start|>user<|message|>Bye<|end|><|start|>assistant"
+    )
+    assert style.end_of_turn == ("<|return|>", "<|call|>")
