@@ -244,8 +244,8 @@ def test_every_command_runs_on_a_tiny_gpt_oss(tmp_path):
     texts.mkdir()
     (texts / "a.json").write_text(json.dumps([{"instruction": "Tell a story.", "output": s[:100]}
                                               for s in (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]]))
-    main(["finetune_lora", str(base), "--out_dir", str(tmp_path / "lora"), "--lora.mlp", "true", "--lora.r", "4",
-          "--data", "JSON", "--data.json_path", str(texts / "a.json"), *fast])
+    main(["finetune_lora", str(base), "--out_dir", str(tmp_path / "lora"), "--lora_mlp", "true", "--lora_r", "4",
+          "--data", "JSON", "--data.json_path", str(texts / "a.json"), "--data.val_split_fraction", "0.25", *fast[:-2]])
     adapters = load_state_dict(tmp_path / "lora" / "final" / "lit_model.pth.lora")
     assert any(".mlp.experts.3.fc_1.lora_A" in k for k in adapters) and any(".attn.qkv.lora_A" in k for k in adapters)
     main(["merge_lora", str(tmp_path / "lora" / "final")])
