@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)  # more only on a quiet machine: OpenMP threads that
+    # share busy cores spin (measured: 20 tokens/s with 2 threads on 2 loaded cores, 291 with 1)
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     if not 0 < args.warmup < args.steps:
