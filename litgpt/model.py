@@ -249,16 +249,37 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
 
+    def attend_with_sink_key(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attention with sinks through SDPA (its memory-efficient kernels, no score matrix kept): one more key that
+        only the sink reaches. Queries get one more element, sink / scale, which real keys meet with 0 and the extra
+        key with 1, so its score is the head's sink; its value is 0, so it only joins the softmax's denominator.
+        Queries and keys are padded by 8 elements to keep their size a multiple of 8 for the fused kernels."""
+        c = self.config
+        (B, nh, T, hs), S = q.shape, k.size(-2)
+        sink = (self.sinks / self.scale).to(q.dtype).view(1, nh, 1, 1).expand(B, nh, T, 1)
+        q = torch.cat((q, sink, q.new_zeros(B, nh, T, 7)), dim=-1)
+        sink_key = torch.zeros(hs + 8, dtype=k.dtype, device=k.device)
+        sink_key[hs] = 1
+        k = torch.cat((F.pad(k, (0, 8)), sink_key.expand(B, k.size(1), 1, hs + 8)), dim=2)
+        v = F.pad(v, (0, 0, 0, 1))
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        mask = F.pad(mask, (0, 1), value=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=c.n_query_groups != c.n_head
+        )
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         c = self.config
-        if c.attention_logit_softcapping is None and not c.attention_sinks:
+        if c.attention_sinks and c.attention_logit_softcapping is None:
+            return self.attend_with_sink_key(q, k, v, mask)
+        if c.attention_logit_softcapping is None:
             # mask None means plain causal attention over the whole sequence.
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                 enable_gqa=c.n_query_groups != c.n_head,
             )
-        # Soft-capping squashes the scores before the softmax and a sink adds a column to it, which SDPA cannot
-        # express.
+        # Soft-capping squashes the scores before the softmax, which SDPA cannot express.
         if c.n_query_groups != c.n_head:
             repeats = c.n_head // c.n_query_groups
             k = k.repeat_interleave(repeats, dim=1)
