@@ -253,7 +253,7 @@ class CausalSelfAttention(nn.Module):
         """Attention with sinks through SDPA (its memory-efficient kernels, no score matrix kept): one more key that
         only the sink reaches. Queries get one more element, sink / scale, which real keys meet with 0 and the extra
         key with 1, so its score is the head's sink; its value is 0, so it only joins the softmax's denominator.
-        Queries and keys are padded by 8 elements to keep their size a multiple of 8 for the fused kernels."""
+        Queries, keys and values are padded by 8 elements to keep their size a multiple of 8 for the fused kernels."""
         c = self.config
         (B, nh, T, hs), S = q.shape, k.size(-2)
         sink = (self.sinks / self.scale).to(q.dtype).view(1, nh, 1, 1).expand(B, nh, T, 1)
@@ -261,13 +261,14 @@ class CausalSelfAttention(nn.Module):
         sink_key = torch.zeros(hs + 8, dtype=k.dtype, device=k.device)
         sink_key[hs] = 1
         k = torch.cat((F.pad(k, (0, 8)), sink_key.expand(B, k.size(1), 1, hs + 8)), dim=2)
-        v = F.pad(v, (0, 0, 0, 1))
+        v = F.pad(v, (0, 8, 0, 1))  # values as wide as the keys: the memory-efficient kernels need it
         if mask is None:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         mask = F.pad(mask, (0, 1), value=True)
-        return F.scaled_dot_product_attention(
+        y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=c.n_query_groups != c.n_head
         )
+        return y[..., :hs]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         c = self.config
