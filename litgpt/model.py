@@ -249,7 +249,9 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
 
-    def attend_with_sink_key(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def attend_with_sink_key(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """Attention with sinks through SDPA (its memory-efficient kernels, no score matrix kept): one more key that
         only the sink reaches. Queries get one more element, sink / scale, which real keys meet with 0 and the extra
         key with 1, so its score is the head's sink; its value is 0, so it only joins the softmax's denominator.
@@ -601,8 +603,9 @@ class LLaMAMoE(nn.Module):
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized experts excepted: they run as modules, after one read of the counts
-    per layer); biased experts add each row's expert's bias. The parameters stay one `LLaMAMLP` per expert and `gate` an `nn.Linear`
-    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    per layer); biased experts add each row's expert's bias. The parameters stay one `LLaMAMLP` per expert and `gate`
+    an `nn.Linear` whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is
+    unchanged.
     """
 
     def __init__(self, config: Config) -> None:
@@ -702,8 +705,8 @@ class Routing:
 
     `token[i]` is the token of the i-th row sorted by expert (a stable sort, so each expert's rows stay in token
     order), `ends[e]` the end of expert e's rows, `inverse` the sorted row of each (token, slot) pair and `experts`
-    the expert of each of the kernel's rows. `groups`
-    tells the kernel which rows are whose: the int32 `ends` for "grouped", the expert of each block for "blocks".
+    the expert of each of the kernel's rows. `groups` tells the kernel which rows are whose: the int32 `ends` for
+    "grouped", the expert of each block for "blocks".
     """
 
     def __init__(self, kernel: str) -> None:

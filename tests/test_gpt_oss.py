@@ -228,8 +228,9 @@ def test_plan_counts_sinks_biases_and_experts():
 
 @pytest.mark.slow  # five commands in turn: with the whole suite (CI)
 def test_every_command_runs_on_a_tiny_gpt_oss(tmp_path):
-    """pretrain -> finetune_lora (adapters on attention and experts) -> merge_lora -> generate, compress_moe and
-    distill (the compressed model as the student of the pretrained one), in-process as a user types them."""
+    """pretrain -> finetune_lora (adapters on attention and experts), finetune_full -> merge_lora -> generate,
+    compress_moe and distill (the compressed model as the student of the pretrained one), in-process as a user types
+    them."""
     from litgpt.__main__ import main
 
     Config(**TINY).save(tmp_path / "model.yaml")
@@ -248,13 +249,17 @@ def test_every_command_runs_on_a_tiny_gpt_oss(tmp_path):
           "--data", "JSON", "--data.json_path", str(texts / "a.json"), "--data.val_split_fraction", "0.25", *fast[:-2]])
     adapters = load_state_dict(tmp_path / "lora" / "final" / "lit_model.pth.lora")
     assert any(".mlp.experts.3.fc_1.lora_A" in k for k in adapters) and any(".attn.qkv.lora_A" in k for k in adapters)
+    main(["finetune_full", str(base), "--out_dir", str(tmp_path / "full"), "--data", "JSON", "--data.json_path",
+          str(texts / "a.json"), "--data.val_split_fraction", "0.25", *fast[:-2]])
+    assert (tmp_path / "full" / "final" / "lit_model.pth").is_file()
     main(["merge_lora", str(tmp_path / "lora" / "final")])
     main(["generate", str(tmp_path / "lora" / "final"), "--prompt", "Once", "--max_new_tokens", "12"])
     main(["compress_moe", str(base), "--out_dir", str(tmp_path / "compressed"), "--num_experts", "3",
           "--calibration.samples", "2", "--calibration.max_seq_length", "16"])
     compressed = load_state_dict(tmp_path / "compressed" / "lit_model.pth")
     original = load_state_dict(base / "lit_model.pth")
-    kept = [e["expert"] for e in json.loads((tmp_path / "compressed" / "compress_moe.json").read_text())["layers"][0]["kept"]]
+    report = json.loads((tmp_path / "compressed" / "compress_moe.json").read_text())
+    kept = [entry["expert"] for entry in report["layers"][0]["kept"]]
     assert torch.equal(compressed["transformer.h.0.mlp.gate.bias"], original["transformer.h.0.mlp.gate.bias"][kept])
     main(["distill", str(tmp_path / "compressed"), "--teacher_dir", str(base), "--out_dir", str(tmp_path / "distilled"),
           *data, *fast])

@@ -106,7 +106,9 @@ FAMILIES: dict[str, Family] = {
             "GptOssForCausalLM",
             sliding=True,
             free=_MOE_FREE + ("swiglu_alpha", "swiglu_limit"),
-            fixed=dict(mlp_class_name="LLaMAMoE", moe_renormalize=True, bias=True, attention_sinks=True, router_bias=True),
+            fixed=dict(
+                mlp_class_name="LLaMAMoE", moe_renormalize=True, bias=True, attention_sinks=True, router_bias=True
+            ),
         ),
     ]
 }
