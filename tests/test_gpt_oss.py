@@ -198,6 +198,56 @@ def test_a_contradicting_config_json_is_one_line(tmp_path):
         Config(**{**TINY, "swiglu_alpha": None})
 
 
+# The published config.json of openai/gpt-oss-20b, written out by hand (gpt-oss-120b: 36 layers, 128 experts).
+PUBLISHED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_the_published_config_json_converts_to_the_named_config(name):
+    from litgpt.convert.families import config_from_hf
+
+    published = dict(PUBLISHED_20B)
+    if name == "gpt-oss-120b":
+        published.update(num_hidden_layers=36, num_local_experts=128)
+        published["layer_types"] = ["sliding_attention", "full_attention"] * 18
+    converted = config_from_hf(published)
+    named = Config.from_name(name)
+    for field in ("name", "hf_config", "prompt_style"):
+        setattr(converted, field, getattr(named, field))
+    assert converted == named
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_local_experts=32, num_experts=16), "num_local_experts=32 but num_experts=16"),
+        (dict(attention_bias=False), "attention_bias=false"),
+        (dict(quantization_config={"quant_method": "bitsandbytes"}), "'bitsandbytes'"),
+        (dict(layer_types=["full_attention", "sliding_attention"] * 12), "arrangement of sliding-window layers"),
+    ],
+)
+def test_bad_gpt_oss_config_json_is_one_line(change, message):
+    from litgpt.convert.families import config_from_hf
+
+    with pytest.raises(UserError) as error:
+        config_from_hf({**PUBLISHED_20B, **change})
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 # ---- commands ----------------------------------------------------------------------------------------------------------
 def test_greedy_generation_equals_transformers(tmp_path):
     from test_convert import load_lit
