@@ -314,3 +314,25 @@ def test_every_command_runs_on_a_tiny_gpt_oss(tmp_path):
     main(["distill", str(tmp_path / "compressed"), "--teacher_dir", str(base), "--out_dir", str(tmp_path / "distilled"),
           *data, *fast])
     assert (tmp_path / "distilled" / "final" / "lit_model.pth").is_file()
+
+
+@pytest.mark.slow  # three training processes
+def test_two_fully_sharded_processes_equal_one(tmp_path):
+    """litgpt pretrain of the tiny gpt-oss on 2 FSDP processes (gloo) against 1: the same losses and final weights
+    (sinks, biases and every expert)."""
+    from test_distributed import TRAIN, assert_close_runs, litgpt
+
+    Config(**TINY).save(tmp_path / "model.yaml")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:60]):
+        (texts / f"{i:03d}.txt").write_text(story)
+    runs = {}
+    for devices in (1, 2):
+        out_dir = runs[devices] = tmp_path / f"devices-{devices}"
+        result = litgpt("pretrain", "--model_config", tmp_path / "model.yaml", "--tokenizer_dir", TOKENIZER_DIR,
+                        "--data", "TextFiles", "--data.train_data_path", texts, "--data.cache_dir",
+                        tmp_path / f"cache-{devices}", "--out_dir", out_dir, *TRAIN, "--seed", "5", "--devices",
+                        devices, "--fsdp.sharding_strategy", "FULL_SHARD")
+        assert result.returncode == 0, result.stderr
+    assert_close_runs(runs[2], runs[1], "lit_model.pth")
