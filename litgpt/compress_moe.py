@@ -322,7 +322,7 @@ def compress_state_dict(
             if expert in kept[layer]:
                 new = kept[layer].index(expert)
                 compressed[f"transformer.h.{layer}.mlp.experts.{new}.{name}"] = new_experts[layer, new][name]
-        elif key.endswith(".mlp.gate.weight"):
+        elif key.endswith((".mlp.gate.weight", ".mlp.gate.bias")):  # the router's rows (and bias) of the kept experts
             layer = int(key.split(".")[2])
             compressed[key] = value[kept[layer]].contiguous()
         else:

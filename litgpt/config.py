@@ -91,6 +91,14 @@ class Config:
     norm_affine: bool = True  # False: LayerNorms without weight or bias (OLMo 1)
     clip_qkv: Optional[float] = None  # clamp q, k and v to [-clip_qkv, clip_qkv] after their projection (OLMo 1)
     norm_qk_per_head: bool = False  # with norm_qk: each head has its own LayerNorm weight, no bias (StableLM 2)
+    # gpt-oss
+    # A learned logit per head that joins every softmax's denominator and attends to nothing ("attention sinks").
+    attention_sinks: bool = False
+    router_bias: bool = False  # the MoE router's linear layer has a bias
+    # The clamped SwiGLU of gpt-oss, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit),
+    # in LLaMAMLP and the experts; both None: the plain SwiGLU silu(gate) * up.
+    swiglu_alpha: Optional[float] = None
+    swiglu_limit: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.head_size is None:
@@ -127,6 +135,15 @@ class Config:
                 "norm_qk_per_head=True needs norm_qk=True, norm_class_name='LayerNorm' and norm_affine=True "
                 "(StableLM's per-head q/k LayerNorms)."
             )
+        if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
+            raise UserError(
+                f"swiglu_alpha ({self.swiglu_alpha}) and swiglu_limit ({self.swiglu_limit}) go together: set both "
+                "for gpt-oss's clamped SwiGLU, or neither."
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise UserError(f"swiglu_limit must be > 0, got {self.swiglu_limit}.")
+        if self.router_bias and self.mlp_class_name != "LLaMAMoE":
+            raise UserError(f"router_bias=True needs mlp_class_name='LLaMAMoE', got {self.mlp_class_name!r}.")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):

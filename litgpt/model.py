@@ -173,6 +173,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, (RMSNorm, nn.LayerNorm, HeadwiseLayerNorm)):
                 module.reset_parameters()
+            if isinstance(module, CausalSelfAttention) and module.config.attention_sinks:
+                nn.init.zeros_(module.sinks)  # a sink of logit 0: one more key of score 0 and value 0
         self._rope_cache.clear()
 
 
@@ -217,6 +219,8 @@ class CausalSelfAttention(nn.Module):
         elif config.norm_qk:
             self.norm_q = build_norm(config, config.head_size)
             self.norm_k = build_norm(config, config.head_size)
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(config.n_head))
         self.kv_cache: Optional[KVCache] = None
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
 
@@ -251,8 +255,33 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
 
+    def attend_with_sink_key(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Attention with sinks through SDPA (its memory-efficient kernels, no score matrix kept): one more key that
+        only the sink reaches. Queries get one more element, sink / scale, which real keys meet with 0 and the extra
+        key with 1, so its score is the head's sink; its value is 0, so it only joins the softmax's denominator.
+        Queries, keys and values are padded by 8 elements to keep their size a multiple of 8 for the fused kernels."""
+        c = self.config
+        (B, nh, T, hs), S = q.shape, k.size(-2)
+        sink = (self.sinks / self.scale).to(q.dtype).view(1, nh, 1, 1).expand(B, nh, T, 1)
+        q = torch.cat((q, sink, q.new_zeros(B, nh, T, 7)), dim=-1)
+        sink_key = torch.zeros(hs + 8, dtype=k.dtype, device=k.device)
+        sink_key[hs] = 1
+        k = torch.cat((F.pad(k, (0, 8)), sink_key.expand(B, k.size(1), 1, hs + 8)), dim=2)
+        v = F.pad(v, (0, 8, 0, 1))  # values as wide as the keys: the memory-efficient kernels need it
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        mask = F.pad(mask, (0, 1), value=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=c.n_query_groups != c.n_head
+        )
+        return y[..., :hs]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         c = self.config
+        if c.attention_sinks and c.attention_logit_softcapping is None:
+            return self.attend_with_sink_key(q, k, v, mask)
         if c.attention_logit_softcapping is None:
             # mask None means plain causal attention over the whole sequence.
             return F.scaled_dot_product_attention(
@@ -266,13 +295,20 @@ class CausalSelfAttention(nn.Module):
             v = v.repeat_interleave(repeats, dim=1)
         scores = (q @ k.transpose(-2, -1)) * self.scale
         cap = c.attention_logit_softcapping
-        scores = torch.tanh(scores / cap) * cap
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         if mask is None:
             T, S = q.size(-2), k.size(-2)
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return weights @ v
+        if not c.attention_sinks:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return weights @ v
+        # The sink's logit joins each row's softmax as one more column, which is then dropped: the row's weights
+        # sum to less than one by the sink's share.
+        sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+        return weights[..., :-1].to(q.dtype) @ v
 
 
 class KVCache(nn.Module):
@@ -505,7 +541,14 @@ class LLaMAMLP(nn.Module):
         return self.proj(self.gate(self.fc_1(x), self.fc_2(x)))
 
     def gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu(self.config, gate, up)
+
+
+def swiglu(config: Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU of `config`: silu(gate) * up, or gpt-oss's clamped form with swiglu_alpha and swiglu_limit."""
+    if config.swiglu_limit is None:
         return GatedProduct.apply(gate, up, "silu")
+    return GatedProduct.apply(gate, up, "clamped_swiglu", config.swiglu_alpha, config.swiglu_limit)
 
 
 class GemmaMLP(LLaMAMLP):
@@ -518,22 +561,41 @@ class GemmaMLP(LLaMAMLP):
 class GatedProduct(torch.autograd.Function):
     """activation(gate) * up, keeping only `gate` and `up` for the backward pass, which recomputes the activation
     (autograd would also keep activation(gate): one more tensor of the MLP's width per block). `kind` is "silu",
-    "gelu_none" or "gelu_tanh"; the forward pass is torch's own function, the derivative is written out."""
+    "gelu_none", "gelu_tanh" or "clamped_swiglu" (gpt-oss, with `alpha` and `limit`); the forward pass is torch's own
+    functions, the derivative is written out."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, alpha=None, limit=None) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        ctx.kind = kind
+        ctx.kind, ctx.alpha, ctx.limit = kind, alpha, limit
+        if kind == "clamped_swiglu":
+            g = gate.clamp(max=limit)
+            return g * torch.sigmoid(g * alpha) * (up.clamp(-limit, limit) + 1)
         return _activation(gate, kind) * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
+        if ctx.kind == "clamped_swiglu":
+            return (*_clamped_swiglu_grads(grad, gate, up, ctx.alpha, ctx.limit), None, None, None)
         # grad_up as autograd computes it; the slope in the tensors' own dtype, so the backward pass allocates no
         # more than autograd's would (float32 temporaries of the MLP's width would outweigh what was saved).
         grad_up = grad * _activation(gate, ctx.kind)
         grad_gate = (grad * up).mul_(_activation_slope(gate, ctx.kind))
-        return grad_gate, grad_up, None
+        return grad_gate, grad_up, None, None, None
+
+
+def _clamped_swiglu_grads(grad, gate, up, alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of gpt-oss's clamped SwiGLU; a clamp passes the gradient inside its bounds, ends included (torch's
+    convention)."""
+    g = gate.clamp(max=limit)
+    s = torch.sigmoid(g * alpha)
+    u = up.clamp(-limit, limit)
+    grad_up = (grad * g * s).masked_fill_((up < -limit) | (up > limit), 0)
+    # d/dg of g * sigmoid(alpha * g) = s * (1 + alpha * g * (1 - s))
+    slope = (1 - s).mul_(g).mul_(alpha).add_(1).mul_(s)
+    grad_gate = (grad * (u + 1)).mul_(slope).masked_fill_(gate > limit, 0)
+    return grad_gate, grad_up
 
 
 def _activation_slope(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -563,14 +625,15 @@ class LLaMAMoE(nn.Module):
     The (token, slot) pairs are sorted by expert so that each expert's rows are contiguous, and every expert linear
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
-    `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
-    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` an `nn.Linear`
-    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    `torch.compile` sees static shapes (quantized experts excepted: they run as modules, after one read of the counts
+    per layer); biased experts add each row's expert's bias. The parameters stay one `LLaMAMLP` per expert and `gate`
+    an `nn.Linear` whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is
+    unchanged.
     """
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=config.router_bias)
         self.experts = nn.ModuleList(
             LLaMAMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_expert)
         )
@@ -607,10 +670,10 @@ class LLaMAMoE(nn.Module):
     def _kernel(self, x: torch.Tensor, dtype: torch.dtype) -> str:
         """How the experts run, decided once per forward pass: "grouped" (torch._grouped_mm), "blocks" (one bmm over
         blocks of rows padded per expert, where the device or dtype has no grouped kernel) or "modules" (each expert
-        module on its own rows, for quantized or biased linear layers, which only run as modules)."""
+        module on its own rows, for quantized linear layers, which only run as modules)."""
         first = self.experts[0]
         linears = (first.fc_1, first.fc_2, first.proj)
-        if any(not _plain_weight(linear.weight) or linear.bias is not None for linear in linears):
+        if any(not _plain_weight(linear.weight) for linear in linears):
             return "modules"
         sizes = [self.config.n_embd, self.config.moe_intermediate_size]
         if _lora(first.fc_1):
@@ -620,7 +683,7 @@ class LLaMAMoE(nn.Module):
     def _experts(self, x: torch.Tensor, route: "Routing") -> torch.Tensor:
         """The SwiGLU experts on the rows of `x` laid out by expert; fc_1 and fc_2 run as one multiplication."""
         gate, up = self._linear(x, route, "fc_1", "fc_2")
-        return self._linear(GatedProduct.apply(gate, up, "silu"), route, "proj")[0]
+        return self._linear(swiglu(self.config, gate, up), route, "proj")[0]
 
     def _expert_modules(self, x: torch.Tensor, route: "Routing") -> torch.Tensor:
         # The one host read of this layer: a module takes a tensor of its own rows, whose size the host must know.
@@ -636,6 +699,9 @@ class LLaMAMoE(nn.Module):
         for i, per_name in enumerate(layers):
             if _lora(per_name[0]):
                 outs[i] = outs[i] + self._lora_update(x, route, per_name)
+            if per_name[0].bias is not None:  # each row gets its own expert's bias
+                bias = torch.stack([layer.bias for layer in per_name]).to(x.dtype)
+                outs[i] = outs[i] + bias.index_select(0, route.experts)
         return outs
 
     @staticmethod
@@ -661,8 +727,9 @@ class Routing:
     """Where each (token, slot) pair goes, computed on the device from the chosen experts alone.
 
     `token[i]` is the token of the i-th row sorted by expert (a stable sort, so each expert's rows stay in token
-    order), `ends[e]` the end of expert e's rows and `inverse` the sorted row of each (token, slot) pair. `groups`
-    tells the kernel which rows are whose: the int32 `ends` for "grouped", the expert of each block for "blocks".
+    order), `ends[e]` the end of expert e's rows, `inverse` the sorted row of each (token, slot) pair and `experts`
+    the expert of each of the kernel's rows. `groups` tells the kernel which rows are whose: the int32 `ends` for
+    "grouped", the expert of each block for "blocks".
     """
 
     def __init__(self, kernel: str) -> None:
@@ -680,6 +747,7 @@ class Routing:
         route.ends = torch.searchsorted(sorted_experts, torch.arange(n_expert, device=flat.device), right=True)
         route.inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         route.groups = route.ends.to(torch.int32)
+        route.experts = sorted_experts
         if kernel == "blocks":
             route._pad_to_blocks(sorted_experts)
         return route
@@ -702,6 +770,7 @@ class Routing:
         self.padded_rows = torch.arange(rows, device=sorted_experts.device) + shift.index_select(0, sorted_experts)
         starts = torch.arange(-(-(rows + n_expert * (size - 1)) // size), device=sorted_experts.device) * size
         self.groups = torch.searchsorted(padded_ends, starts, right=True).clamp_(max=n_expert - 1)
+        self.experts = self.groups.repeat_interleave(size)  # the expert of each padded row
 
     def to_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert -> the kernel's rows (zero-padded blocks for "blocks")."""

@@ -201,6 +201,28 @@ class TinyLlama(ChatStyle):
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+class Harmony(ChatStyle):
+    """gpt-oss' harmony format: <|start|>role<|message|>text<|end|> per message, the reply opened by
+    <|start|>assistant. A system message is harmony's developer message ("# Instructions"); earlier replies are
+    their final channel. The model writes its reasoning (analysis channel) and then its answer, ended by <|return|>
+    (or <|call|> for a tool call). Harmony's own system message (model identity, date, reasoning effort) is left
+    out: the model then reasons at its default effort."""
+
+    name = "harmony"
+    end_of_turn = ("<|return|>", "<|call|>")
+
+    def render(self, pairs, add_generation_prompt):
+        parts = []
+        for role, content in pairs:
+            if role == "system":
+                parts.append(f"<|start|>developer<|message|># Instructions\n\n{content}\n\n<|end|>")
+            elif role == "assistant":
+                parts.append(f"<|start|>assistant<|channel|>final<|message|>{content}<|end|>")
+            else:
+                parts.append(f"<|start|>{role}<|message|>{content}<|end|>")
+        return "".join(parts) + ("<|start|>assistant" if add_generation_prompt else "")
+
+
 def fold_system(pairs: list[tuple[str, str]], fold) -> list[tuple[str, str]]:
     """For templates without a system role: merge a leading system message into the first user message."""
     if pairs and pairs[0][0] == "system":
@@ -427,5 +449,5 @@ def prompt_styles() -> dict[str, type[PromptStyle]]:
     """Every prompt style by name."""
     styles = (PromptStyle, Alpaca, ChatML, Llama2, Llama3, Mistral, MistralV3, Phi3, Gemma, TinyLlama, Qwen25,
               Qwen25Math, QwQPreview, ChatMLThinking, DeepSeekR1, Falcon3, Salamandra, CodeLlama70B, Platypus,
-              FreeWilly2)
+              FreeWilly2, Harmony)
     return {style.name: style for style in styles}

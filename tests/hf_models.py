@@ -22,6 +22,8 @@ def _family_configs():
         "rope_theta": 500000.0,
     }
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    # gpt-oss' own YaRN settings (no truncation), shrunk; a limit that the gates and ups cross
+    yarn_oss = dict(yarn, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=24, max_position_embeddings=128, tie_word_embeddings=False)),
         "llama3_rope": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=256, rope_parameters=rope_llama3)),
@@ -37,6 +39,7 @@ def _family_configs():
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=32, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, intermediate_size=128, rotary_pct=0.25)),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128, rope_parameters=yarn_oss, swiglu_alpha=1.5, swiglu_limit=0.2)),
         "gpt_neox_serial": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=211, intermediate_size=128, rotary_pct=0.5, use_parallel_residual=False)),
         "falcon_mqa": (tf.FalconConfig, tf.FalconForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False)),
         "falcon_gqa": (tf.FalconConfig, tf.FalconForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2, num_hidden_layers=3, vocab_size=211, ffn_hidden_size=96, new_decoder_architecture=True, bias=True, tie_word_embeddings=False)),
@@ -65,7 +68,7 @@ def build_hf_model(case: str, seed: int = 0):
         for name, param in model.named_parameters():
             if "norm" in name or ".ln_" in name:  # Falcon's norms are ln_attn, ln_mlp and ln_f
                 param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: expert biases and attention sinks
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     return model
 

@@ -58,6 +58,8 @@ PUBLISHED = {
     "Qwen3-1.7B": (2048, 28, 16, 8, 6144, 151936, 1000000, 1e-6, True, 128),
     "Qwen3-4B": (2560, 36, 32, 8, 9728, 151936, 1000000, 1e-6, True, 128),
     "Qwen3-8B": (4096, 36, 32, 8, 12288, 151936, 1000000, 1e-6, False, 128),
+    "gpt-oss-20b": (2880, 24, 64, 8, 2880, 201088, 150000, 1e-5, False, 64),
+    "gpt-oss-120b": (2880, 36, 64, 8, 2880, 201088, 150000, 1e-5, False, 64),
     "Qwen3-14B": (5120, 40, 40, 8, 17408, 151936, 1000000, 1e-6, False, 128),
     "Qwen3-32B": (5120, 64, 64, 8, 25600, 151936, 1000000, 1e-6, False, 128),
     "Qwen3-30B-A3B": (2048, 48, 32, 4, 6144, 151936, 1000000, 1e-6, False, 128),
@@ -123,6 +125,8 @@ PUBLISHED_BLOCK_SIZE = {
     "stablelm-zephyr-3b": 4096,
     "phi-2": 2048,
     "OLMo-7B-hf": 2048,
+    "gpt-oss-20b": 131072,
+    "gpt-oss-120b": 131072,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -166,6 +170,8 @@ PUBLISHED_PARAMS = {
     "phi-2": 2.78e9,
     "OLMo-1B-hf": 1.18e9,
     "OLMo-7B-hf": 6.89e9,
+    "gpt-oss-20b": 20.91e9,  # the model card's 20.91B total, 3.61B active
+    "gpt-oss-120b": 116.83e9,  # 116.83B total, 5.13B active
 }
 
 # The names LitGPT 0.5.13 registers that came with its name list (tests/test_litgpt_names.py), one or more per family.
@@ -217,10 +223,10 @@ PUBLISHED_PARAMS.update({
 
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
 PROMPT_STYLES |= {"qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
-                  "codellama-70b", "platypus", "freewilly2", "mistral-v3"}
+                  "codellama-70b", "platypus", "freewilly2", "mistral-v3", "harmony"}
 HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
-    "falcon", "stablelm", "phi", "olmo",
+    "falcon", "stablelm", "phi", "olmo", "gpt_oss",
 }
 HF_MODEL_TYPES |= {"gemma"}
 
@@ -428,6 +434,25 @@ def test_every_litgpt_name_builds_on_meta(meta_param_counts):
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_published_parameter_counts(meta_param_counts, name):
     assert meta_param_counts[name] == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+# The model card's active parameters per token (the input embedding left out, the output head counted).
+GPT_OSS_ACTIVE = {"gpt-oss-20b": 3.61e9, "gpt-oss-120b": 5.13e9}
+
+
+@pytest.mark.parametrize("name", sorted(GPT_OSS_ACTIVE))
+def test_gpt_oss_published_fields_and_active_parameters(meta_param_counts, name):
+    c = Config(**REGISTRY[name])
+    assert (c.n_expert, c.n_expert_per_token, c.moe_intermediate_size) == ({"gpt-oss-20b": 32}.get(name, 128), 4, 2880)
+    assert c.rope_scaling == dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                  beta_slow=1.0, truncate=False)
+    assert (c.sliding_window_size, c.swiglu_limit, c.swiglu_alpha, c.router_aux_loss_coef) == (128, 7.0, 1.702, 0.9)
+    assert c.attention_sinks and c.router_bias and c.bias and not c.lm_head_bias
+    assert [c.is_sliding_layer(i) for i in range(4)] == [True, False, True, False]  # layer_types: sliding first
+    per_expert = 3 * c.n_embd * c.moe_intermediate_size + 2 * c.moe_intermediate_size + c.n_embd  # with biases
+    inactive = (c.n_expert - c.n_expert_per_token) * per_expert * c.n_layer
+    active = meta_param_counts[name] - inactive - c.padded_vocab_size * c.n_embd
+    assert active == pytest.approx(GPT_OSS_ACTIVE[name], rel=0.005)
 
 
 def test_from_name_by_hub_id():

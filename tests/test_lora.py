@@ -43,6 +43,12 @@ CONFIGS = {
     "moe": dict(
         BASE, n_query_groups=1, mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32
     ),
+    # gpt-oss: biased attention and experts (adapted in the grouped kernel with their biases), sinks, biased router.
+    "gpt_oss": dict(
+        BASE, n_query_groups=2, bias=True, mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2,
+        moe_intermediate_size=32, attention_sinks=True, router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+        sliding_window_size=4, sliding_window_pattern=2,
+    ),
 }
 ALL_TARGETS = dict(query=True, key=True, value=True, projection=True, mlp=True, head=True)
 

@@ -126,6 +126,9 @@ MODEL_CHANGES = {
     "qk-norm": dict(norm_qk=True),
     "LayerNorm": dict(norm_class_name="LayerNorm"),
     "parallel residual": dict(parallel_residual=True, shared_attention_norm=True),
+    "gpt-oss": dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32, bias=True,
+                    attention_sinks=True, router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+                    sliding_window_size=16, sliding_window_pattern=2),
 }
 
 

@@ -14,6 +14,7 @@ ALL_STYLES = ["default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi
 # The layouts of models LitGPT 0.5.13 also names (their expected strings are at the end of this file).
 ALL_STYLES += ["qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "deepseek-r1", "falcon3", "salamandra",
                "codellama-70b", "platypus", "freewilly2", "mistral-v3"]
+ALL_STYLES += ["harmony"]
 
 # One user message, no system message.
 SINGLE_TURN = {
@@ -32,6 +33,7 @@ SINGLE_TURN = {
         "<|system|>\nYou are a friendly chatbot who always gives helpful, detailed, and polite answers.</s>\n"
         "<|user|>\nHi there</s>\n<|assistant|>\n"
     ),
+    "harmony": "<|start|>user<|message|>Hi there<|end|><|start|>assistant",
 }
 
 CONVERSATION = [
@@ -451,3 +453,21 @@ def test_matches_the_published_chat_template(tmp_path, name, conversation):
     expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert expected.startswith(bos)
     assert PromptStyle.from_name(name).apply_messages(conversation) == expected[len(bos) :]
+
+
+def test_harmony_matches_the_published_example():
+    """A system message as harmony's developer message, the way gpt-oss' published chat template renders it (with
+    the blank line before <|end|> that the template writes after the instructions), and an earlier reply as its
+    final channel."""
+    published = (
+        "<|start|>developer<|message|># Instructions\n\nAlways respond in riddles\n\n<|end|>"
+        "<|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant"
+    )
+    style = PromptStyle.from_name("harmony")
+    assert style.apply("What is the weather like in SF?", system="Always respond in riddles") == published
+    turns = [("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")]
+    assert style.apply_messages(turns) == (
+        "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|end|>"
+        "<|start|>user<|message|>Bye<|end|><|start|>assistant"
+    )
+    assert style.end_of_turn == ("<|return|>", "<|call|>")

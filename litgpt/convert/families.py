@@ -38,6 +38,10 @@ _PLAIN = dict(
     norm_affine=True,
     clip_qkv=None,
     norm_qk_per_head=False,
+    attention_sinks=False,
+    router_bias=False,
+    swiglu_alpha=None,
+    swiglu_limit=None,
 )
 
 
@@ -98,6 +102,16 @@ FAMILIES: dict[str, Family] = {
             head_dim_key=False,
             free=("parallel_residual",),
             fixed=dict(norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", bias=True),
+        ),
+        # gpt-oss: biases on attention and experts, attention sinks, a biased router, clamped SwiGLU experts.
+        _family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            sliding=True,
+            free=_MOE_FREE + ("swiglu_alpha", "swiglu_limit"),
+            fixed=dict(
+                mlp_class_name="LLaMAMoE", moe_renormalize=True, bias=True, attention_sinks=True, router_bias=True
+            ),
         ),
     ]
 }
@@ -177,14 +191,22 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
         elif activation != "silu":
             raise UserError(f"{where}: activation {activation!r} is not supported for {family.model_type}.")
         for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag) and family.model_type != "qwen2":
+            if hf.get(flag) and family.model_type not in ("qwen2", "gpt_oss"):
                 raise UserError(f"{where}: {flag}=true is not supported for {family.model_type}.")
 
     if family.model_type.startswith("gemma"):
         values["attention_scores_scalar"] = hf.get("query_pre_attn_scalar") or values["head_size"]
         values["attention_logit_softcapping"] = hf.get("attn_logit_softcapping")
         values["final_logit_softcapping"] = hf.get("final_logit_softcapping")
-    if values["mlp_class_name"] == "LLaMAMoE":
+    if family.model_type == "gpt_oss":
+        hf = _gpt_oss_hf(hf, where)
+        values.update(
+            n_expert=hf["num_local_experts"],
+            moe_intermediate_size=hf["intermediate_size"],
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        )
+    elif values["mlp_class_name"] == "LLaMAMoE":
         if family.model_type == "mixtral":
             values.update(n_expert=hf["num_local_experts"], moe_intermediate_size=hf["intermediate_size"])
         else:
@@ -195,13 +217,44 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 moe_renormalize=bool(hf.get("norm_topk_prob", False)),
             )
+    if values["mlp_class_name"] == "LLaMAMoE":
         values["n_expert_per_token"] = hf["num_experts_per_tok"]
-        # transformers' default for both families when config.json has none
+        # transformers' default for these families when config.json has none
         values["router_aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.001)
 
     values.update(_rope_from_hf(hf, family, where))
     values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
     return Config(**values)
+
+
+# What transformers' GptOssConfig assumes when config.json leaves the rotary settings out.
+GPT_OSS_ROPE_DEFAULTS = dict(
+    rope_theta=150000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096},
+)
+
+
+def _gpt_oss_hf(hf: dict, where: str) -> dict:
+    """A gpt-oss config.json with transformers' defaults filled in, after checking that the fields the published
+    configs state twice agree and that it has the biases and layout litgpt's gpt-oss layers have."""
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+        hf = {**GPT_OSS_ROPE_DEFAULTS, **hf}
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    both = [("num_experts_per_tok", hf, "experts_per_token"), ("num_local_experts", hf, "num_experts"),
+            ("original_max_position_embeddings", params, "initial_context_length")]
+    clashes = [f"{a}={ours[a]} but {b}={hf[b]}" for a, ours, b in both if a in ours and b in hf and ours[a] != hf[b]]
+    if clashes:
+        raise UserError(f"{where} contradicts itself: {'; '.join(clashes)}.")
+    if "num_local_experts" not in hf and "num_experts" in hf:
+        hf = {**hf, "num_local_experts": hf["num_experts"]}
+    if not hf.get("attention_bias", True):
+        raise UserError(f"{where}: gpt_oss with attention_bias=false is not supported (litgpt's gpt-oss layers "
+                        "have biases on attention and experts alike).")
+    if (hf.get("quantization_config") or {}).get("quant_method", "mxfp4") != "mxfp4":
+        method = hf["quantization_config"]["quant_method"]
+        raise UserError(f"{where}: gpt_oss weights quantized with {method!r}; litgpt reads bf16/fp32 or MXFP4 experts.")
+    return hf
 
 
 def _gelu_approximate(activation: str, where: str) -> str:
@@ -271,7 +324,7 @@ def _sliding_from_hf(hf: dict, family: Family, n_layer: int, where: str) -> dict
     if types is None:
         if window is None or not family.sliding or hf.get("use_sliding_window") is False:
             return dict(sliding_window_size=None, sliding_window_pattern=1)
-        if family.model_type == "gemma2":
+        if family.model_type in ("gemma2", "gpt_oss"):
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
         elif family.model_type == "gemma3_text":
             every = hf.get("sliding_window_pattern", 6)
@@ -371,12 +424,23 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if family.model_type == "gpt_oss":
+        hf.update(
+            num_local_experts=c.n_expert,
+            num_experts_per_tok=c.n_expert_per_token,
+            intermediate_size=c.moe_intermediate_size,
+            attention_bias=True,
+            swiglu_alpha=c.swiglu_alpha,
+            swiglu_limit=c.swiglu_limit,
+        )
     hf.update(_sliding_to_hf(c, family))
     hf.update(extra or {})
     return hf
 
 
 def _sliding_to_hf(c: Config, family: Family) -> dict:
+    if c.sliding_window_size is None and family.model_type == "gpt_oss":  # its default alternates windows
+        return {"sliding_window": None, "layer_types": ["full_attention"] * c.n_layer}
     if c.sliding_window_size is None:
         return {"sliding_window": None, "use_sliding_window": False} if family.sliding else {}
     if not family.sliding:
@@ -404,6 +468,9 @@ class Rule:
     the split). "neox_qkv": GPT-NeoX interleaves q, k, v per head; litgpt stacks all q heads, then k, then v.
     "falcon_qkv": Falcon lays out each KV group as its q heads, then its k and v head (with one group per head this
     is GPT-NeoX's layout, with one group for all heads litgpt's).
+    "experts": one Hugging Face tensor stacks the experts' (transformers keeps a weight as (in, out), litgpt as
+    (out, in)). "experts_gate_up": the same with gate and up interleaved along the output dimension (gpt-oss), litgpt
+    listing fc_1, fc_2 expert by expert.
     """
 
     lit: tuple[str, ...]
@@ -414,6 +481,10 @@ class Rule:
     def to_lit(self, tensors: list[torch.Tensor], config: Config) -> list[torch.Tensor]:
         if self.kind == "copy":
             return tensors
+        if self.kind == "experts":
+            return [_out_first(t) for t in tensors[0].unbind(0)]
+        if self.kind == "experts_gate_up":
+            return [_out_first(t)[part::2].contiguous() for t in tensors[0].unbind(0) for part in (0, 1)]
         if self.kind == "neox_qkv":
             return [_neox_to_stacked(tensors[0], config)]
         if self.kind == "falcon_qkv":
@@ -425,6 +496,11 @@ class Rule:
     def to_hf(self, tensors: list[torch.Tensor], config: Config) -> list[torch.Tensor]:
         if self.kind == "copy":
             return tensors
+        if self.kind == "experts":
+            return [torch.stack([_out_first(t) for t in tensors])]
+        if self.kind == "experts_gate_up":
+            pairs = [torch.stack(tensors[i : i + 2], dim=1).flatten(0, 1) for i in range(0, len(tensors), 2)]
+            return [torch.stack([_out_first(t) for t in pairs])]
         if self.kind == "neox_qkv":
             return [_stacked_to_neox(tensors[0], config)]
         if self.kind == "falcon_qkv":
@@ -432,6 +508,11 @@ class Rule:
         if len(self.lit) > 1:
             return [torch.cat(tensors, dim=0)]
         return [t.contiguous() for t in torch.split(tensors[0], self.sizes, dim=0)]
+
+
+def _out_first(t: torch.Tensor) -> torch.Tensor:
+    """A weight (in, out) as (out, in) and back, contiguous; a bias as it is."""
+    return t.t().contiguous() if t.dim() == 2 else t
 
 
 def _neox_to_stacked(t: torch.Tensor, c: Config) -> torch.Tensor:
@@ -461,8 +542,26 @@ def weight_rules(config: Config, lit_keys: set[str]) -> list[Rule]:
                 raise AssertionError(f"partial parameter set for {lit_names}")
             hf_names = tuple(f"{name}.{suffix}" for name in hf)
             rules.append(Rule(lit_names, hf_names, kind, sizes))
+    if family.model_type == "gpt_oss":
+        rules.extend(_gpt_oss_rules(config))
     if config.tie_embeddings:
         rules = [r for r in rules if r.lit != ("lm_head.weight",)]
+    return rules
+
+
+def _gpt_oss_rules(c: Config) -> list[Rule]:
+    """gpt-oss' attention sinks and fused experts: gate_up_proj (n_expert, n_embd, 2 * size) with gate and up
+    interleaved, down_proj (n_expert, size, n_embd), and a bias of each."""
+    rules = []
+    for i in range(c.n_layer):
+        lit, hf = f"transformer.h.{i}", f"model.layers.{i}"
+        rules.append(Rule((f"{lit}.attn.sinks",), (f"{hf}.self_attn.sinks",)))
+        experts = range(c.n_expert)
+        for suffix, hf_suffix in (("weight", ""), ("bias", "_bias")):
+            gate_up = tuple(f"{lit}.mlp.experts.{e}.{fc}.{suffix}" for e in experts for fc in ("fc_1", "fc_2"))
+            rules.append(Rule(gate_up, (f"{hf}.mlp.experts.gate_up_proj{hf_suffix}",), "experts_gate_up"))
+            down = tuple(f"{lit}.mlp.experts.{e}.proj.{suffix}" for e in experts)
+            rules.append(Rule(down, (f"{hf}.mlp.experts.down_proj{hf_suffix}",), "experts"))
     return rules
 
 
@@ -513,7 +612,9 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
         if c.norm_qk:
             add(f"{lit}.attn.norm_q", f"{hf}.self_attn.q_norm")
             add(f"{lit}.attn.norm_k", f"{hf}.self_attn.k_norm")
-        if c.mlp_class_name == "LLaMAMoE":
+        if family.model_type == "gpt_oss":
+            add(f"{lit}.mlp.gate", f"{hf}.mlp.router")  # the experts are fused: _gpt_oss_rules
+        elif c.mlp_class_name == "LLaMAMoE":
             moe = f"{hf}.block_sparse_moe" if family.model_type == "mixtral" else f"{hf}.mlp"
             names = ("w1", "w3", "w2") if family.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
             add(f"{lit}.mlp.gate", f"{moe}.gate")

@@ -71,11 +71,40 @@ class HFWeights:
         self._names = names
 
     def keys(self) -> set[str]:
-        return set(self._names)
+        """The tensors' names; a pair NAME_blocks, NAME_scales of MXFP4 weights (gpt-oss) shows as NAME."""
+        names = set(self._names)
+        quantized = {key.removesuffix("_blocks") for key in names if key.endswith("_blocks")}
+        quantized = {key for key in quantized if key + "_scales" in names}
+        return names - {k + s for k in quantized for s in ("_blocks", "_scales")} | quantized
 
     def get(self, key: str) -> torch.Tensor:
+        if key not in self._names and key + "_blocks" in self._names:
+            return dequantize_mxfp4(self.get(key + "_blocks"), self.get(key + "_scales"))
         name = self._names[key]
         return self._open[self._files[name]][name]
+
+
+# The 16 values of a 4-bit e2m1 float (1 sign, 2 exponent and 1 mantissa bit), by their code.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 expert weights as bfloat16 (exact: every value is an e2m1 number times a power of two).
+
+    `blocks` (n_expert, out, in / 32, 16) uint8 holds two 4-bit codes a byte, the low nibble first; `scales`
+    (n_expert, out, in / 32) uint8 the power of two of each block of 32, biased by 127 (e8m0). The result is
+    (n_expert, in, out), the layout of transformers' unquantized gpt-oss experts.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise UserError(f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} "
+                        f"({scales.dtype}) do not fit together; download the checkpoint again.")
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    out = torch.empty(blocks.size(0), blocks.size(2) * 32, blocks.size(1), dtype=torch.bfloat16)
+    for expert in range(blocks.size(0)):  # one expert at a time bounds the float32 temporaries
+        codes = torch.stack((blocks[expert] & 0x0F, blocks[expert] >> 4), dim=-1).flatten(-2)  # (out, groups, 32)
+        powers = torch.exp2(scales[expert].to(torch.float32) - 127).unsqueeze(-1)
+        out[expert] = (table[codes.long()] * powers).flatten(-2).t()
+    return out
 
 
 _SAFETENSORS_DTYPES = {
