@@ -1,0 +1,169 @@
+"""OLMo 2/3, SmolLM3 and LongRoPE (Phi-3.5, Phi-4-mini) beyond the shared conversion test (tests/test_convert.py):
+LongRoPE below and above its original context, greedy generation equal to transformers' (also across LongRoPE's
+switch), their config fields through model_config.yaml, and contradicting fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from hf_models import build_hf_model, save_hf_model
+
+from litgpt.checkpoint.model_files import load_model_weights
+from litgpt.config import LITGPT_DEFAULTS, Config
+from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
+from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
+from litgpt.errors import UserError
+from litgpt.generate import generate
+from litgpt.io import load_state_dict
+from litgpt.model import GPT
+
+CASES = ["olmo2", "olmo3", "smollm3", "phi3_longrope", "phi4_mini"]
+ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE cases (tests/hf_models.py)
+
+
+def load_lit(folder) -> GPT:
+    model = GPT(Config.from_checkpoint(folder))
+    load_model_weights(model, load_state_dict(folder / "lit_model.pth"), str(folder))
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", ["phi3_longrope", "phi4_mini"])
+@torch.no_grad()
+def test_longrope_below_and_above_the_original_context(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = save_hf_model(case, tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    lit = load_lit(tmp_path / "hf")
+    convert_lit_checkpoint(tmp_path / "hf", tmp_path / "back")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, 211, (2, 40), generator=torch.Generator().manual_seed(1))
+    # 8 and 16 run with the short factors, 17 and 40 with the long ones, in both libraries.
+    for length in (8, ORIGINAL, ORIGINAL + 1, 40):
+        ours = lit(tokens[:, :length])[..., :211]
+        for reference in (hf, back):
+            assert (ours - reference(tokens[:, :length]).logits).abs().max().item() <= 1e-4, length
+    # The two sets differ: the first 8 positions rotate otherwise in a pass of 40 tokens than in one of 8.
+    assert (lit(tokens[:, :8]) - lit(tokens)[:, :8]).abs().max().item() > 1e-3
+
+
+def scaled_hf_model(case: str):
+    """The tiny model with larger weights: logits far apart, so that greedy choices are no near-ties."""
+    model = build_hf_model(case)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+@torch.inference_mode()
+def test_greedy_generation_matches_transformers(case, tmp_path):
+    """The KV cache decoding of each family gives transformers' greedy tokens. The LongRoPE cases start within the
+    original context (10 tokens) and generate past it (to 34): transformers then runs the sequence again with the
+    long factors, and so does `generate` (litgpt.generate.longrope_restart)."""
+    from transformers import GenerationConfig
+
+    hf = scaled_hf_model(case)
+    hf.save_pretrained(tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    lit = load_lit(tmp_path)
+    prompt = torch.randint(3, 211, (10,), generator=torch.Generator().manual_seed(2))
+    ours = list(generate(lit, prompt, 24, temperature=0))
+    settings = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    theirs = hf.generate(prompt[None], attention_mask=torch.ones(1, 10, dtype=torch.long), generation_config=settings)
+    assert ours == theirs[0, 10:].tolist()
+
+
+@torch.inference_mode()
+def test_longrope_generation_crossing_the_original_context_reruns_the_sequence(tmp_path):
+    """Decoding past the original context without running the sequence again would keep the earlier keys rotated
+    with the short factors: the logits at the first position past it then differ from a full pass, which the restart
+    reproduces exactly."""
+    save_hf_model("phi3_longrope", tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    lit = load_lit(tmp_path)
+    tokens = torch.randint(0, 211, (1, ORIGINAL + 1), generator=torch.Generator().manual_seed(3))
+    full = lit(tokens)[0, -1]  # one pass of 17 tokens: long factors everywhere
+    lit.set_kv_cache(batch_size=1, max_seq_length=32)
+    lit(tokens[:, :ORIGINAL], input_pos=torch.arange(ORIGINAL))  # short factors in the cache
+    stale = lit(tokens[:, ORIGINAL:], input_pos=torch.tensor([ORIGINAL]))[0, -1]
+    assert (stale - full).abs().max().item() > 1e-3
+    rerun = lit(tokens, input_pos=torch.arange(ORIGINAL + 1))[0, -1]
+    assert (rerun - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fields_survive_model_config_yaml(case, tmp_path):
+    save_hf_model(case, tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    config = Config.from_checkpoint(tmp_path)
+    written = yaml.safe_load((tmp_path / "model_config.yaml").read_text())
+    assert set(written) == set(LITGPT_DEFAULTS)  # LitGPT 0.5.13's keys only
+    assert Config.from_file(tmp_path / "model_config.yaml") == config
+    expected = {
+        "olmo2": dict(norm_1=False, norm_2=False, norm_qk_type="olmo2", post_attention_norm=True, post_mlp_norm=True),
+        "olmo3": dict(norm_qk_type="olmo2", sliding_window_size=5, sliding_window_pattern=4, rope_local_base=50000.0),
+        "smollm3": dict(no_rope_layers=[1, 1, 1, 0], tie_embeddings=True),
+        "phi3_longrope": dict(rotary_percentage=1.0),
+        "phi4_mini": dict(rotary_percentage=0.75, tie_embeddings=True),
+    }[case]
+    assert {key: getattr(config, key) for key in expected} == expected
+
+
+def test_litgpt_olmo2_model_config_loads(tmp_path):
+    """LitGPT 0.5.13 writes OLMo 2 with the same field names: norm_1/norm_2 False and norm_qk_type 'olmo2'."""
+    values = dict(LITGPT_DEFAULTS, name="OLMo-2-1124-7B", hf_config={"org": "allenai", "name": "OLMo-2-1124-7B"},
+                  n_layer=2, n_embd=64, n_head=4, vocab_size=100, padded_vocab_size=100, norm_class_name="RMSNorm",
+                  norm_qk=True, norm_qk_type="olmo2", norm_1=False, norm_2=False, post_attention_norm=True,
+                  post_mlp_norm=True, parallel_residual=False, bias=False, mlp_class_name="LLaMAMLP",
+                  intermediate_size=96, rotary_percentage=1.0, rope_base=500000)
+    (tmp_path / "model_config.yaml").write_text(yaml.safe_dump(values))
+    config = Config.from_file(tmp_path / "model_config.yaml")
+    assert config.hf_model_type == "olmo2" and config.norm_qk_type == "olmo2" and not config.norm_1
+    model = GPT(config)
+    assert model.transformer.h[0].attn.norm_q.weight.shape == (64,)  # all 4 heads of 16 together
+    assert model.transformer.h[0].attn.norm_k.weight.shape == (64,)
+    assert isinstance(model.transformer.h[0].norm_1, torch.nn.Identity)
+
+
+# ---- contradicting fields ----------------------------------------------------------------------------------------------
+def longrope(n_short: int, n_long: int) -> dict:
+    return {"type": "longrope", "short_factor": [1.0] * n_short, "long_factor": [2.0] * n_long,
+            "original_max_position_embeddings": 16}
+
+
+TINY = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(rope_scaling=longrope(7, 8)), r"short_factor must list rope_n_elem / 2 = 8 factors.*got 7 values"),
+        (dict(rope_scaling=longrope(6, 8), rotary_percentage=0.75), r"long_factor must list rope_n_elem / 2 = 6"),
+        (dict(rope_scaling={**longrope(8, 8), "original_max_position_embeddings": 0}), "original_max_position_emb"),
+        (dict(no_rope_layers=[1, 1, 0]), r"no_rope_layers must give .* n_layer=4 layers, got \[1, 1, 0\]"),
+        (dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers"),
+        (dict(norm_qk_type="olmo2"), "norm_qk_type='olmo2'.*norm_qk=True"),
+        (dict(norm_qk=True, norm_qk_type="whole"), "norm_qk_type must be"),
+    ],
+)
+def test_contradicting_fields_are_one_line_errors(fields, match):
+    with pytest.raises(UserError, match=match) as error:
+        Config(**TINY, **fields)
+    assert "\n" not in str(error.value)
+
+
+def test_config_json_with_wrong_longrope_lengths(tmp_path):
+    save_hf_model("phi4_mini", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    scaling = config.get("rope_parameters") or config["rope_scaling"]
+    scaling["long_factor"] = scaling["long_factor"][:-1]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="long_factor must list rope_n_elem / 2 = 6 factors"):
+        convert_hf_checkpoint(tmp_path)
+    assert not (tmp_path / "lit_model.pth").exists()
