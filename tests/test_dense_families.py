@@ -167,3 +167,91 @@ def test_config_json_with_wrong_longrope_lengths(tmp_path):
     with pytest.raises(UserError, match="long_factor must list rope_n_elem / 2 = 6 factors"):
         convert_hf_checkpoint(tmp_path)
     assert not (tmp_path / "lit_model.pth").exists()
+
+
+# ---- the commands at tiny scale -----------------------------------------------------------------------------------------
+TINY_SHAPE = dict(n_layer=4, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=96, vocab_size=4096,
+                  padded_vocab_size=4096, block_size=128)
+# The named configs at tiny scale; Phi-4-mini's LongRoPE over 3/4 of 16-wide heads (6 factors), switching past 32.
+TINY_NAMED = {
+    "OLMo-2-0425-1B": {},
+    "SmolLM3-3B": {},
+    "Phi-4-mini-instruct": dict(rope_scaling=dict(type="longrope", short_factor=[1.0] * 6, original_max_position_embeddings=32,
+                                                  long_factor=[1.0 + 2 * i for i in range(6)])),
+}
+
+
+def tiny_named(name: str) -> Config:
+    return Config.from_name(name, **TINY_SHAPE, **TINY_NAMED[name])
+
+
+@pytest.mark.parametrize("name", list(TINY_NAMED))
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_plan_counts_what_autograd_saves(name, tuning):
+    """`litgpt plan` runs the real model: its saved activations per block equal autograd's (sequence of 64: past
+    the tiny Phi-4-mini's original context, so its long factors run)."""
+    from test_plan import TUNINGS, autograd_saved_bytes
+
+    from litgpt.plan import saved_activation_bytes
+
+    config, lora = tiny_named(name), TUNINGS[tuning]
+    measured_layers, measured_root = autograd_saved_bytes(config, "32-true", lora, "cpu")
+    planned = saved_activation_bytes(config, micro_batch_size=2, seq_length=64, precision="32-true", device="cpu",
+                                     lora=lora)
+    assert planned.per_layer == measured_layers and planned.root == measured_root
+
+
+@pytest.mark.parametrize("name", list(TINY_NAMED))
+def test_plan_command_on_the_published_sizes(name, capsys):
+    from litgpt.__main__ import main as cli_main
+
+    seq_length = min(8192, Config.from_name(name).block_size)  # past Phi-4-mini's original 4096
+    cli_main(["plan", name, "--method", "lora", "--seq_length", str(seq_length), "--json", "true"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"], plan
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory):
+    from litgpt.data.tiny import TINY_DIR
+
+    path = tmp_path_factory.mktemp("sft") / "data.json"
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:12]
+    path.write_text(json.dumps([{"instruction": "Tell a story.", "output": s[:300]} for s in stories]))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TINY_NAMED))
+def test_finetune_lora_merge_generate_and_convert(name, tmp_path, instructions):
+    """finetune_lora (which merges into final/), the merged weights equal base + adapters, `litgpt generate` with the
+    KV cache past the original context, and the merged checkpoint through transformers."""
+    from checkpoint_helpers import write_random_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from litgpt.__main__ import main as cli_main
+    from litgpt.lora import LoRASettings, add_lora, load_base_weights, load_lora_weights
+
+    base = write_random_checkpoint(tmp_path / "base", tiny_named(name))
+    out = tmp_path / "run"
+    cli_main(["finetune_lora", str(base), "--out_dir", str(out), "--data", "JSON", "--data.json_path",
+              str(instructions), "--data.val_split_fraction", "0.2", "--train.global_batch_size", "2",
+              "--train.micro_batch_size", "1", "--train.max_seq_length", "128", "--train.max_steps", "2",
+              "--train.log_interval", "1", "--eval.max_iters", "1", "--eval.max_new_tokens", "4", "--lora_mlp", "true"])
+    final = out / "final"
+    merged = load_lit(final)
+    settings = LoRASettings.from_hparams(yaml.safe_load((final / "hyperparameters.yaml").read_text()))
+    adapted = GPT(Config.from_checkpoint(base))
+    add_lora(adapted, settings)
+    load_base_weights(adapted, load_state_dict(base / "lit_model.pth"), "base")
+    load_lora_weights(adapted, load_state_dict(final / "lit_model.pth.lora"), "adapters")
+    tokens = torch.randint(0, 4096, (1, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (merged(tokens) - adapted.eval()(tokens)).abs().max().item() < 1e-4
+
+    cli_main(["generate", str(final), "--prompt", "Once upon a time", "--max_new_tokens", "40", "--temperature", "0",
+              "--device", "cpu"])
+    cli_main(["convert_from_litgpt", str(final), str(tmp_path / "hf")])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert (merged(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
