@@ -53,7 +53,9 @@ class GPT(nn.Module):
 
         LongRoPE picks its short or long factors once per forward pass, as transformers does: the long ones when a
         position lies past original_max_position_embeddings (T > original without a cache, max(positions) >= original
-        with one), for every position of the pass. The choice stays on the device (no host sync) when cached.
+        with one), for every position of the pass; with per-row positions, per row (each request as if alone). The
+        choice stays on the device (no host sync). Keys already cached keep the factors they were written with:
+        `litgpt.generate.longrope_restart` says when generation runs the sequence again.
         """
         cos, sin = self.rope_tables(device, local)
         longrope = cos.dim() == 3
@@ -63,7 +65,7 @@ class GPT(nn.Module):
                 cos, sin = cos[int(T > original)], sin[int(T > original)]
             return cos[:T], sin[:T]
         if longrope:
-            which = (positions.max() >= original).long().expand_as(positions)
+            which = (positions.amax(dim=-1, keepdim=True) >= original).long().expand_as(positions)
             cos, sin = cos[which, positions], sin[which, positions]
         else:
             cos, sin = cos[positions], sin[positions]

@@ -255,3 +255,54 @@ def test_finetune_lora_merge_generate_and_convert(name, tmp_path, instructions):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert (merged(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+@torch.inference_mode()
+def test_serving_engine_crosses_the_longrope_switch_as_generate_does(tmp_path):
+    """`litgpt serve`'s batching engine: requests in one batch, one crossing the original context of 16 and one
+    starting past it, each get `generate`'s tokens alone (which equal transformers', tested above)."""
+    import queue
+
+    from litgpt.serving.engine import BatchingEngine, Sequence
+
+    hf = scaled_hf_model("phi4_mini")
+    hf.save_pretrained(tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    lit = load_lit(tmp_path)
+    prompts = [[5, 9, 14, 3, 77, 120], list(range(30, 50)), [8, 8, 9]]
+    alone = [list(generate(lit, p, 20, temperature=0)) for p in prompts]
+    lit.clear_kv_cache()
+    engine = BatchingEngine(lit, max_batch_size=3)
+    events = queue.Queue()
+    for i, prompt in enumerate(prompts):
+        engine.submit(Sequence(prompt, 20, 0.0, None, 1.0, [], None, events, i))
+    engine.admit(block=False)
+    while engine.active:
+        engine.decode_step()
+    tokens = {i: [] for i in range(len(prompts))}
+    while not events.empty():
+        kind, index, value = events.get()
+        if kind == "tokens":
+            tokens[index] += value
+    assert [tokens[i] for i in range(len(prompts))] == alone
+
+
+@torch.inference_mode()
+def test_per_row_positions_pick_longrope_factors_per_row(tmp_path):
+    """With per-row positions (the serving engine's batch), a row within the original context keeps the short
+    factors while another row of the same pass is past it: each row's logits equal its run alone (its prefix in
+    one pass, then the same four positions)."""
+    save_hf_model("phi4_mini", tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    lit = load_lit(tmp_path)
+    tokens = torch.randint(0, 211, (2, 18), generator=torch.Generator().manual_seed(5))
+    lit.set_kv_cache(batch_size=2, max_seq_length=32)
+    lit(tokens[:, :14], input_pos=torch.arange(14).expand(2, 14))  # both rows within the original 16: short
+    positions = torch.tensor([[10, 11, 12, 13], [14, 15, 16, 17]])  # row 1 reaches past 16, row 0 does not
+    both = lit(torch.stack([tokens[0, 10:14], tokens[1, 14:18]]), input_pos=positions)
+    for row in range(2):
+        start = positions[row, 0].item()
+        lit.set_kv_cache(batch_size=1, max_seq_length=32)
+        lit(tokens[row : row + 1, :start], input_pos=torch.arange(start))
+        alone = lit(tokens[row : row + 1, start : start + 4], input_pos=positions[row])[0]
+        assert (both[row] - alone).abs().max().item() <= 1e-5, row
