@@ -306,3 +306,24 @@ def test_per_row_positions_pick_longrope_factors_per_row(tmp_path):
         lit(tokens[row : row + 1, :start], input_pos=torch.arange(start))
         alone = lit(tokens[row : row + 1, start : start + 4], input_pos=positions[row])[0]
         assert (both[row] - alone).abs().max().item() <= 1e-5, row
+
+
+@torch.inference_mode()
+def test_evaluation_greedy_decoding_crosses_the_longrope_switch_as_generate_does(tmp_path):
+    """lm-evaluation-harness' generate_until (`greedy_until`): prompts of one length decoded together past the
+    original context give `generate`'s tokens for each prompt alone."""
+    from litgpt.evaluation.harness import greedy_until
+
+    class Ids:  # a "tokenizer" whose text is the token ids, so that the continuations compare exactly
+        @staticmethod
+        def decode(ids):
+            return " ".join(map(str, ids))
+
+    hf = scaled_hf_model("phi4_mini")
+    hf.save_pretrained(tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    lit = load_lit(tmp_path)
+    prompts = [[5, 9, 14, 3, 77, 120], [8, 8, 9, 100, 4, 61]]
+    alone = [Ids.decode(generate(lit, p, 20, temperature=0)) for p in prompts]
+    lit.clear_kv_cache()
+    assert greedy_until(lit, Ids, prompts, [[], []], 20, stop_id=None) == alone
