@@ -31,5 +31,8 @@ OLMO2 = variants(
     dict(name="OLMo-2-0325-32B", n_layer=64, n_embd=5120, n_head=40, n_query_groups=8, intermediate_size=27648),
 )
 
-# The instruct models' chat template (Tulu's <|user|>\n...\n<|assistant|>\n) is none of litgpt's prompt styles yet.
-CONFIGS = [*OLMO2, *tuned(OLMO2, "-Instruct", "default")]
+# The tuned models' chat template (Tulu's <|user|>\n...\n<|assistant|>\n) is none of litgpt's prompt styles yet.
+# LitGPT 0.5.13 registers the -SFT and -DPO stages of the 7B and 13B models too.
+_1124 = [c for c in OLMO2 if "-1124-" in c["name"]]
+CONFIGS = [*OLMO2, *tuned(OLMO2, "-Instruct", "default"), *tuned(_1124, "-SFT", "default"),
+           *tuned(_1124, "-DPO", "default")]

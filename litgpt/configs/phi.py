@@ -72,3 +72,12 @@ CONFIGS = variants(
          block_size=131072, vocab_size=200064, padded_vocab_size=200064, rotary_percentage=0.75,
          tie_embeddings=True, sliding_window_size=262144, rope_scaling=_longrope([1.0] * 48, _PHI4_MINI_LONG)),
 )
+_PHI4_MINI = next(c for c in CONFIGS if c["name"] == "Phi-4-mini-instruct")
+_PHI4 = next(c for c in CONFIGS if c["name"] == "phi-4")
+CONFIGS += [
+    # Phi-4-mini-reasoning: Phi-4-mini-instruct's architecture, LongRoPE factors included.
+    {**_PHI4_MINI, "name": "Phi-4-mini-reasoning", "hf_config": {"org": "microsoft", "name": "Phi-4-mini-reasoning"}},
+    # Phi-4-reasoning(-plus): phi-4 with rope_theta 500000 and a context of 32768.
+    *({**_PHI4, "name": name, "hf_config": {"org": "microsoft", "name": name}, "rope_base": 500000.0,
+       "block_size": 32768} for name in ("Phi-4-reasoning", "Phi-4-reasoning-plus")),
+]
