@@ -250,9 +250,10 @@ def _rope_from_hf(hf: dict, family: Family, where: str) -> dict:
 def _olmo3_local_base(local: Optional[dict], out: dict, hf: dict, where: str) -> Optional[float]:
     """OLMo 3 scales only its full-attention layers' rotary frequencies (the 4.x `rope_scaling`, or 5.x's per layer
     type): its sliding layers then get their own unscaled table, litgpt's rope_local_base."""
-    if local is not None and _scaling_from_hf(local, hf, where) is not None:
-        if _scaling_from_hf(local, hf, where) == out["rope_scaling"] and local["rope_theta"] == out["rope_base"]:
-            return None  # the same table in every layer
+    local_scaling = None if local is None else _scaling_from_hf(local, hf, where)
+    if local_scaling is not None:
+        if local_scaling == out["rope_scaling"] and float(local["rope_theta"]) == out["rope_base"]:
+            return None  # one table for every layer
         raise UserError(f"{where}: rope scaling on sliding-window layers other than the full layers' is not supported.")
     theta = float(local["rope_theta"]) if local is not None and "rope_theta" in local else out["rope_base"]
     return theta if out["rope_scaling"] is not None or theta != out["rope_base"] else None
@@ -405,8 +406,10 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
         )
     if family.model_type == "gemma3_text":
         hf["rope_local_base_freq"] = c.rope_local_base
-    if family.model_type == "olmo3":
-        hf.update(_olmo3_rope_to_hf(hf, c))
+    if family.model_type == "olmo3":  # transformers 5's layout, one rotary table per layer type
+        del hf["rope_theta"]
+        hf.pop("rope_scaling", None)
+        hf["rope_parameters"] = _olmo3_rope_parameters(c)
     if family.model_type == "smollm3":
         hf.update(no_rope_layers=list(c.no_rope_layers or [1] * c.n_layer), use_sliding_window=False)
     if c.mlp_class_name == "LLaMAMoE":
@@ -430,12 +433,15 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     return hf
 
 
-def _olmo3_rope_to_hf(hf: dict, c: Config) -> dict:
-    """Per layer type (transformers 5's layout): the full-attention layers' scaled table; the sliding layers' own
-    base, or the same table when rope_local_base is None (litgpt then rotates every layer alike)."""
-    full = {"rope_type": "default", "rope_theta": hf.pop("rope_theta"), **hf.pop("rope_scaling", {})}
+def _olmo3_rope_parameters(c: Config) -> dict:
+    """The full-attention layers' (scaled) rotary table; the sliding layers' unscaled one of rope_local_base, or the
+    same table when rope_local_base is None (litgpt then rotates every layer alike)."""
+    full = {"rope_type": "default", "rope_theta": c.rope_base}
+    if c.rope_scaling is not None:
+        scaling = dict(c.rope_scaling)
+        full.update(rope_type=scaling.pop("type"), **scaling)
     local = full if c.rope_local_base is None else {"rope_type": "default", "rope_theta": c.rope_local_base}
-    return {"rope_parameters": {"full_attention": full, "sliding_attention": local}}
+    return {"full_attention": full, "sliding_attention": local}
 
 
 def _sliding_to_hf(c: Config, family: Family) -> dict:
