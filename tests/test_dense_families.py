@@ -327,3 +327,43 @@ def test_evaluation_greedy_decoding_crosses_the_longrope_switch_as_generate_does
     alone = [Ids.decode(generate(lit, p, 20, temperature=0)) for p in prompts]
     lit.clear_kv_cache()
     assert greedy_until(lit, Ids, prompts, [[], []], 20, stop_id=None) == alone
+
+
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1)
+OLMO = dict(hf_model_type="olmo3", norm_1=False, norm_2=False, post_attention_norm=True, post_mlp_norm=True,
+            norm_qk=True, norm_qk_type="olmo2")
+LIT_TO_HF = {
+    "olmo3_no_window": Config(**TINY, **OLMO),
+    # Scaled rotary in every layer, the sliding ones included (rope_local_base None).
+    "olmo3_scaled_everywhere": Config(**TINY, **OLMO, sliding_window_size=6, sliding_window_pattern=2,
+                                      rope_scaling=YARN, block_size=128),
+    "smollm3_any_layers": Config(**TINY, hf_model_type="smollm3", no_rope_layers=[0, 1, 1, 0], tie_embeddings=True),
+}
+COMPARED = ("rope_scaling", "rope_local_base", "sliding_window_size", "sliding_window_pattern", "no_rope_layers")
+
+
+@pytest.mark.parametrize("case", list(LIT_TO_HF))
+@torch.no_grad()
+def test_litgpt_configs_transformers_reads_alike(case, tmp_path):
+    """litgpt -> Hugging Face for layouts the tiny transformers cases do not start from: the written config.json
+    makes transformers compute our logits, and reads back as the same Config."""
+    from checkpoint_helpers import write_random_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from litgpt.io import save_state_dict
+
+    config = LIT_TO_HF[case]
+    folder = write_random_checkpoint(tmp_path / "lit", config)
+    lit = load_lit(folder)
+    generator = torch.Generator().manual_seed(6)
+    for name, param in lit.named_parameters():  # norms away from 1, so that a misplaced one shows
+        if "norm" in name:
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    save_state_dict(lit.state_dict(), folder / "lit_model.pth")
+    convert_lit_checkpoint(folder, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 100, (2, 19), generator=torch.Generator().manual_seed(7))
+    assert (lit(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+    convert_hf_checkpoint(tmp_path / "hf")
+    back = Config.from_checkpoint(tmp_path / "hf")
+    assert {f: getattr(back, f) for f in COMPARED} == {f: getattr(config, f) for f in COMPARED}

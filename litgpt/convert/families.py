@@ -445,8 +445,10 @@ def _olmo3_rope_parameters(c: Config) -> dict:
 
 
 def _sliding_to_hf(c: Config, family: Family) -> dict:
-    if c.sliding_window_size is None and family.model_type == "olmo3":  # else Olmo3Config slides 3 layers of 4
-        return {"sliding_window": None, "layer_types": ["full_attention"] * c.n_layer}
+    if c.sliding_window_size is None and family.model_type == "olmo3":
+        # Every layer full (Olmo3Config slides 3 layers of 4 by default); its model builds a sliding mask anyway and
+        # needs a window for it, which no layer then uses.
+        return {"sliding_window": c.block_size, "layer_types": ["full_attention"] * c.n_layer}
     if c.sliding_window_size is None:
         return {"sliding_window": None, "use_sliding_window": False} if family.sliding else {}
     if not family.sliding:
