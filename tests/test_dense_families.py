@@ -367,3 +367,18 @@ def test_litgpt_configs_transformers_reads_alike(case, tmp_path):
     convert_hf_checkpoint(tmp_path / "hf")
     back = Config.from_checkpoint(tmp_path / "hf")
     assert {f: getattr(back, f) for f in COMPARED} == {f: getattr(config, f) for f in COMPARED}
+
+
+@pytest.mark.slow
+def test_litgpt_runs_our_olmo2_folder_alike(tmp_path):
+    """LitGPT 0.5.13 names OLMo 2's fields as we do (norm_1/norm_2, norm_qk_type): our converted folder greedy-decodes
+    to the same tokens in LitGPT's own model."""
+    from litgpt_reference import READ_FOLDERS, run_litgpt
+
+    save_hf_model("olmo2", tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    prompt = [1, 17, 100, 42]
+    ours = list(generate(load_lit(tmp_path), prompt, 12, temperature=0))
+    job = dict(folder=str(tmp_path), prompt=prompt, max_new_tokens=12, no_tokenizer=True)
+    (theirs,) = run_litgpt(READ_FOLDERS, [job])
+    assert ours == theirs["no_cache_tokens"] == theirs["tokens"]
