@@ -99,6 +99,16 @@ class Config:
     # in LLaMAMLP and the experts; both None: the plain SwiGLU silu(gate) * up.
     swiglu_alpha: Optional[float] = None
     swiglu_limit: Optional[float] = None
+    # Norm placement of OLMo 2/3 (LitGPT's names): norm_1/norm_2 False drop the norm before attention/the MLP, whose
+    # outputs post_attention_norm/post_mlp_norm then normalize before the residual add.
+    norm_1: bool = True
+    norm_2: bool = True
+    # With norm_qk: "default" normalizes each head's queries and keys; "olmo2" the whole q and k projections (all
+    # heads together, one weight of n_head * head_size and one of n_query_groups * head_size).
+    norm_qk_type: Literal["default", "olmo2"] = "default"
+    # Which layers rotate queries and keys, Hugging Face's SmolLM3 `no_rope_layers`: per layer 1 = RoPE, 0 = none
+    # (NoPE); at least n_layer entries, the first n_layer used. None: every layer.
+    no_rope_layers: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if self.head_size is None:
@@ -146,8 +156,39 @@ class Config:
             raise UserError(f"router_bias=True needs mlp_class_name='LLaMAMoE', got {self.mlp_class_name!r}.")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
-            if kind not in ("linear", "llama3", "yarn"):
-                raise UserError(f"rope_scaling type {kind!r} is not supported; use 'linear', 'llama3' or 'yarn'.")
+            if kind not in ("linear", "llama3", "yarn", "longrope"):
+                raise UserError(
+                    f"rope_scaling type {kind!r} is not supported; use 'linear', 'llama3', 'yarn' or 'longrope'."
+                )
+            if kind == "longrope":
+                self._check_longrope()
+        self._check_norms_and_rope_layers()
+
+    def _check_longrope(self) -> None:
+        scaling, half = self.rope_scaling, self.rope_n_elem // 2
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or len(factors) != half:
+                got = f"{len(factors)} values" if isinstance(factors, (list, tuple)) else repr(factors)
+                raise UserError(
+                    f"rope_scaling {key} must list rope_n_elem / 2 = {half} factors (head_size {self.head_size} x "
+                    f"rotary_percentage {self.rotary_percentage} / 2), got {got}."
+                )
+        original = scaling.get("original_max_position_embeddings")
+        if not isinstance(original, int) or original < 1:
+            raise UserError(f"rope_scaling type 'longrope' needs original_max_position_embeddings > 0, got {original!r}.")
+
+    def _check_norms_and_rope_layers(self) -> None:
+        if self.norm_qk_type not in ("default", "olmo2"):
+            raise UserError(f"norm_qk_type must be 'default' or 'olmo2', got {self.norm_qk_type!r}.")
+        if self.norm_qk_type == "olmo2" and not self.norm_qk:
+            raise UserError("norm_qk_type='olmo2' normalizes queries and keys: it needs norm_qk=True.")
+        layers = self.no_rope_layers
+        if layers is not None and (len(layers) < self.n_layer or any(v not in (0, 1) for v in layers)):
+            raise UserError(
+                f"no_rope_layers must give 1 (RoPE) or 0 (no RoPE) for each of the n_layer={self.n_layer} layers, "
+                f"got {list(layers)}."
+            )
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -158,6 +199,10 @@ class Config:
     @property
     def qkv_size(self) -> int:
         return (self.n_head + 2 * self.n_query_groups) * self.head_size
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether this layer rotates queries and keys (SmolLM3 leaves every fourth without: NoPE)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer_idx])
 
     def is_sliding_layer(self, layer_idx: int) -> bool:
         if self.sliding_window_size is None:
@@ -320,11 +365,8 @@ def read_litgpt_prompt_style(checkpoint_dir: Path) -> Optional[str]:
 def _litgpt_unsupported(v: dict) -> list[str]:
     """`field=value` for each LitGPT setting describing an architecture that our model does not run."""
     checks = (
-        ("norm_qk_type", v["norm_qk_type"] != "default"),
         ("rope_interleave", v["rope_interleave"]),
         ("latent_attention", v["latent_attention"] is not None),
-        ("norm_1", not v["norm_1"]),
-        ("norm_2", not v["norm_2"]),
         ("n_shared_expert", bool(v["n_shared_expert"])),
         ("n_expert_groups", bool(v["n_expert_groups"])),
         ("first_k_dense_replace", v["first_k_dense_replace"] is not None),
@@ -429,6 +471,8 @@ def _guess_hf_model_type(v: dict) -> str:
         return "gemma3" if v["norm_qk"] else "gemma2" if v["post_attention_norm"] else "gemma"
     if v["mlp_class_name"] == "LLaMAMoE":
         return "qwen3_moe" if v["norm_qk"] else "mixtral"
+    if v["norm_qk"] and v["norm_qk_type"] == "olmo2":
+        return "olmo3" if v["sliding_window_size"] is not None else "olmo2"
     if v["norm_qk"]:
         return "qwen3"
     if v["attn_bias"]:

@@ -152,6 +152,10 @@ def generate(
     any id in `stop_ids`, or any multi-token sequence in `stop_sequences`. Stop tokens are not yielded; tokens that
     might begin a stop sequence are held back until it is clear they do not.
 
+    With LongRoPE (Phi-3.5, Phi-4-mini), a prompt within original_max_position_embeddings runs with the short
+    factors; when the sequence first grows past that context, the whole sequence is run again with the long factors,
+    rewriting the cache, as transformers' Phi-3 generation does (see `longrope_restart`).
+
     The arguments are checked when this is called (UserError), not on the first `next()`.
     """
     check_sampling_args(temperature, top_k, top_p)
@@ -190,6 +194,8 @@ def _generate(
     compiled_step = getattr(model, "compiled_decode_step", None)
     step_fn = compiled_step or functools.partial(decode_step, model)
     positions = torch.arange(T, T + new_tokens, device=device)
+    sequence = torch.cat((prompt, torch.zeros(new_tokens, dtype=prompt.dtype, device=device)))
+    restart = longrope_restart(model.config, T)
     pending: list[int] = []  # tokens held back: they could be the start of a stop sequence
     for step in range(new_tokens):
         pending.append(int(token))
@@ -202,12 +208,33 @@ def _generate(
         pending = pending[len(pending) - keep :]
         if step + 1 < new_tokens:
             noise = exponential_noise(logits, temperature, top_k, generator)
+            sequence[T + step] = token
+            if T + step == restart:  # LongRoPE's switch to its long factors: the whole sequence again
+                whole = torch.arange(T + step + 1, device=device)
+                token = pick(model(sequence[None, whole], input_pos=whole)[0, -1], temperature, top_k, top_p, noise)
+                continue
             # Measured on CPUs only so far; on CUDA the step is a CUDA graph and keeps every guard.
             with skip_guards(compiled_step is not None and step > 0 and device.type == "cpu"):
                 token = step_fn(token, positions[step : step + 1], temperature, top_k, top_p, noise)
             # A CUDA graph's output lives in memory its next replay overwrites: keep a copy of the token.
             token = token.clone()
     yield from pending
+
+
+def longrope_restart(config, prompt_length: int) -> Optional[int]:
+    """The position at which generation runs the whole sequence again, or None.
+
+    A LongRoPE model picks its short or long factors per forward pass (`GPT.rope_at`): a decoding step past
+    original_max_position_embeddings would rotate its own query and key with the long factors while the cached keys
+    of the earlier positions keep the short ones. transformers' Phi-3 generation instead drops the cache when the
+    sequence first exceeds that context and runs all of it again, with the long factors; this does the same, once,
+    at that position (a prompt already past it ran with the long factors from the start).
+    """
+    scaling = config.rope_scaling
+    if scaling is None or scaling["type"] != "longrope":
+        return None
+    original = scaling["original_max_position_embeddings"]
+    return original if prompt_length <= original else None
 
 
 def skip_guards(skip: bool):

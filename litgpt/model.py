@@ -35,7 +35,8 @@ class GPT(nn.Module):
 
     # ---- rotary tables -----------------------------------------------------------------------------------------------
     def rope_tables(self, device: torch.device, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions 0..block_size-1, float32, shape (block_size, rope_n_elem)."""
+        """cos and sin for positions 0..block_size-1, float32, shape (block_size, rope_n_elem); with LongRoPE
+        (2, block_size, rope_n_elem): the short factors' tables, then the long ones'."""
         key = (device, local)
         if key not in self._rope_cache:
             c = self.config
@@ -43,6 +44,34 @@ class GPT(nn.Module):
             scaling = None if local else c.rope_scaling
             self._rope_cache[key] = build_rope_cache(c.block_size, c.rope_n_elem, base, scaling, device)
         return self._rope_cache[key]
+
+    def rope_at(
+        self, device: torch.device, local: bool, T: int, positions: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of this forward pass' positions: 0..T-1 without `positions`, else (T, n) for positions (T,)
+        and (B, 1, T, n) for per-row positions (B, T), broadcasting over the heads.
+
+        LongRoPE picks its short or long factors once per forward pass, as transformers does: the long ones when a
+        position lies past original_max_position_embeddings (T > original without a cache, max(positions) >= original
+        with one), for every position of the pass; with per-row positions, per row (each request as if alone). The
+        choice stays on the device (no host sync). Keys already cached keep the factors they were written with:
+        `litgpt.generate.longrope_restart` says when generation runs the sequence again.
+        """
+        cos, sin = self.rope_tables(device, local)
+        longrope = cos.dim() == 3
+        original = self.config.rope_scaling["original_max_position_embeddings"] if longrope else 0
+        if positions is None:
+            if longrope:
+                cos, sin = cos[int(T > original)], sin[int(T > original)]
+            return cos[:T], sin[:T]
+        if longrope:
+            which = (positions.amax(dim=-1, keepdim=True) >= original).long().expand_as(positions)
+            cos, sin = cos[which, positions], sin[which, positions]
+        else:
+            cos, sin = cos[positions], sin[positions]
+        if positions.dim() == 2:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
 
     # ---- KV cache -----------------------------------------------------------------------------------------------------
     def set_kv_cache(self, batch_size: int, max_seq_length: Optional[int] = None, device=None, dtype=None) -> None:
@@ -101,13 +130,7 @@ class GPT(nn.Module):
 
         ropes = {}
         for local in {c.rope_local_base is not None and c.is_sliding_layer(i) for i in range(c.n_layer)}:
-            cos, sin = self.rope_tables(x.device, local)
-            if positions is None:
-                cos, sin = cos[:T], sin[:T]
-            else:
-                cos, sin = cos[positions], sin[positions]
-                if positions.dim() == 2:  # per-row positions: (B, 1, T, n_elem) broadcasts over the heads
-                    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            cos, sin = self.rope_at(x.device, local, T, positions)
             ropes[local] = (cos.to(x.dtype), sin.to(x.dtype))
 
         masks = {}
@@ -116,7 +139,7 @@ class GPT(nn.Module):
 
         for i, block in enumerate(self.transformer.h):
             sliding = c.is_sliding_layer(i)
-            rope = ropes[c.rope_local_base is not None and sliding]
+            rope = ropes[c.rope_local_base is not None and sliding] if c.uses_rope(i) else None
             mask = masks[c.sliding_window_size if sliding else None]
             x = block(x, rope, mask, positions)
 
@@ -182,18 +205,18 @@ class Block(nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.config = config
-        self.norm_1 = build_norm(config, config.n_embd)
+        self.norm_1 = build_norm(config, config.n_embd) if config.norm_1 else nn.Identity()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.post_attention_norm = build_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
         shares_norm = config.parallel_residual and config.shared_attention_norm
-        self.norm_2 = None if shares_norm else build_norm(config, config.n_embd)
+        self.norm_2 = None if shares_norm else build_norm(config, config.n_embd) if config.norm_2 else nn.Identity()
         self.mlp = build_mlp(config)
         self.post_mlp_norm = build_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
         mask: Optional[torch.Tensor],
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
@@ -217,8 +240,10 @@ class CausalSelfAttention(nn.Module):
             self.norm_q = HeadwiseLayerNorm(config.n_head, config.head_size, config.norm_eps)
             self.norm_k = HeadwiseLayerNorm(config.n_query_groups, config.head_size, config.norm_eps)
         elif config.norm_qk:
-            self.norm_q = build_norm(config, config.head_size)
-            self.norm_k = build_norm(config, config.head_size)
+            # Per head, or over the whole projection of all heads (OLMo 2's "olmo2").
+            whole = config.norm_qk_type == "olmo2"
+            self.norm_q = build_norm(config, config.head_size * (config.n_head if whole else 1))
+            self.norm_k = build_norm(config, config.head_size * (config.n_query_groups if whole else 1))
         if config.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(config.n_head))
         self.kv_cache: Optional[KVCache] = None
@@ -227,10 +252,11 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
         mask: Optional[torch.Tensor],
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """`rope` None: a layer without rotary embedding (NoPE)."""
         c = self.config
         B, T, _ = x.shape
         qkv = self.qkv(x)
@@ -239,14 +265,18 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split(
             (c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), dim=-1
         )
+        whole_qk_norm = c.norm_qk and c.norm_qk_type == "olmo2"
+        if whole_qk_norm:
+            q, k = self.norm_q(q), self.norm_k(k)
         q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # (B, ng, T, hs)
         v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)
-        if c.norm_qk:
+        if c.norm_qk and not whole_qk_norm:
             q, k = self.norm_q(q), self.norm_k(k)
-        cos, sin = rope
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
 
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
@@ -352,11 +382,41 @@ def attention_mask(
 def build_rope_cache(
     seq_len: int, n_elem: int, base: float, scaling: Optional[dict], device: Optional[torch.device] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..seq_len-1 (seq_len, n_elem), float32; for LongRoPE (2, seq_len, n_elem), the
+    tables of the short factors and of the long ones (`GPT.rope_at` picks one per forward pass)."""
+    if scaling is not None and scaling["type"] == "longrope":
+        short, long, attention_factor = longrope_frequencies(n_elem, base, scaling, seq_len, device)
+        tables = [_rope_table(seq_len, inv_freq, attention_factor) for inv_freq in (short, long)]
+        return torch.stack([t[0] for t in tables]), torch.stack([t[1] for t in tables])
     inv_freq, attention_factor = rope_frequencies(n_elem, base, scaling, device)
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    return _rope_table(seq_len, inv_freq, attention_factor)
+
+
+def _rope_table(seq_len: int, inv_freq: torch.Tensor, attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # the rotate-half layout of Hugging Face checkpoints
     return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def longrope_frequencies(
+    n_elem: int, base: float, scaling: dict, max_positions: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): inverse frequencies divided by per-frequency factors, one set for contexts up
+    to original_max_position_embeddings and one past it, and the factor applied to cos/sin. Without `factor` or
+    `attention_factor` the context extension is max_positions (block_size) / original, as transformers derives it
+    from max_position_embeddings."""
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = scaling.get("factor") or max_positions / original
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base_freq = base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.float32) / n_elem)
+    short, long = (
+        1.0 / (torch.tensor(scaling[key], dtype=torch.float32, device=device) * base_freq)
+        for key in ("short_factor", "long_factor")
+    )
+    return short, long, float(attention_factor)
 
 
 def rope_frequencies(n_elem: int, base: float, scaling: Optional[dict], device=None) -> tuple[torch.Tensor, float]:
@@ -384,6 +444,8 @@ def rope_frequencies(n_elem: int, base: float, scaling: Optional[dict], device=N
         return torch.where(in_band, blended, scaled), 1.0
     if kind == "yarn":
         return yarn_frequencies(n_elem, base, scaling, device)
+    if kind == "longrope":
+        raise ValueError("LongRoPE has two sets of frequencies: use longrope_frequencies.")
     raise ValueError(f"Unknown rope scaling type {kind!r}")
 
 

@@ -24,6 +24,10 @@ def _family_configs():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
     # gpt-oss' own YaRN settings (no truncation), shrunk; a limit that the gates and ups cross
     yarn_oss = dict(yarn, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)
+
+    def longrope(n: int) -> dict:  # n factors each, the short ones near 1 and the long ones growing
+        return {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(n)], "long_factor": [1.0 + 1.5 * i for i in range(n)]}
+
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=24, max_position_embeddings=128, tie_word_embeddings=False)),
         "llama3_rope": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=256, rope_parameters=rope_llama3)),
@@ -47,6 +51,13 @@ def _family_configs():
         "stablelm_parallel": (tf.StableLmConfig, tf.StableLmForCausalLM, dict(_ATTN, intermediate_size=96, use_parallel_residual=True, partial_rotary_factor=0.5, tie_word_embeddings=True)),
         "phi": (tf.PhiConfig, tf.PhiForCausalLM, dict(_ATTN, intermediate_size=128, partial_rotary_factor=0.5)),
         "olmo": (tf.OlmoConfig, tf.OlmoForCausalLM, dict(_ATTN, intermediate_size=96, clip_qkv=0.1, pad_token_id=0, eos_token_id=2)),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(_ATTN, intermediate_size=96, pad_token_id=0)),
+        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, pad_token_id=0, sliding_window=5, max_position_embeddings=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters={"full_attention": dict(yarn, rope_theta=50000.0), "sliding_attention": {"rope_type": "default", "rope_theta": 50000.0}})),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        # LongRoPE with a context of 64 over an original 16: TOKENS (19 long) rotate with the long factors.
+        "phi3_longrope": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=64, original_max_position_embeddings=16, rope_scaling=longrope(8), pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        # Phi-4-mini's layout: LongRoPE over 3/4 of each head, tied embeddings.
+        "phi4_mini": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(_ATTN, intermediate_size=96, max_position_embeddings=64, original_max_position_embeddings=16, partial_rotary_factor=0.75, rope_scaling=longrope(6), tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     }
 
 

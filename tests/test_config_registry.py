@@ -92,6 +92,14 @@ PUBLISHED = {
     "OLMo-1B-hf": (2048, 16, 16, 16, 8192, 50304, 10000, 1e-5, True, 128),
     "OLMo-7B-hf": (4096, 32, 32, 32, 11008, 50304, 10000, 1e-5, False, 128),
     "OLMo-7B-Instruct-hf": (4096, 32, 32, 32, 11008, 50304, 10000, 1e-5, False, 128),
+    "OLMo-2-0425-1B": (2048, 16, 16, 16, 8192, 100352, 500000, 1e-6, False, 128),
+    "OLMo-2-1124-7B": (4096, 32, 32, 32, 11008, 100352, 500000, 1e-6, False, 128),
+    "OLMo-2-1124-13B-Instruct": (5120, 40, 40, 40, 13824, 100352, 500000, 1e-6, False, 128),
+    "OLMo-2-0325-32B": (5120, 64, 40, 8, 27648, 100352, 500000, 1e-6, False, 128),
+    "SmolLM3-3B": (2048, 36, 16, 4, 11008, 128256, 5000000, 1e-6, True, 128),
+    "SmolLM3-3B-Base": (2048, 36, 16, 4, 11008, 128256, 5000000, 1e-6, True, 128),
+    "Phi-3.5-mini-instruct": (3072, 32, 32, 32, 8192, 32064, 10000, 1e-5, False, 96),
+    "Phi-4-mini-instruct": (3072, 32, 24, 8, 8192, 200064, 10000, 1e-5, True, 128),
 }
 
 # Published context lengths (max_position_embeddings).
@@ -127,6 +135,11 @@ PUBLISHED_BLOCK_SIZE = {
     "OLMo-7B-hf": 2048,
     "gpt-oss-20b": 131072,
     "gpt-oss-120b": 131072,
+    "OLMo-2-0425-1B": 4096,
+    "OLMo-2-0325-32B-Instruct": 4096,
+    "SmolLM3-3B": 65536,
+    "Phi-3.5-mini-instruct": 131072,
+    "Phi-4-mini-instruct": 131072,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -172,6 +185,13 @@ PUBLISHED_PARAMS = {
     "OLMo-7B-hf": 6.89e9,
     "gpt-oss-20b": 20.91e9,  # the model card's 20.91B total, 3.61B active
     "gpt-oss-120b": 116.83e9,  # 116.83B total, 5.13B active
+    "OLMo-2-0425-1B": 1.48e9,
+    "OLMo-2-1124-7B": 7.30e9,
+    "OLMo-2-1124-13B": 13.7e9,
+    "OLMo-2-0325-32B": 32.2e9,
+    "SmolLM3-3B": 3.08e9,
+    "Phi-3.5-mini-instruct": 3.82e9,
+    "Phi-4-mini-instruct": 3.84e9,
 }
 
 # The names LitGPT 0.5.13 registers that came with its name list (tests/test_litgpt_names.py), one or more per family.
@@ -227,6 +247,7 @@ PROMPT_STYLES |= {"qwen2.5", "qwen2.5-math", "qwq-preview", "chatml-thinking", "
 HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
     "falcon", "stablelm", "phi", "olmo", "gpt_oss",
+    "olmo2", "smollm3",
 }
 HF_MODEL_TYPES |= {"gemma"}
 
@@ -350,6 +371,29 @@ def test_family_specifics():
     assert c["SmolLM2-135M"].hf_config == {"org": "HuggingFaceTB", "name": "SmolLM2-135M"}
 
 
+def test_olmo2_smollm3_longrope_specifics():
+    c = {name: Config(**values) for name, values in REGISTRY.items()}
+    for name in ("OLMo-2-0425-1B", "OLMo-2-1124-13B-Instruct", "OLMo-2-0325-32B"):
+        olmo = c[name]
+        assert (olmo.hf_model_type, olmo.norm_qk, olmo.norm_qk_type) == ("olmo2", True, "olmo2"), name
+        assert not olmo.norm_1 and not olmo.norm_2 and olmo.post_attention_norm and olmo.post_mlp_norm, name
+    assert c["OLMo-2-1124-7B-Instruct"].hf_config == {"org": "allenai", "name": "OLMo-2-1124-7B-Instruct"}
+    smol = c["SmolLM3-3B"]
+    assert smol.hf_model_type == "smollm3" and smol.prompt_style == "chatml"
+    assert [i for i in range(36) if not smol.uses_rope(i)] == list(range(3, 36, 4))
+    assert c["SmolLM3-3B-Base"].prompt_style == "default"
+    for name, short_first, long_last in (("Phi-3.5-mini-instruct", 1.0, 64.83999633789062),
+                                         ("Phi-4-mini-instruct", 1.0, 47.77)):
+        scaling = c[name].rope_scaling
+        assert scaling["type"] == "longrope" and scaling["original_max_position_embeddings"] == 4096, name
+        assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == 48, name
+        assert (scaling["short_factor"][0], scaling["long_factor"][-1]) == (short_first, long_last), name
+    assert c["Phi-3.5-mini-instruct"].prompt_style == "phi3" and c["Phi-3.5-mini-instruct"].rope_n_elem == 96
+    phi4 = c["Phi-4-mini-instruct"]
+    assert (phi4.rotary_percentage, phi4.rope_n_elem, phi4.tie_embeddings) == (0.75, 96, True)
+    assert set(phi4.rope_scaling["short_factor"]) == {1.0}
+
+
 def _nominal_size(name: str):
     """The parameter count a model's name announces ("8B", "1.1b", "135M", "8x7B"), or None."""
     match = re.search(r"(?:(\d+)x)?(\d+(?:\.\d+)?)([bBmM])(?![a-zA-Z])", name)
@@ -417,8 +461,9 @@ def test_large_mixtures_build_whole_on_meta(meta_param_counts, name):
 def test_every_config_builds_on_meta_with_a_plausible_size(meta_param_counts):
     assert set(meta_param_counts) == set(REGISTRY)
     for name, count in meta_param_counts.items():
-        nominal = _nominal_size(name)
-        if nominal is not None and name not in PUBLISHED_PARAMS:
+        # OLMo-2-0425-1B has 1.48B parameters: a published count, where there is one, wins over the name.
+        nominal = PUBLISHED_PARAMS.get(name.removesuffix("-Instruct")) or _nominal_size(name)
+        if nominal is not None:
             # Names round loosely (gemma-2-2b has 2.6B parameters, Mixtral 8x7B shares its attention).
             assert 0.75 <= count / nominal <= 1.35, (name, count, nominal)
 

@@ -299,11 +299,9 @@ def _write_litgpt_config(folder: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, named", [
-    (dict(norm_qk=True, norm_qk_type="olmo2"), "norm_qk_type='olmo2'"),
     (dict(rope_interleave=True), "rope_interleave=True"),
     (dict(latent_attention={"q_lora_rank": 8}), "latent_attention="),
     (dict(n_shared_expert=1), "n_shared_expert=1"),
-    (dict(norm_2=False), "norm_2=False"),
     (dict(sliding_window_size=4, sliding_window_indices=[0, 1]), "sliding_window_indices=[0, 1]"),
     (dict(rope_adjustments=dict(factor=4.0, beta_fast=32, beta_slow=1, original_max_seq_len=16)), "YaRN"),
     (dict(something_new=1), "something_new"),

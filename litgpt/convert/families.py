@@ -42,6 +42,10 @@ _PLAIN = dict(
     router_bias=False,
     swiglu_alpha=None,
     swiglu_limit=None,
+    norm_1=True,
+    norm_2=True,
+    norm_qk_type="default",
+    no_rope_layers=None,
 )
 
 
@@ -66,6 +70,9 @@ def _family(model_type: str, architecture: str, free: tuple[str, ...] = (), **kw
 _MOE_FREE = ("n_expert", "n_expert_per_token")
 _GEMMA_FREE = ("attention_logit_softcapping", "final_logit_softcapping", "attention_scores_scalar")
 
+
+# OLMo 2 and 3: no norm before attention or the MLP, norms on their outputs, q/k norms over the whole projections.
+_OLMO = dict(norm_1=False, norm_2=False, post_attention_norm=True, post_mlp_norm=True, norm_qk=True, norm_qk_type="olmo2")
 
 _GEMMA = dict(norm_unit_offset=True, scale_embeddings=True, mlp_class_name="GemmaMLP", gelu_approximate="tanh")
 
@@ -113,6 +120,9 @@ FAMILIES: dict[str, Family] = {
                 mlp_class_name="LLaMAMoE", moe_renormalize=True, bias=True, attention_sinks=True, router_bias=True
             ),
         ),
+        _family("olmo2", "Olmo2ForCausalLM", head_dim_key=False, fixed=_OLMO),
+        _family("olmo3", "Olmo3ForCausalLM", sliding=True, head_dim_key=False, free=("rope_local_base",), fixed=_OLMO),
+        _family("smollm3", "SmolLM3ForCausalLM", head_dim_key=False, default_tie=True, free=("no_rope_layers",)),
     ]
 }
 
@@ -222,6 +232,11 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
         # transformers' default for these families when config.json has none
         values["router_aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.001)
 
+    if family.model_type == "smollm3":
+        interval = hf.get("no_rope_layer_interval", 4)  # transformers' SmolLM3Config default
+        values["no_rope_layers"] = hf.get("no_rope_layers") or [
+            int((i + 1) % interval != 0) for i in range(values["n_layer"])
+        ]
     values.update(_rope_from_hf(hf, family, where))
     values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
     return Config(**values)
@@ -287,13 +302,31 @@ def _rope_from_hf(hf: dict, family: Family, where: str) -> dict:
             out["rope_local_base"] = float(local["rope_theta"])
         else:
             out["rope_local_base"] = float(hf.get("rope_local_base_freq", 10000.0))
+    if family.model_type == "olmo3":
+        out["rope_local_base"] = _olmo3_local_base(local, out, hf, where)
     return out
+
+
+def _olmo3_local_base(local: Optional[dict], out: dict, hf: dict, where: str) -> Optional[float]:
+    """OLMo 3 scales only its full-attention layers' rotary frequencies (the 4.x `rope_scaling`, or 5.x's per layer
+    type): its sliding layers then get their own unscaled table, litgpt's rope_local_base."""
+    local_scaling = None if local is None else _scaling_from_hf(local, hf, where)
+    if local_scaling is not None:
+        if local_scaling == out["rope_scaling"] and float(local["rope_theta"]) == out["rope_base"]:
+            return None  # one table for every layer
+        raise UserError(f"{where}: rope scaling on sliding-window layers other than the full layers' is not supported.")
+    theta = float(local["rope_theta"]) if local is not None and "rope_theta" in local else out["rope_base"]
+    return theta if out["rope_scaling"] is not None or theta != out["rope_base"] else None
 
 
 def _scaling_from_hf(params: dict, hf: dict, where: str) -> Optional[dict]:
     kind = params.get("rope_type", params.get("type", "default"))
+    if hf.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # what transformers' Phi3Config reads these older names as
     if kind == "default":
         return None
+    if kind == "longrope":
+        return _longrope_from_hf(params, hf)
     factor = params.get("factor")
     original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     if kind == "linear":
@@ -315,12 +348,37 @@ def _scaling_from_hf(params: dict, hf: dict, where: str) -> Optional[dict]:
             if params.get(key) is not None:
                 scaling[key] = params[key]
         return scaling
-    raise UserError(f"{where}: rope scaling type {kind!r} is not supported (litgpt supports linear, llama3, yarn).")
+    raise UserError(
+        f"{where}: rope scaling type {kind!r} is not supported (litgpt supports linear, llama3, yarn, longrope)."
+    )
+
+
+def _longrope_from_hf(params: dict, hf: dict) -> dict:
+    # transformers takes original_max_position_embeddings from the top level of the config first (Phi-3 keeps it
+    # there, and Phi3Config defaults it to 4096), then from the rope parameters, then max_position_embeddings.
+    default = 4096 if hf.get("model_type") == "phi3" else None
+    original = hf.get("original_max_position_embeddings", default)
+    original = original or params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    scaling = {
+        "type": "longrope",
+        "short_factor": [float(f) for f in params["short_factor"]],
+        "long_factor": [float(f) for f in params["long_factor"]],
+        "original_max_position_embeddings": int(original),
+    }
+    for key in ("factor", "attention_factor"):
+        if params.get(key) is not None:
+            scaling[key] = float(params[key])
+    return scaling
 
 
 def _sliding_from_hf(hf: dict, family: Family, n_layer: int, where: str) -> dict:
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
+    if family.model_type == "smollm3" and not hf.get("use_sliding_window"):
+        types = None  # transformers' SmolLM3 ignores layer_types then
+    if family.model_type == "olmo3" and types is None:  # Olmo3Config's defaults
+        window = hf.get("sliding_window", 4096)
+        types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layer)]
     if types is None:
         if window is None or not family.sliding or hf.get("use_sliding_window") is False:
             return dict(sliding_window_size=None, sliding_window_pattern=1)
@@ -378,6 +436,8 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     if c.rope_scaling is not None:
         scaling = dict(c.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type"), **scaling}
+        if c.rope_scaling["type"] == "longrope":  # where Phi3Config reads it (its own default otherwise: 4096)
+            hf["original_max_position_embeddings"] = c.rope_scaling["original_max_position_embeddings"]
     if c.rotary_percentage != 1.0:
         hf["partial_rotary_factor"] = c.rotary_percentage
     if family.model_type == "gpt_neox":
@@ -408,6 +468,12 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
         )
     if family.model_type == "gemma3_text":
         hf["rope_local_base_freq"] = c.rope_local_base
+    if family.model_type == "olmo3":  # transformers 5's layout, one rotary table per layer type
+        del hf["rope_theta"]
+        hf.pop("rope_scaling", None)
+        hf["rope_parameters"] = _olmo3_rope_parameters(c)
+    if family.model_type == "smollm3":
+        hf.update(no_rope_layers=list(c.no_rope_layers or [1] * c.n_layer), use_sliding_window=False)
     if c.mlp_class_name == "LLaMAMoE":
         hf["router_aux_loss_coef"] = c.router_aux_loss_coef
     if family.model_type == "mixtral":
@@ -438,9 +504,24 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     return hf
 
 
+def _olmo3_rope_parameters(c: Config) -> dict:
+    """The full-attention layers' (scaled) rotary table; the sliding layers' unscaled one of rope_local_base, or the
+    same table when rope_local_base is None (litgpt then rotates every layer alike)."""
+    full = {"rope_type": "default", "rope_theta": c.rope_base}
+    if c.rope_scaling is not None:
+        scaling = dict(c.rope_scaling)
+        full.update(rope_type=scaling.pop("type"), **scaling)
+    local = full if c.rope_local_base is None else {"rope_type": "default", "rope_theta": c.rope_local_base}
+    return {"full_attention": full, "sliding_attention": local}
+
+
 def _sliding_to_hf(c: Config, family: Family) -> dict:
     if c.sliding_window_size is None and family.model_type == "gpt_oss":  # its default alternates windows
         return {"sliding_window": None, "layer_types": ["full_attention"] * c.n_layer}
+    if c.sliding_window_size is None and family.model_type == "olmo3":
+        # Every layer full (Olmo3Config slides 3 layers of 4 by default); its model builds a sliding mask anyway and
+        # needs a window for it, which no layer then uses.
+        return {"sliding_window": c.block_size, "layer_types": ["full_attention"] * c.n_layer}
     if c.sliding_window_size is None:
         return {"sliding_window": None, "use_sliding_window": False} if family.sliding else {}
     if not family.sliding:

@@ -16,6 +16,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from litgpt.errors import UserError
+from litgpt.generate import longrope_restart
 
 
 class HarnessModel(TemplateLM):
@@ -109,7 +110,9 @@ def greedy_until(model, tokenizer, prompts: list[list[int]], stops: list[list[st
     if new_tokens <= 0:
         return [""] * rows
     model.set_kv_cache(batch_size=rows, max_seq_length=length + new_tokens - 1)
-    logits = model(torch.tensor(prompts, device=device), input_pos=torch.arange(length, device=device))
+    fed = torch.tensor(prompts, device=device)
+    logits = model(fed, input_pos=torch.arange(length, device=device))
+    restart = longrope_restart(model.config, length)
     generated: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     for step in range(new_tokens):
@@ -124,7 +127,11 @@ def greedy_until(model, tokenizer, prompts: list[list[int]], stops: list[list[st
             done[row] = any(stop in tokenizer.decode(generated[row]) for stop in stops[row] if stop)
         if all(done) or step + 1 == new_tokens:
             break
-        logits = model(tokens[:, None], input_pos=torch.tensor([length + step], device=device))
+        fed = torch.cat((fed, tokens[:, None]), dim=1)
+        if length + step == restart:  # LongRoPE's switch to its long factors: every row again, as `generate` does
+            logits = model(fed, input_pos=torch.arange(fed.size(1), device=device))
+        else:
+            logits = model(tokens[:, None], input_pos=torch.tensor([length + step], device=device))
     model.clear_kv_cache()
     return [cut_at_stops(tokenizer.decode(ids), row_stops) for ids, row_stops in zip(generated, stops)]
 

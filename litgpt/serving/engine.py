@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from litgpt.generate import held_back, sample
+from litgpt.generate import held_back, longrope_restart, sample
 from litgpt.model import GPT, KVCache
 
 WINDOW_STEP = 64  # decoding steps attend to the cache up to the longest sequence, rounded up to this
@@ -46,6 +46,7 @@ class Sequence:
     position: int = 0  # where next_token goes
     generated: int = 0
     pending: list[int] = field(default_factory=list)  # held back: they may begin a stop sequence
+    tokens: list[int] = field(default_factory=list)  # every token sampled so far (LongRoPE runs them all again)
 
 
 class CacheWindow(nn.Module):
@@ -131,8 +132,9 @@ class BatchingEngine:
             self.accept_token(len(self.active) - 1)
 
     @torch.inference_mode()
-    def prefill(self, sequence: Sequence, row: int) -> None:
-        prompt = torch.tensor(sequence.prompt_ids, dtype=torch.long, device=self.device)
+    def prefill(self, sequence: Sequence, row: int, ids: Optional[list[int]] = None) -> None:
+        """Run `ids` (default: the prompt) alone and copy their keys and values into `row`."""
+        prompt = torch.tensor(ids or sequence.prompt_ids, dtype=torch.long, device=self.device)
         T = prompt.numel()
         blocks = self.model.transformer.h
         for block, cache in zip(blocks, self.prefill_caches):
@@ -190,6 +192,7 @@ class BatchingEngine:
             return
         s.generated += 1
         s.pending.append(s.next_token)
+        s.tokens.append(s.next_token)
         stopped = next((stop for stop in s.stops if s.pending[-len(stop):] == stop), None)
         if stopped is not None:
             s.pending = s.pending[: len(s.pending) - len(stopped)]
@@ -203,6 +206,10 @@ class BatchingEngine:
         if finish:
             s.events.put(("finish", s.index, finish))
             self.retire(row)
+        elif s.position == longrope_restart(self.model.config, len(s.prompt_ids)):
+            # LongRoPE's switch to its long factors: the whole sequence again, as `litgpt generate` does
+            self.prefill(s, row, s.prompt_ids + s.tokens)
+            self.accept_token(row)
 
     def retire(self, row: int) -> None:
         """Free `row`, moving the last row's sequence and cache contents into it."""
