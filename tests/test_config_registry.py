@@ -462,7 +462,7 @@ def test_every_config_builds_on_meta_with_a_plausible_size(meta_param_counts):
     assert set(meta_param_counts) == set(REGISTRY)
     for name, count in meta_param_counts.items():
         # OLMo-2-0425-1B has 1.48B parameters: a published count, where there is one, wins over the name.
-        nominal = PUBLISHED_PARAMS.get(name.removesuffix("-Instruct")) or _nominal_size(name)
+        nominal = PUBLISHED_PARAMS.get(name) or PUBLISHED_PARAMS.get(name.removesuffix("-Instruct")) or _nominal_size(name)
         if nominal is not None:
             # Names round loosely (gemma-2-2b has 2.6B parameters, Mixtral 8x7B shares its attention).
             assert 0.75 <= count / nominal <= 1.35, (name, count, nominal)
