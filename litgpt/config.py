@@ -87,6 +87,19 @@ class Config:
     # How chat and finetuning format a conversation for this model (see litgpt/prompts.py).
     prompt_style: str = "default"
 
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), on when kv_lora_rank is set. Keys and values come from
+    # one compressed latent of kv_lora_rank elements per token plus one rotary key of qk_rope_head_dim shared by the
+    # heads; each head's query and key are qk_nope_head_dim elements without rotation followed by qk_rope_head_dim
+    # rotated ones (head_size is their sum), its value v_head_dim. q_lora_rank None: one plain query projection
+    # (DeepSeek-V2-Lite); else the query goes through a rank-q_lora_rank bottleneck with its own RMSNorm.
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # Rotate the pairs (x0, x1), (x2, x3), ... of the rotary elements (DeepSeek's layout) instead of (x_i, x_i+n/2).
+    rope_interleaved: bool = False
+
     def __post_init__(self) -> None:
         if self.head_size is None:
             if self.n_embd % self.n_head:
@@ -117,15 +130,54 @@ class Config:
             kind = self.rope_scaling.get("type")
             if kind not in ("linear", "llama3", "yarn"):
                 raise UserError(f"rope_scaling type {kind!r} is not supported; use 'linear', 'llama3' or 'yarn'.")
+        self._check_latent_attention()
+
+    def _check_latent_attention(self) -> None:
+        """One line naming the fields when the multi-head latent attention sizes do not fit together."""
+        sizes = dict(q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        if self.kv_lora_rank is None:
+            given = [name for name, value in sizes.items() if value is not None]
+            if given:
+                raise UserError(f"{', '.join(given)} describe latent attention, which needs kv_lora_rank; set it or "
+                                "leave them out.")
+            return
+        missing = [name for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if sizes[name] is None]
+        if missing:
+            raise UserError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs {', '.join(missing)}.")
+        bad = [f"{name}={value}" for name, value in dict(sizes, kv_lora_rank=self.kv_lora_rank).items()
+               if value is not None and (not isinstance(value, int) or value <= 0)]
+        if bad or self.qk_rope_head_dim % 2:
+            raise UserError(f"Latent attention sizes must be positive integers and qk_rope_head_dim even: got "
+                            f"{', '.join(bad) or f'qk_rope_head_dim={self.qk_rope_head_dim}'}.")
+        if self.head_size != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UserError(f"head_size={self.head_size} must equal qk_nope_head_dim + qk_rope_head_dim "
+                            f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) with latent attention.")
+        if self.n_query_groups != self.n_head:
+            raise UserError(f"n_query_groups={self.n_query_groups} must equal n_head={self.n_head} with latent "
+                            "attention (every head expands its own key and value from the latent).")
+        if self.rotary_percentage != 1.0:
+            raise UserError(f"rotary_percentage={self.rotary_percentage} does not apply to latent attention: "
+                            "qk_rope_head_dim sets the rotated elements; leave it at 1.0.")
+        unsupported = dict(norm_qk=self.norm_qk, attention_logit_softcapping=self.attention_logit_softcapping,
+                           rope_local_base=self.rope_local_base)
+        used = [f"{name}={value!r}" for name, value in unsupported.items() if value not in (None, False)]
+        if used:
+            raise UserError(f"Latent attention (kv_lora_rank) does not combine with {', '.join(used)}.")
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
     def rope_n_elem(self) -> int:
-        """How many leading elements of each head rotate."""
+        """How many leading elements of each head rotate (latent attention: the qk_rope_head_dim last ones)."""
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
         return int(self.rotary_percentage * self.head_size)
 
     @property
     def qkv_size(self) -> int:
+        """Per token, the width of the queries, keys and values the attention's projections produce."""
+        if self.kv_lora_rank is not None:  # the queries and the keys' and values' expansion of the latent
+            return self.n_head * (self.head_size + self.qk_nope_head_dim + self.v_head_dim)
         return (self.n_head + 2 * self.n_query_groups) * self.head_size
 
     def is_sliding_layer(self, layer_idx: int) -> bool:

@@ -50,13 +50,8 @@ class GPT(nn.Module):
         max_seq_length = max_seq_length or self.config.block_size
         param = self.lm_head.weight
         for block in self.transformer.h:
-            block.attn.kv_cache = KVCache(
-                batch_size,
-                self.config.n_query_groups,
-                max_seq_length,
-                self.config.head_size,
-                device=device or param.device,
-                dtype=dtype or param.dtype,
+            block.attn.kv_cache = block.attn.new_kv_cache(
+                batch_size, max_seq_length, device=device or param.device, dtype=dtype or param.dtype
             )
 
     def clear_kv_cache(self) -> None:
@@ -181,7 +176,7 @@ class Block(nn.Module):
         super().__init__()
         self.config = config
         self.norm_1 = build_norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = build_attention(config, layer_idx)
         self.post_attention_norm = build_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
         shares_norm = config.parallel_residual and config.shared_attention_norm
         self.norm_2 = None if shares_norm else build_norm(config, config.n_embd)
@@ -216,6 +211,10 @@ class CausalSelfAttention(nn.Module):
             self.norm_k = build_norm(config, config.head_size)
         self.kv_cache: Optional[KVCache] = None
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+
+    def new_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> "KVCache":
+        c = self.config
+        return KVCache(batch_size, c.n_query_groups, max_seq_length, c.head_size, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -270,13 +269,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class KVCache(nn.Module):
-    """A static cache of keys and values, (B, n_query_groups, max_seq_length, head_size)."""
+    """A static cache of keys and values, (B, n_query_groups, max_seq_length, head_size); values may have their own
+    v_head_size. Latent attention keeps its compressed latent in `k` and its rotary key in `v` (one group)."""
 
-    def __init__(self, batch_size, n_query_groups, max_seq_length, head_size, device=None, dtype=None) -> None:
+    def __init__(
+        self, batch_size, n_query_groups, max_seq_length, head_size, device=None, dtype=None,
+        v_head_size: Optional[int] = None, latent: bool = False,
+    ) -> None:
         super().__init__()
+        self.latent = latent  # holds latent attention's compressed latent and rotary key
         shape = (batch_size, n_query_groups, max_seq_length, head_size)
+        v_shape = shape[:-1] + (v_head_size or head_size,)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k and v (B, ng, T, hs) at `input_pos` (T,) and return the whole cache; or, with `input_pos` (B, T),
@@ -289,6 +294,105 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
         self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
         return self.k, self.v
+
+
+class MultiheadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434): every head's keys and values are expanded from one
+    shared latent per token (kv_lora_rank elements, RMS-normalized) plus one rotary key shared by the heads, so the KV
+    cache can hold just those kv_lora_rank + qk_rope_head_dim elements per token and layer.
+
+    Modules: the query through `q_a_proj` -> `q_a_norm` -> `q_b_proj` (or one `q_proj` without q_lora_rank);
+    `kv_a_proj` gives the latent and the rotary key, `kv_a_norm` normalizes the latent, `kv_b_proj` expands it into
+    each head's unrotated key and value; `proj` is the output projection. Same forward signature as
+    `CausalSelfAttention`.
+    """
+
+    # DeepSeek's latent norms use this epsilon whatever the model's norm_eps (transformers hard-codes it too).
+    LATENT_NORM_EPS = 1e-6
+
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        c = self.config = config
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.n_embd, c.q_lora_rank, bias=c.bias)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, eps=self.LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, c.n_head * c.head_size, bias=False)
+        self.kv_a_proj = nn.Linear(c.n_embd, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.bias)
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, eps=self.LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.n_head * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.proj = nn.Linear(c.n_head * c.v_head_dim, c.n_embd, bias=c.bias)
+        self.kv_cache: Optional[KVCache] = None
+        self.scale = latent_attention_scale(c)
+
+    def new_kv_cache(
+        self, batch_size: int, max_seq_length: int, device=None, dtype=None, latent: bool = True
+    ) -> KVCache:
+        """The compressed cache (`latent`: kv_lora_rank + qk_rope_head_dim elements per token) or every head's full
+        key and value (n_head * (head_size + v_head_dim) elements per token, expanded once when written)."""
+        c = self.config
+        if latent:
+            return KVCache(batch_size, 1, max_seq_length, c.kv_lora_rank, device, dtype, c.qk_rope_head_dim, True)
+        return KVCache(batch_size, c.n_head, max_seq_length, c.head_size, device, dtype, c.v_head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: Optional[torch.Tensor],
+        input_pos: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(B, T, c.n_head, c.head_size).transpose(1, 2).split(
+            (c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1
+        )
+        latent, k_rope = self.kv_a_proj(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
+        latent = self.kv_a_norm(latent).unsqueeze(1)  # (B, 1, T, kv_lora_rank)
+        cos, sin = rope
+        rotate = apply_rope_interleaved if c.rope_interleaved else apply_rope
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(1), cos, sin)  # k_rope (B, 1, T, n)
+
+        cache = self.kv_cache if input_pos is not None else None
+        if cache is not None and cache.latent:
+            latent, k_rope = cache.update(input_pos, latent, k_rope)
+        k, v = self.expand(latent, k_rope)
+        if cache is not None and not cache.latent:
+            k, v = cache.update(input_pos, k, v)
+
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's key (B, nh, S, head_size) and value (B, nh, S, v_head_dim) from the latent (B, 1, S, r) and
+        the shared rotary key (B, 1, S, qk_rope_head_dim)."""
+        c = self.config
+        B, _, S, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(B, S, c.n_head, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, c.n_head, -1, -1)), dim=-1)
+        return k, v
+
+
+def latent_attention_scale(config: Config) -> float:
+    """The softmax scale of latent attention: 1/sqrt(head_size), times YaRN's mscale(factor, mscale_all_dim) squared
+    when the rotary scaling sets mscale_all_dim (DeepSeek tempers the scores themselves, not only cos and sin)."""
+    scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+    scaling = config.rope_scaling or {}
+    if scaling.get("mscale_all_dim") and scaling["factor"] > 1:
+        mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def build_attention(config: Config, layer_idx: int) -> nn.Module:
+    """Latent attention when the config sets kv_lora_rank, else the fused q/k/v attention."""
+    if config.kv_lora_rank is not None:
+        return MultiheadLatentAttention(config, layer_idx)
+    return CausalSelfAttention(config, layer_idx)
 
 
 def attention_mask(
@@ -389,6 +493,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if passed.size(-1) == 0:
         return rotated
     return torch.cat((rotated, passed), dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x0, x1), (x2, x3), ... of x (B, nh, T, n) by the angles of the rotate-half tables cos and
+    sin (T, n), written back de-interleaved (rotated evens, then rotated odds): queries and keys get the same
+    permutation, so their products are those of the interleaved rotation (DeepSeek's layout)."""
+    half = cos.size(-1) // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 # ---- norms ---------------------------------------------------------------------------------------------------------------

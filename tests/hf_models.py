@@ -9,6 +9,10 @@ import torch
 # Shapes small enough to be quick, large enough to exercise GQA (4 query heads over 2 groups) and head_dim != n/h.
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=211)
 
+# Multi-head latent attention: 4 heads with 12 unrotated + 8 rotated query/key elements and 16-element values.
+_MLA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, vocab_size=211,
+            intermediate_size=96, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16)
+
 
 def _family_configs():
     import transformers as tf
@@ -21,6 +25,9 @@ def _family_configs():
         "original_max_position_embeddings": 32,
         "rope_theta": 500000.0,
     }
+    # DeepSeek's published YaRN: mscale and mscale_all_dim also temper the softmax scale of latent attention.
+    mla_yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=24, max_position_embeddings=128, tie_word_embeddings=False)),
@@ -37,6 +44,10 @@ def _family_configs():
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(_ATTN, intermediate_size=96, head_dim=32, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(_ATTN, num_hidden_layers=4, intermediate_size=96, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211, intermediate_size=128, rotary_pct=0.25)),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(_MLA, q_lora_rank=24, first_k_dense_replace=3)),
+        "deepseek_v3_no_q_lora_yarn": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(_MLA, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False, max_position_embeddings=128, rope_parameters=mla_yarn)),
+        "deepseek_v2_lite": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(_MLA, q_lora_rank=None, first_k_dense_replace=3)),
+        "deepseek_v2_yarn": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(_MLA, q_lora_rank=16, first_k_dense_replace=3, max_position_embeddings=128, rope_parameters=mla_yarn)),
         "gpt_neox_serial": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=211, intermediate_size=128, rotary_pct=0.5, use_parallel_residual=False)),
     }
 

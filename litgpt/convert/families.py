@@ -48,6 +48,7 @@ class Family:
     fused_gate_up: bool = False  # Phi-3 keeps gate and up projections in one matrix
     head_dim_key: bool = True  # config.json has `head_dim`
     default_tie: bool = False
+    latent: bool = False  # multi-head latent attention (DeepSeek): see the DeepSeek section below
 
 
 def _family(model_type: str, architecture: str, free: tuple[str, ...] = (), **kwargs: Any) -> Family:
@@ -96,11 +97,18 @@ FAMILIES: dict[str, Family] = {
             free=("parallel_residual",),
             fixed=dict(norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", bias=True),
         ),
+        # config.json's head_dim is the rotary size (transformers sets it so); head_size is derived from the MLA sizes.
+        _family("deepseek_v3", "DeepseekV3ForCausalLM", head_dim_key=False, latent=True),
+        _family("deepseek_v2", "DeepseekV2ForCausalLM", head_dim_key=False, latent=True,
+                fixed=dict(rope_interleaved=True)),
     ]
 }
+# Other model types whose config.json describes one of the families above (Kimi K2 ships DeepSeek-V3's classes).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def family_of(model_type: str, where: str) -> Family:
+    model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise UserError(
             f"{where} has model_type {model_type!r}, which litgpt does not support. "
@@ -192,6 +200,8 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
         # transformers' default for both families when config.json has none
         values["router_aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.001)
 
+    if family.latent:
+        values.update(_latent_from_hf(hf, family, where))
     values.update(_rope_from_hf(hf, family, where))
     values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
     return Config(**values)
@@ -298,6 +308,10 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             "Set hf_model_type in model_config.yaml to the family these weights match."
         )
     c = config
+    if (c.kv_lora_rank is not None) != family.latent:
+        kind = "has" if family.latent else "has no"
+        raise UserError(f"Hugging Face {family.model_type!r} {kind} latent attention; this model's kv_lora_rank is "
+                        f"{c.kv_lora_rank}. Set hf_model_type in model_config.yaml to the family these weights match.")
     hf: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -313,7 +327,7 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     }
     if family.head_dim_key:
         hf["head_dim"] = c.head_size
-    elif c.head_size != c.n_embd // c.n_head:
+    elif c.head_size != c.n_embd // c.n_head and not family.latent:
         raise UserError(f"Hugging Face {family.model_type!r} requires head_size == n_embd // n_head.")
     if c.rope_scaling is not None:
         scaling = dict(c.rope_scaling)
@@ -362,6 +376,8 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if family.latent:
+        hf.update(_latent_to_hf(c, family))
     hf.update(_sliding_to_hf(c, family))
     hf.update(extra or {})
     return hf
@@ -486,7 +502,10 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
             add(f"{lit}.post_mlp_norm", f"{hf}.post_feedforward_layernorm")
         else:
             add(f"{lit}.norm_2", f"{hf}.post_attention_layernorm")
-        if family.fused_qkv:
+        if family.latent:
+            for ours, theirs in _latent_modules(c):
+                add(f"{lit}.attn.{ours}", f"{hf}.self_attn.{theirs}")
+        elif family.fused_qkv:
             add(f"{lit}.attn.qkv", f"{hf}.self_attn.qkv_proj")
         else:
             attn = f"{hf}.self_attn"
@@ -510,3 +529,41 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
             add(f"{lit}.mlp.fc_2", f"{hf}.mlp.up_proj")
             add(f"{lit}.mlp.proj", f"{hf}.mlp.down_proj")
     return out
+
+
+# ---- DeepSeek-V2/V3 and Kimi K2: multi-head latent attention -------------------------------------------------------------
+_LATENT_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_from_hf(hf: dict, family: Family, where: str) -> dict:
+    """The latent attention sizes; the layers must be dense until litgpt runs DeepSeek's mixture of experts."""
+    heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise UserError(f"{where}: num_key_value_heads must equal num_attention_heads ({heads}) with latent attention.")
+    values = {key: hf.get(key) if key == "q_lora_rank" else hf[key] for key in _LATENT_SIZES}
+    n_layer = hf["num_hidden_layers"]
+    dense = hf.get("first_k_dense_replace", 0)
+    if hf.get("n_routed_experts") and dense < n_layer:
+        raise UserError(f"{where}: layers {dense} to {n_layer - 1} are DeepSeek mixture-of-experts layers, which "
+                        "litgpt does not run yet; only models whose first_k_dense_replace covers every layer convert.")
+    values.update(
+        head_size=values["qk_nope_head_dim"] + values["qk_rope_head_dim"],
+        n_query_groups=heads,
+        rope_interleaved=bool(hf.get("rope_interleave", True)) if family.model_type == "deepseek_v3" else True,
+    )
+    return values
+
+
+def _latent_to_hf(c: Config, family: Family) -> dict:
+    hf = {key: getattr(c, key) for key in _LATENT_SIZES}
+    hf.update(head_dim=c.qk_rope_head_dim, first_k_dense_replace=c.n_layer, attention_bias=False)
+    if family.model_type == "deepseek_v3":
+        hf.update(rope_interleave=c.rope_interleaved, num_nextn_predict_layers=0)
+    return hf
+
+
+def _latent_modules(c: Config) -> list[tuple[str, str]]:
+    """(litgpt, Hugging Face) names of the latent attention's modules under `attn` / `self_attn`."""
+    query = [("q_proj", "q_proj")] if c.q_lora_rank is None else [
+        ("q_a_proj", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj")]
+    return query + [("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj")]
