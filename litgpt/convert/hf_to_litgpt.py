@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Iterator, Optional
@@ -44,6 +45,8 @@ class HFWeights:
                 "Download the model again with `litgpt download REPO_ID`."
             )
         self._names = {key: key for key in self._files}  # the name conversion uses -> the name in the file
+        self._fp8: dict[str, str] = {}  # FP8 weight -> its block scales (`dequantize_fp8`)
+        self._fp8_block, self._fp8_dtype = (128, 128), torch.bfloat16
 
     def _shards(self, single: str, pattern: str) -> list[Path]:
         index = self.folder / f"{single}.index.json"
@@ -70,17 +73,49 @@ class HFWeights:
                     names[new + key[len(old):]] = key
         self._names = names
 
+    def dequantize_fp8(self, block: tuple[int, int], dtype: torch.dtype) -> None:
+        """Read every float8 weight that has a `weight_scale_inv` beside it as weight * scale per block (DeepSeek's
+        published checkpoints), in `dtype`; the scales themselves are then no tensors of the model."""
+        scales = {key[: -len("_scale_inv")]: key for key in self._names if key.endswith(".weight_scale_inv")}
+        self._fp8 = {key: scale for key, scale in scales.items() if key in self._names}
+        self._names = {key: name for key, name in self._names.items() if key not in self._fp8.values()}
+        self._fp8_block, self._fp8_dtype = block, dtype
+
+    def skip_layers_from(self, first: int, why: str) -> None:
+        """Leave out the tensors of decoder layers `first` and above (DeepSeek's multi-token prediction module)."""
+        pattern = re.compile(r"model\.layers\.(\d+)\.")
+        skipped = {key for key in self._names if (m := pattern.match(key)) and int(m.group(1)) >= first}
+        if skipped:
+            print(f"Note: leaving out {len(skipped)} tensors of layers {first} and above ({why}).")
+        self._names = {key: name for key, name in self._names.items() if key not in skipped}
+
     def keys(self) -> set[str]:
         return set(self._names)
 
     def get(self, key: str) -> torch.Tensor:
         name = self._names[key]
-        return self._open[self._files[name]][name]
+        tensor = self._open[self._files[name]][name]
+        scale_key = self._fp8.get(key)
+        if scale_key is None:
+            return tensor
+        scale = self._open[self._files[scale_key]][scale_key]
+        return dequantize_fp8_blocks(tensor, scale, self._fp8_block).to(self._fp8_dtype)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight (rows, cols) times scale_inv[i // block[0], j // block[1]] at every (i, j), in float32: the block
+    scaling of DeepSeek's FP8 checkpoints (the last blocks of a row or column may be partial)."""
+    rows, cols = weight.shape
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise UserError(f"An FP8 weight of shape {tuple(weight.shape)} has scales of shape {tuple(scale_inv.shape)}, "
+                        f"which do not tile it in blocks of {block[0]}x{block[1]}.")
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return weight.float() * scale
 
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
 
@@ -169,8 +204,10 @@ def convert_hf_checkpoint(
     if (checkpoint_dir / WEIGHTS_FILE).exists() and not overwrite:
         raise UserError(f"{str(checkpoint_dir / WEIGHTS_FILE)!r} exists already: pass --overwrite true to replace it.")
     weights = HFWeights(checkpoint_dir)
-    if "text_config" in read_hf_config(checkpoint_dir):
+    hf_config = read_hf_config(checkpoint_dir)
+    if "text_config" in hf_config:
         weights.language_model_only()
+    _read_deepseek_extras(weights, hf_config, config, DTYPES.get(dtype))
     state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
     if config.tie_embeddings:
         # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
@@ -178,6 +215,19 @@ def convert_hf_checkpoint(
     save_state_dict(state_dict, checkpoint_dir / WEIGHTS_FILE)
     config.save(checkpoint_dir / CONFIG_FILE)
     print(f"Wrote {checkpoint_dir / WEIGHTS_FILE} and {checkpoint_dir / CONFIG_FILE} ({config.name or 'unnamed'})")
+
+
+def _read_deepseek_extras(weights: HFWeights, hf: dict, config: Config, dtype: Optional[torch.dtype]) -> None:
+    """DeepSeek-V3's published checkpoints store most weights in FP8 with block scales, and add multi-token
+    prediction layers after the model's own (num_nextn_predict_layers): the first are dequantized (to `dtype`,
+    default bfloat16), the second left out, since litgpt predicts the next token only."""
+    quantization = hf.get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":
+        block = tuple(quantization.get("weight_block_size") or (128, 128))
+        weights.dequantize_fp8(block, dtype or torch.bfloat16)
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    if mtp:
+        weights.skip_layers_from(config.n_layer, f"the {mtp} multi-token prediction layer(s) of num_nextn_predict_layers")
 
 
 def resolve_config(checkpoint_dir: Path, model_name: Optional[str]) -> Config:
