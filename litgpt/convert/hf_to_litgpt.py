@@ -171,7 +171,10 @@ def convert_hf_checkpoint(
     weights = HFWeights(checkpoint_dir)
     if "text_config" in read_hf_config(checkpoint_dir):
         weights.language_model_only()
-    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
+    # DeepSeek-V3 and GLM-4.5 publish their multi-token prediction layers as layers n_layer, n_layer + 1, ...: a
+    # draft head for speculative decoding, which litgpt does not run; they are left out, with a note.
+    mtp_layers = read_hf_config(checkpoint_dir).get("num_nextn_predict_layers") or 0
+    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype), mtp_layers))
     if config.tie_embeddings:
         # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
         state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
@@ -218,9 +221,10 @@ def architecture_differences(a: Config, b: Config) -> str:
 
 
 def convert_weights(
-    weights: HFWeights, config: Config, dtype: Optional[torch.dtype]
+    weights: HFWeights, config: Config, dtype: Optional[torch.dtype], mtp_layers: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time."""
+    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time; the
+    `mtp_layers` multi-token prediction layers after the last layer (model.layers.{n_layer}...) are skipped."""
     from litgpt.model import GPT
 
     with meta_device():
@@ -243,6 +247,12 @@ def convert_weights(
                 )
             yield name, tensor.to(dtype) if dtype is not None else tensor
         used.update(rule.hf)
+    mtp = tuple(f"model.layers.{config.n_layer + i}." for i in range(mtp_layers))
+    skipped = {key for key in available if mtp and key.startswith(mtp)}
+    if skipped:
+        print(f"Skipped the {mtp_layers} multi-token prediction layer(s) ({len(skipped)} tensors, "
+              f"{', '.join(p.rstrip('.') for p in mtp)}): litgpt does not run them.")
+    available = available - skipped
     unexpected = sorted(
         key
         for key in available - used
