@@ -222,3 +222,30 @@ def test_multi_token_prediction_layer_is_skipped_with_a_note(tmp_path, capsys):
     (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     convert_hf_checkpoint(hf_dir)
     assert "Skipped the 1 multi-token prediction layer(s)" in capsys.readouterr().out
+
+
+# The published config.json of zai-org/GLM-4.5 and GLM-4.5-Air, written out by hand (the keys that describe the
+# architecture); GLM-4.6's differs from GLM-4.5's in max_position_embeddings alone.
+GLM_4_5_JSON = dict(
+    architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", attention_bias=True, head_dim=128, hidden_act="silu",
+    hidden_size=5120, partial_rotary_factor=0.5, intermediate_size=12288, max_position_embeddings=131072,
+    moe_intermediate_size=1536, norm_topk_prob=True, num_attention_heads=96, n_group=1, topk_group=1,
+    n_routed_experts=160, n_shared_experts=1, routed_scaling_factor=2.5, num_experts_per_tok=8,
+    first_k_dense_replace=3, num_hidden_layers=92, num_key_value_heads=8, rms_norm_eps=1e-5, rope_scaling=None,
+    rope_theta=1000000, num_nextn_predict_layers=1, tie_word_embeddings=False, use_qk_norm=True, vocab_size=151552,
+)
+GLM_4_5_AIR_JSON = dict(
+    GLM_4_5_JSON, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+    routed_scaling_factor=1.0, first_k_dense_replace=1, num_hidden_layers=46, use_qk_norm=False,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [("GLM-4.5", GLM_4_5_JSON), ("GLM-4.5-Base", GLM_4_5_JSON), ("GLM-4.5-Air", GLM_4_5_AIR_JSON),
+     ("GLM-4.5-Air-Base", GLM_4_5_AIR_JSON), ("GLM-4.6", dict(GLM_4_5_JSON, max_position_embeddings=202752))],
+)
+def test_named_glm_configs_equal_their_published_config_json(name, published):
+    from litgpt.convert.hf_to_litgpt import architecture_differences
+
+    assert architecture_differences(Config.from_name(name), config_from_hf(published)) == ""
