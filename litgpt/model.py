@@ -6,6 +6,7 @@ parallelism. Parameters may be created on the `meta` device and materialized lat
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -166,6 +167,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+                if isinstance(module, Router) and module.e_score_correction_bias is not None:
+                    nn.init.zeros_(module.e_score_correction_bias)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
         self._rope_cache.clear()
@@ -180,7 +183,7 @@ class Block(nn.Module):
         self.post_attention_norm = build_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
         shares_norm = config.parallel_residual and config.shared_attention_norm
         self.norm_2 = None if shares_norm else build_norm(config, config.n_embd)
-        self.mlp = build_mlp(config)
+        self.mlp = build_mlp(config, layer_idx)
         self.post_mlp_norm = build_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
     def forward(
@@ -661,9 +664,14 @@ class LLaMAMoE(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.gate = Router(config)
         self.experts = nn.ModuleList(
             LLaMAMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_expert)
+        )
+        # DeepSeek's shared experts: one MLP every token goes through, added to the routed experts' output.
+        self.shared_experts = (
+            LLaMAMLP(config, intermediate_size=config.moe_shared_intermediate_size)
+            if config.moe_n_shared_expert else None
         )
         self.config = config
         # What the load-balancing loss needs from the latest forward pass (`GPT.router_aux_loss`).
@@ -673,10 +681,7 @@ class LLaMAMoE(nn.Module):
         B, T, C = x.shape
         k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(k, dim=-1)
-        if self.config.moe_renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen, probs = self.route(x)
         dtype = _compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
         if self.router_stats is None and self.config.router_aux_loss_coef:
@@ -693,7 +698,50 @@ class LLaMAMoE(nn.Module):
                 y = route.from_layout(self._experts(route.to_layout(rows.to(dtype)), route))
         # Back to (token, slot) order; every token has exactly k slots, so the weighted sum is a reshape.
         y = y.index_select(0, route.inverse).view(-1, k, C)
-        return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype).view(B, T, C)
+        y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(B, T, C)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, experts), each (tokens, n_expert_per_token), and the probabilities per expert (tokens,
+        n_expert) that the load-balancing loss reads, all float32.
+
+        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities. Sigmoid
+        routers (DeepSeek-V3, GLM-4.5) score each expert on its own; the loss then reads each token's scores divided
+        by their sum, so that P_e stays a distribution over the experts as in Switch Transformer's loss. The
+        correction bias and the group limit change only which experts are chosen, never their weights; the weights
+        are then renormalized (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
+        """
+        c = self.config
+        logits = self.gate(x)
+        if c.moe_score_function == "softmax":
+            scores = probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = logits.float().sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores if self.gate.e_score_correction_bias is None else scores + self.gate.e_score_correction_bias
+        if c.moe_n_group > 1:
+            choice = self._limit_to_groups(choice)
+        chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if c.moe_renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.moe_routed_scaling != 1.0:
+            weights = weights * c.moe_routed_scaling
+        return weights, chosen, probs
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The scores of the experts outside each token's moe_topk_group best groups set to -inf."""
+        c = self.config
+        grouped = choice.view(-1, c.moe_n_group, c.n_expert // c.moe_n_group)
+        if c.moe_group_score == "top2_sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(c.moe_topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def _kernel(self, x: torch.Tensor, dtype: torch.dtype) -> str:
         """How the experts run, decided once per forward pass: "grouped" (torch._grouped_mm), "blocks" (one bmm over
@@ -737,6 +785,30 @@ class LLaMAMoE(nn.Module):
         b = [layer.lora_B.to(x.dtype) for layer in layers]
         low = _ExpertsLinear.apply(first.lora_dropout(x), route.groups, route.kernel, 1, *a) * first.scaling
         return _ExpertsLinear.apply(low, route.groups, route.kernel, 1, *b)
+
+
+class Router(nn.Linear):
+    """A mixture of experts' router: `weight` (n_expert, n_embd) gives the logits, in float32 for sigmoid routers as
+    DeepSeek-V3 and GLM-4.5 compute them (their checkpoints keep the router in float32), in the model's dtype for
+    softmax ones (Mixtral). `e_score_correction_bias` (n_expert,), with moe_expert_bias, is the buffer DeepSeek-V3
+    adds to the scores to choose the experts; load balancing adjusts it outside of gradient descent, so it is a
+    buffer, saved, loaded and converted with the weights, never trained."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config.n_embd, config.n_expert, bias=False)
+        self.float32_logits = config.moe_score_function == "sigmoid"
+        self.e_score_correction_bias: Optional[torch.Tensor]
+        if config.moe_expert_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_expert))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.float32_logits:
+            return super().forward(x)
+        autocast_off = torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else None
+        with autocast_off or contextlib.nullcontext():
+            return F.linear(x.float(), self.weight.float())
 
 
 class RouterStats(NamedTuple):
@@ -913,7 +985,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def build_mlp(config: Config) -> nn.Module:
+def build_mlp(config: Config, layer_idx: Optional[int] = None) -> nn.Module:
+    """The MLP of layer `layer_idx`: the config's class, or the dense LLaMAMLP in the first moe_first_dense_layers
+    layers of a mixture of experts (None: the config's class)."""
+    if layer_idx is not None and config.mlp_class_name == "LLaMAMoE" and not config.is_moe_layer(layer_idx):
+        return LLaMAMLP(config)
     return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}[
         config.mlp_class_name
     ](config)

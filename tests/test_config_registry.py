@@ -74,6 +74,9 @@ PUBLISHED = {
     "SmolLM2-135M": (576, 30, 9, 3, 1536, 49152, 100000, 1e-5, True, 64),
     "SmolLM2-360M-Instruct": (960, 32, 15, 5, 2560, 49152, 100000, 1e-5, True, 64),
     "SmolLM2-1.7B": (2048, 24, 32, 32, 8192, 49152, 130000, 1e-5, True, 64),
+    "GLM-4.5": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
+    "GLM-4.5-Air": (4096, 46, 96, 8, 10944, 151552, 1000000, 1e-5, False, 128),
+    "GLM-4.6": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
 }
 
 # Published context lengths (max_position_embeddings).
@@ -100,6 +103,9 @@ PUBLISHED_BLOCK_SIZE = {
     "gemma-3-1b-it": 32768,
     "gemma-3-27b-it": 131072,
     "SmolLM2-135M": 8192,
+    "GLM-4.5": 131072,
+    "GLM-4.5-Air": 131072,
+    "GLM-4.6": 202752,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -135,11 +141,22 @@ PUBLISHED_PARAMS = {
     "SmolLM2-135M": 135e6,
     "SmolLM2-360M": 362e6,
     "SmolLM2-1.7B": 1.71e9,
+    # Without the multi-token prediction layer that the checkpoints also hold (GLM-4.5: 3.9B, Air: 2.3B, which
+    # litgpt does not convert): 352.8B and 106.8B, within 1% of the announced 355B and 106B.
+    "GLM-4.5": 355e9,
+    "GLM-4.5-Air": 106e9,
+}
+# Published active parameters per token of mixtures: every weight a token goes through except the embedding and
+# output matrices (the count model cards announce). Announced in whole billions, hence 5%: "12B" may be 11.5-12.5B.
+PUBLISHED_ACTIVE_PARAMS = {
+    "GLM-4.5": 32e9,  # 32.1B
+    "GLM-4.5-Air": 12e9,  # 12.2B
 }
 
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
 HF_MODEL_TYPES = {
-    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox"
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
+    "glm4_moe",
 }
 
 
@@ -301,9 +318,10 @@ def meta_param_counts():
             config = Config(**values)
             key = repr({k: v for k, v in values.items() if k not in ("name", "hf_config", "prompt_style")})
             if key not in by_architecture:
-                if name in MANY_EXPERTS:
-                    one, two = (_meta_param_count(Config(**{**values, "n_layer": n})) for n in (1, 2))
-                    by_architecture[key] = one + (config.n_layer - 1) * (two - one)
+                if name in MANY_EXPERTS:  # the dense first layers, then identical MoE layers
+                    dense = config.moe_first_dense_layers
+                    one, two = (_meta_param_count(Config(**{**values, "n_layer": dense + n})) for n in (1, 2))
+                    by_architecture[key] = one + (config.n_layer - dense - 1) * (two - one)
                 else:
                     by_architecture[key] = _meta_param_count(config)
             counts[name] = by_architecture[key]
@@ -334,6 +352,24 @@ def test_every_config_builds_on_meta_with_a_plausible_size(meta_param_counts):
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_published_parameter_counts(meta_param_counts, name):
     assert meta_param_counts[name] == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE_PARAMS))
+def test_published_active_parameter_counts(meta_param_counts, name):
+    """The total less the embedding and output matrices and the experts a token does not go through, the sizes of
+    one expert and of the embeddings read from a model built on the meta device."""
+    config = Config(**REGISTRY[name])
+    patch = _skip_meta_init()
+    try:
+        with torch.device("meta"):
+            model = GPT(Config(**{**REGISTRY[name], "n_layer": config.moe_first_dense_layers + 1}))
+    finally:
+        patch.undo()
+    per_expert = sum(p.numel() for p in model.transformer.h[-1].mlp.experts[0].parameters())
+    idle_experts = (config.n_expert - config.n_expert_per_token) * (config.n_layer - config.moe_first_dense_layers)
+    embeddings = model.transformer.wte.weight.numel() + model.lm_head.weight.numel()
+    active = meta_param_counts[name] - embeddings - idle_experts * per_expert
+    assert active == pytest.approx(PUBLISHED_ACTIVE_PARAMS[name], rel=0.05)
 
 
 def test_from_name_by_hub_id():

@@ -155,7 +155,7 @@ def test_fp8_checkpoint_with_a_prediction_layer(tmp_path, capsys):
     tensors = load_file(tmp_path / "model.safetensors")
     expected = {}
     for key in list(tensors):
-        if key.endswith("_proj.weight") and "layers.0." in key:
+        if key.endswith("_proj.weight") and ("layers.0." in key or "layers.1.mlp.experts.1." in key):
             fp8 = tensors[key].to(torch.float8_e4m3fn)
             scale = torch.rand(-(-fp8.size(0) // 16), -(-fp8.size(1) // 16)) + 0.5
             tensors[key], tensors[key + "_scale_inv"] = fp8, scale
@@ -171,25 +171,18 @@ def test_fp8_checkpoint_with_a_prediction_layer(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     convert_hf_checkpoint(tmp_path, dtype="float32")
-    assert re.search(r"leaving out \d+ tensors of layers 3 and above", capsys.readouterr().out)
+    assert re.search(r"Skipped the 1 multi-token prediction layer\(s\) \(\d+ tensors, model.layers.3\)",
+                     capsys.readouterr().out)
     state = load_state_dict(tmp_path / "lit_model.pth")
-    assert len([k for k in state if k.startswith("transformer.h.")]) == 3 * len(
-        [k for k in state if k.startswith("transformer.h.0.")])
+    assert not any(key.startswith("transformer.h.3.") for key in state)
     torch.testing.assert_close(state["transformer.h.0.attn.kv_b_proj.weight"],
                                expected["model.layers.0.self_attn.kv_b_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(state["transformer.h.0.mlp.fc_1.weight"],
                                expected["model.layers.0.mlp.gate_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(state["transformer.h.1.mlp.experts.1.proj.weight"],
+                               expected["model.layers.1.mlp.experts.1.down_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(state["transformer.h.1.attn.kv_b_proj.weight"],
                                hf.state_dict()["model.layers.1.self_attn.kv_b_proj.weight"], rtol=0, atol=0)
-
-
-def test_mixture_of_experts_layers_are_refused_in_one_line(tmp_path):
-    save_hf_model("deepseek_v3", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["first_k_dense_replace"] = 1
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=r"layers 1 to 2 are DeepSeek mixture-of-experts layers"):
-        convert_hf_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("q_lora_rank", [12, None])

@@ -1,4 +1,5 @@
-"""Every command on a tiny DeepSeek-shaped model (multi-head latent attention), through the CLI as users type it."""
+"""Every command on a tiny DeepSeek-V3-shaped model (multi-head latent attention, a dense first layer, then shared and
+routed experts with a sigmoid router, correction bias and groups), through the CLI as users type it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ FAST = ["--train.max_steps", "2", "--train.log_interval", "1", "--eval.max_iters
 DEEPSEEK_TINY = dict(name="deepseek-tiny", hf_model_type="deepseek_v3", block_size=128, vocab_size=4096,
                      padded_vocab_size=4096, n_layer=2, n_embd=32, n_head=2, head_size=24, intermediate_size=64,
                      kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                     rope_interleaved=True, norm_eps=1e-6, prompt_style="alpaca")
+                     rope_interleaved=True, norm_eps=1e-6, prompt_style="alpaca", mlp_class_name="LLaMAMoE",
+                     n_expert=4, n_expert_per_token=2, moe_intermediate_size=16, moe_n_shared_expert=1,
+                     moe_score_function="sigmoid", moe_expert_bias=True, moe_n_group=2, moe_topk_group=1,
+                     moe_routed_scaling=2.5, moe_first_dense_layers=1)
 
 
 def litgpt(*args) -> subprocess.CompletedProcess:

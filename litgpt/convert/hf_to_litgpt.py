@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Iterator, Optional
@@ -80,14 +79,6 @@ class HFWeights:
         self._fp8 = {key: scale for key, scale in scales.items() if key in self._names}
         self._names = {key: name for key, name in self._names.items() if key not in self._fp8.values()}
         self._fp8_block, self._fp8_dtype = block, dtype
-
-    def skip_layers_from(self, first: int, why: str) -> None:
-        """Leave out the tensors of decoder layers `first` and above (DeepSeek's multi-token prediction module)."""
-        pattern = re.compile(r"model\.layers\.(\d+)\.")
-        skipped = {key for key in self._names if (m := pattern.match(key)) and int(m.group(1)) >= first}
-        if skipped:
-            print(f"Note: leaving out {len(skipped)} tensors of layers {first} and above ({why}).")
-        self._names = {key: name for key, name in self._names.items() if key not in skipped}
 
     def keys(self) -> set[str]:
         return set(self._names)
@@ -207,8 +198,11 @@ def convert_hf_checkpoint(
     hf_config = read_hf_config(checkpoint_dir)
     if "text_config" in hf_config:
         weights.language_model_only()
-    _read_deepseek_extras(weights, hf_config, config, DTYPES.get(dtype))
-    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
+    _read_fp8(weights, hf_config, DTYPES.get(dtype))
+    # DeepSeek-V3 and GLM-4.5 publish their multi-token prediction layers as layers n_layer, n_layer + 1, ...: a
+    # draft head for speculative decoding, which litgpt does not run; they are left out, with a note.
+    mtp_layers = hf_config.get("num_nextn_predict_layers") or 0
+    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype), mtp_layers))
     if config.tie_embeddings:
         # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
         state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
@@ -217,17 +211,13 @@ def convert_hf_checkpoint(
     print(f"Wrote {checkpoint_dir / WEIGHTS_FILE} and {checkpoint_dir / CONFIG_FILE} ({config.name or 'unnamed'})")
 
 
-def _read_deepseek_extras(weights: HFWeights, hf: dict, config: Config, dtype: Optional[torch.dtype]) -> None:
-    """DeepSeek-V3's published checkpoints store most weights in FP8 with block scales, and add multi-token
-    prediction layers after the model's own (num_nextn_predict_layers): the first are dequantized (to `dtype`,
-    default bfloat16), the second left out, since litgpt predicts the next token only."""
+def _read_fp8(weights: HFWeights, hf: dict, dtype: Optional[torch.dtype]) -> None:
+    """DeepSeek-V3's published checkpoints store most weights in FP8 with a scale per block (quant_method "fp8",
+    weight_block_size): read them dequantized, in `dtype` (default bfloat16, the dtype of their other tensors)."""
     quantization = hf.get("quantization_config") or {}
     if quantization.get("quant_method") == "fp8":
         block = tuple(quantization.get("weight_block_size") or (128, 128))
         weights.dequantize_fp8(block, dtype or torch.bfloat16)
-    mtp = hf.get("num_nextn_predict_layers") or 0
-    if mtp:
-        weights.skip_layers_from(config.n_layer, f"the {mtp} multi-token prediction layer(s) of num_nextn_predict_layers")
 
 
 def resolve_config(checkpoint_dir: Path, model_name: Optional[str]) -> Config:
@@ -268,9 +258,10 @@ def architecture_differences(a: Config, b: Config) -> str:
 
 
 def convert_weights(
-    weights: HFWeights, config: Config, dtype: Optional[torch.dtype]
+    weights: HFWeights, config: Config, dtype: Optional[torch.dtype], mtp_layers: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time."""
+    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time; the
+    `mtp_layers` multi-token prediction layers after the last layer (model.layers.{n_layer}...) are skipped."""
     from litgpt.model import GPT
 
     with meta_device():
@@ -293,6 +284,12 @@ def convert_weights(
                 )
             yield name, tensor.to(dtype) if dtype is not None else tensor
         used.update(rule.hf)
+    mtp = tuple(f"model.layers.{config.n_layer + i}." for i in range(mtp_layers))
+    skipped = {key for key in available if mtp and key.startswith(mtp)}
+    if skipped:
+        print(f"Skipped the {mtp_layers} multi-token prediction layer(s) ({len(skipped)} tensors, "
+              f"{', '.join(p.rstrip('.') for p in mtp)}): litgpt does not run them.")
+    available = available - skipped
     unexpected = sorted(
         key
         for key in available - used
