@@ -5,12 +5,12 @@ both caches on the tiny shape.
     OMP_NUM_THREADS=1 python benchmarks/mla_cache.py
     python benchmarks/mla_cache.py --device cuda --dtype bfloat16
 
-The bytes are those of the cache buffers `MultiheadLatentAttention.new_kv_cache` allocates (DeepSeek-V3's on the
-meta device: shapes without memory; the tiny model's for real). Decoding runs `litgpt.generate.generate` greedily
-after a prompt, `--repeats` times per cache in turn; the median gives tokens/s (on the CPU the process' CPU time,
-with OMP_NUM_THREADS=1 the work done whatever a shared host's neighbours do; wall time on CUDA). Both caches must
-produce the same tokens. The JSON result goes to benchmarks/results/mla_cache-<device>-<date>.json unless --output
-says otherwise.
+The bytes are those of the cache buffers `MultiheadLatentAttention.new_kv_cache` allocates (the registered
+DeepSeek-V3's on the meta device, at its full 163840-token context: shapes without memory; the tiny model's for
+real). Decoding runs `litgpt.generate.generate` greedily after a prompt, `--repeats` times per cache in turn; the
+median gives tokens/s (on the CPU the process' CPU time, with OMP_NUM_THREADS=1 the work done whatever a shared
+host's neighbours do; wall time on CUDA). Both caches must produce the same tokens. The JSON result goes to
+benchmarks/results/mla_cache-<device>-<date>.json unless --output says otherwise.
 """
 
 from __future__ import annotations
@@ -28,10 +28,6 @@ from litgpt.config import Config
 from litgpt.generate import generate
 from litgpt.model import GPT, MultiheadLatentAttention
 
-# DeepSeek-V3's attention (config.json of deepseek-ai/DeepSeek-V3; the MLP does not change the cache).
-DEEPSEEK_V3 = dict(name="DeepSeek-V3 attention", n_layer=61, n_embd=7168, n_head=128, head_size=192, block_size=163840,
-                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   rope_interleaved=True, vocab_size=129280, padded_vocab_size=129280, intermediate_size=18432)
 # Its proportions at a size that decodes quickly on a CPU: 8 heads, latent 64 + rotary 16 vs. 8 * (48 + 32) full.
 TINY = dict(name="tiny MLA", n_layer=4, n_embd=256, n_head=8, head_size=48, block_size=1024, q_lora_rank=96,
             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope_interleaved=True,
@@ -76,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
-    for values, tokens, device in ((DEEPSEEK_V3, DEEPSEEK_V3["block_size"], "meta"), (TINY, args.prompt, args.device)):
-        config = Config(**values)
+    for config, tokens, device in ((Config.from_name("DeepSeek-V3"), 163840, "meta"),
+                                   (Config(**TINY), args.prompt, args.device)):
         latent, full = (cache_bytes(config, tokens, flag, device, torch.bfloat16) for flag in (True, False))
         rows.append(dict(model=config.name, tokens=tokens, latent_bytes_per_token=latent // tokens,
                          full_bytes_per_token=full // tokens, latent_total=latent, full_total=full))

@@ -77,6 +77,14 @@ PUBLISHED = {
     "GLM-4.5": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
     "GLM-4.5-Air": (4096, 46, 96, 8, 10944, 151552, 1000000, 1e-5, False, 128),
     "GLM-4.6": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
+    # Latent attention: head_dim is qk_nope_head_dim + qk_rope_head_dim (128 + 64); key/value heads = heads.
+    "DeepSeek-V3": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "DeepSeek-V3-Base": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "DeepSeek-R1": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "Kimi-K2-Instruct": (7168, 61, 64, 64, 18432, 163840, 50000, 1e-6, False, 192),
+    "Kimi-K2-Base": (7168, 61, 64, 64, 18432, 163840, 50000, 1e-6, False, 192),
+    "DeepSeek-V2-Lite": (2048, 27, 16, 16, 10944, 102400, 10000, 1e-6, False, 192),
+    "DeepSeek-V2-Lite-Chat": (2048, 27, 16, 16, 10944, 102400, 10000, 1e-6, False, 192),
 }
 
 # Published context lengths (max_position_embeddings).
@@ -106,6 +114,10 @@ PUBLISHED_BLOCK_SIZE = {
     "GLM-4.5": 131072,
     "GLM-4.5-Air": 131072,
     "GLM-4.6": 202752,
+    "DeepSeek-V3": 163840,
+    "DeepSeek-R1": 163840,
+    "Kimi-K2-Instruct": 131072,
+    "DeepSeek-V2-Lite": 163840,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -145,6 +157,11 @@ PUBLISHED_PARAMS = {
     # litgpt does not convert): 352.8B and 106.8B, within 1% of the announced 355B and 106B.
     "GLM-4.5": 355e9,
     "GLM-4.5-Air": 106e9,
+    # Without the multi-token prediction layer of the V3/R1 checkpoints (14B: 685B with it), as DeepSeek counts.
+    "DeepSeek-V3": 671e9,
+    "DeepSeek-R1": 671e9,
+    "Kimi-K2-Instruct": 1026.5e9,  # the hub's count of the checkpoint ("1T" on the model card)
+    "DeepSeek-V2-Lite": 15.7e9,
 }
 # Published active parameters per token of mixtures: every weight a token goes through except the embedding and
 # output matrices (the count model cards announce). Announced in whole billions, hence 5%: "12B" may be 11.5-12.5B.
@@ -156,7 +173,7 @@ PUBLISHED_ACTIVE_PARAMS = {
 PROMPT_STYLES = {"default", "alpaca", "chatml", "llama2", "llama3", "mistral", "phi3", "gemma", "tinyllama"}
 HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
-    "glm4_moe",
+    "glm4_moe", "deepseek_v3", "deepseek_v2",
 }
 
 

@@ -12,7 +12,7 @@ import importlib
 from functools import lru_cache
 from typing import Callable, Iterable, Union
 
-FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "glm")
+FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "glm", "deepseek")
 
 
 def variants(org: str, common: dict, *sizes: dict) -> list[dict]:

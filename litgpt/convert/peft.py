@@ -31,7 +31,7 @@ import torch
 from litgpt.config import Config
 from litgpt.convert.families import Rule, weight_rules
 from litgpt.errors import UserError
-from litgpt.lora import LATENT_SWITCHES, LoRASettings
+from litgpt.lora import LoRASettings
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -347,8 +347,6 @@ def switch_of(module: str, suffix: str) -> str:
     """The LoRASettings switch that adapts this part of this litgpt module."""
     if module.endswith("attn.qkv"):
         return {"_q": "query", "_k": "key", "_v": "value"}[suffix]
-    if ".attn." in module and module.rsplit(".", 1)[-1] in LATENT_SWITCHES:
-        return LATENT_SWITCHES[module.rsplit(".", 1)[-1]]
     if module.endswith("attn.proj"):
         return "projection"
     return "head" if module == "lm_head" else "mlp"
