@@ -361,6 +361,9 @@ class MultiheadLatentAttention(nn.Module):
         cache = self.kv_cache if input_pos is not None else None
         if cache is not None and cache.latent:
             latent, k_rope = cache.update(input_pos, latent, k_rope)
+            if T == 1 and type(self.kv_b_proj) is nn.Linear:
+                y = self.attend_latent(q_nope, q_rope, latent, k_rope, mask)
+                return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
         k, v = self.expand(latent, k_rope)
         if cache is not None and not cache.latent:
             k, v = cache.update(input_pos, k, v)
@@ -368,6 +371,20 @@ class MultiheadLatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+
+    def attend_latent(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """Attention over the cached latents themselves, without expanding them (one decoded token): kv_b_proj's
+        key rows are folded into the query and its value rows applied after the attention, so a step costs
+        O(cache length * kv_lora_rank) per head instead of expanding every cached position. The same products in
+        another order: equal up to rounding. Returns (B, nh, T, v_head_dim)."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(c.n_head, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_k, w_v = w.split((c.qk_nope_head_dim, c.v_head_dim), dim=1)
+        q = torch.cat((q_nope @ w_k, q_rope), dim=-1)  # (B, nh, T, kv_lora_rank + qk_rope_head_dim)
+        k = torch.cat((latent, k_rope), dim=-1).expand(-1, c.n_head, -1, -1)
+        v = latent.expand(-1, c.n_head, -1, -1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return y @ w_v.transpose(1, 2)
 
     def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's key (B, nh, S, head_size) and value (B, nh, S, v_head_dim) from the latent (B, 1, S, r) and
