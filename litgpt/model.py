@@ -216,6 +216,7 @@ class CausalSelfAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
 
     def new_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> "KVCache":
+        """An empty cache of this layer's keys and values for `max_seq_length` positions of `batch_size` rows."""
         c = self.config
         return KVCache(batch_size, c.n_query_groups, max_seq_length, c.head_size, device=device, dtype=dtype)
 

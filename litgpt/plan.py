@@ -467,7 +467,8 @@ def _kv_cache_per_token(config: Config, itemsize: int) -> tuple[int, str]:
     nbytes = per_token()
     note = f"Generation (not in this training plan): one sequence's KV cache takes {words(nbytes)}"
     if config.kv_lora_rank is not None:
-        note += f" (latent attention's compressed latent; full keys and values would take {words(per_token(latent=False))})"
+        full = words(per_token(latent=False))
+        note += f" (latent attention's compressed latent; full keys and values would take {full})"
     return nbytes, note + "."
 
 

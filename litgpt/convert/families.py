@@ -559,7 +559,9 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
 
 # ---- DeepSeek-style mixture of experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5) ------------------------------------------
 # model_type -> the router's `topk_method` its transformers class hard-codes, or None to read config.json's.
-DEEPSEEK_MOE_FAMILIES: dict[str, Optional[str]] = {"glm4_moe": "noaux_tc", "deepseek_v3": "noaux_tc", "deepseek_v2": None}
+DEEPSEEK_MOE_FAMILIES: dict[str, Optional[str]] = {
+    "glm4_moe": "noaux_tc", "deepseek_v3": "noaux_tc", "deepseek_v2": None,
+}
 # topk_method -> how our router runs it: "noaux_tc" (DeepSeek-V3) chooses by sigmoid score plus the correction bias
 # within the best groups by top-2 sum; "greedy" and "group_limited_greedy" (DeepSeek-V2) by softmax probability,
 # the latter within the groups of the best single probabilities.
@@ -668,7 +670,7 @@ def add_deepseek_moe_modules(add, c: Config, layer: int, lit: str, hf: str) -> N
             add(f"{lit}.shared_experts.{ours}", f"{hf}.shared_experts.{theirs}")
 
 
-# ---- DeepSeek-V2/V3 and Kimi K2: multi-head latent attention -------------------------------------------------------------
+# ---- DeepSeek-V2/V3 and Kimi K2: multi-head latent attention --------------------------------------------------------
 _LATENT_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
