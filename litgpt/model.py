@@ -599,8 +599,11 @@ class LLaMAMoE(nn.Module):
         correction bias and the group limit change only which experts are chosen, never their weights; the weights
         are then renormalized (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
         """
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` from the router's logits (tokens, n_expert), as `litgpt compress_moe` reads them."""
         c = self.config
-        logits = self.gate(x)
         if c.moe_score_function == "softmax":
             scores = probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         else:
