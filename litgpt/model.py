@@ -567,13 +567,13 @@ class LLaMAMoE(nn.Module):
         B, T, C = x.shape
         k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
-        weights, chosen, probs = self.route(x)
+        weights, chosen, scores = self.route(x)
         dtype = _compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
         if self.router_stats is None and self.config.router_aux_loss_coef:
             # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the loss'
             # graph) when activation checkpointing runs the block again in the backward pass.
-            self.router_stats = RouterStats(route.counts(), probs.sum(dim=0), x.size(0))
+            self.router_stats = RouterStats(route.counts(), self.probabilities(scores).sum(dim=0), x.size(0))
         rows = x.index_select(0, route.token)
         if route.kernel == "modules":
             y = self._expert_modules(rows, route)
@@ -590,14 +590,13 @@ class LLaMAMoE(nn.Module):
         return y.view(B, T, C)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, experts), each (tokens, n_expert_per_token), and the probabilities per expert (tokens,
-        n_expert) that the load-balancing loss reads, all float32.
+        """(weights, experts), each (tokens, n_expert_per_token), and the scores of every expert (tokens, n_expert),
+        all float32.
 
-        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities. Sigmoid
-        routers (DeepSeek-V3, GLM-4.5) score each expert on its own; the loss then reads each token's scores divided
-        by their sum, so that P_e stays a distribution over the experts as in Switch Transformer's loss. The
-        correction bias and the group limit change only which experts are chosen, never their weights; the weights
-        are then renormalized (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
+        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities; sigmoid
+        routers (DeepSeek-V3, GLM-4.5) by their scores, each expert's on its own. The correction bias and the group
+        limit change only which experts are chosen, never their weights; the weights are then renormalized
+        (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
         """
         return self.route_logits(self.gate(x))
 
@@ -605,20 +604,28 @@ class LLaMAMoE(nn.Module):
         """`route` from the router's logits (tokens, n_expert), as `litgpt compress_moe` reads them."""
         c = self.config
         if c.moe_score_function == "softmax":
-            scores = probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         else:
             scores = logits.float().sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice = scores if self.gate.e_score_correction_bias is None else scores + self.gate.e_score_correction_bias
-        if c.moe_n_group > 1:
-            choice = self._limit_to_groups(choice)
-        chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
+        with torch.no_grad():  # which experts: no gradient flows through the choice, autograd keeps none of it
+            bias = self.gate.e_score_correction_bias
+            choice = scores if bias is None else scores + bias
+            if c.moe_n_group > 1:
+                choice = self._limit_to_groups(choice)
+            chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
         weights = scores.gather(1, chosen)
         if c.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if c.moe_routed_scaling != 1.0:
             weights = weights * c.moe_routed_scaling
-        return weights, chosen, probs
+        return weights, chosen, scores
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's distribution over the experts that the load-balancing loss reads: the softmax itself, or
+        each token's sigmoid scores divided by their sum (so that P_e sums to one, as in Switch Transformer's loss)."""
+        if self.config.moe_score_function == "softmax":
+            return scores
+        return scores / scores.sum(dim=-1, keepdim=True)
 
     def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """The scores of the experts outside each token's moe_topk_group best groups set to -inf."""
