@@ -570,10 +570,13 @@ class LLaMAMoE(nn.Module):
         weights, chosen, scores = self.route(x)
         dtype = _compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
-        if self.router_stats is None and self.config.router_aux_loss_coef:
-            # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the loss'
-            # graph) when activation checkpointing runs the block again in the backward pass.
-            self.router_stats = RouterStats(route.counts(), self.probabilities(scores).sum(dim=0), x.size(0))
+        if self.config.router_aux_loss_coef:
+            # Computed in every run of the block, so that a recomputation saves what the first forward saved.
+            probabilities = self.probabilities(scores)
+            if self.router_stats is None:
+                # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the
+                # loss' graph) when activation checkpointing runs the block again in the backward pass.
+                self.router_stats = RouterStats(route.counts(), probabilities.sum(dim=0), x.size(0))
         rows = x.index_select(0, route.token)
         if route.kernel == "modules":
             y = self._expert_modules(rows, route)
