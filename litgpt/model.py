@@ -538,14 +538,16 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class LLaMAMoE(nn.Module):
-    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router.
+    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the router (`route`:
+    Mixtral's softmax, or DeepSeek-V3's sigmoid with a correction bias and group-limited choice), plus, with
+    moe_n_shared_expert, the shared experts' MLP that every token goes through.
 
     The (token, slot) pairs are sorted by expert so that each expert's rows are contiguous, and every expert linear
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
-    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` an `nn.Linear`
-    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an
+    `nn.Linear`) whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
     """
 
     def __init__(self, config: Config) -> None:
