@@ -670,14 +670,16 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class LLaMAMoE(nn.Module):
-    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router.
+    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the router (`route`:
+    Mixtral's softmax, or DeepSeek-V3's sigmoid with a correction bias and group-limited choice), plus, with
+    moe_n_shared_expert, the shared experts' MLP that every token goes through.
 
     The (token, slot) pairs are sorted by expert so that each expert's rows are contiguous, and every expert linear
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
-    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` an `nn.Linear`
-    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an
+    `nn.Linear`) whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
     """
 
     def __init__(self, config: Config) -> None:
@@ -699,13 +701,16 @@ class LLaMAMoE(nn.Module):
         B, T, C = x.shape
         k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
-        weights, chosen, probs = self.route(x)
+        weights, chosen, scores = self.route(x)
         dtype = _compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
-        if self.router_stats is None and self.config.router_aux_loss_coef:
-            # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the loss'
-            # graph) when activation checkpointing runs the block again in the backward pass.
-            self.router_stats = RouterStats(route.counts(), probs.sum(dim=0), x.size(0))
+        if self.config.router_aux_loss_coef:
+            # Computed in every run of the block, so that a recomputation saves what the first forward saved.
+            probabilities = self.probabilities(scores)
+            if self.router_stats is None:
+                # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the
+                # loss' graph) when activation checkpointing runs the block again in the backward pass.
+                self.router_stats = RouterStats(route.counts(), probabilities.sum(dim=0), x.size(0))
         rows = x.index_select(0, route.token)
         if route.kernel == "modules":
             y = self._expert_modules(rows, route)
@@ -722,32 +727,42 @@ class LLaMAMoE(nn.Module):
         return y.view(B, T, C)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, experts), each (tokens, n_expert_per_token), and the probabilities per expert (tokens,
-        n_expert) that the load-balancing loss reads, all float32.
+        """(weights, experts), each (tokens, n_expert_per_token), and the scores of every expert (tokens, n_expert),
+        all float32.
 
-        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities. Sigmoid
-        routers (DeepSeek-V3, GLM-4.5) score each expert on its own; the loss then reads each token's scores divided
-        by their sum, so that P_e stays a distribution over the experts as in Switch Transformer's loss. The
-        correction bias and the group limit change only which experts are chosen, never their weights; the weights
-        are then renormalized (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
+        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities; sigmoid
+        routers (DeepSeek-V3, GLM-4.5) by their scores, each expert's on its own. The correction bias and the group
+        limit change only which experts are chosen, never their weights; the weights are then renormalized
+        (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
         """
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` from the router's logits (tokens, n_expert), as `litgpt compress_moe` reads them."""
         c = self.config
-        logits = self.gate(x)
         if c.moe_score_function == "softmax":
-            scores = probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         else:
             scores = logits.float().sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice = scores if self.gate.e_score_correction_bias is None else scores + self.gate.e_score_correction_bias
-        if c.moe_n_group > 1:
-            choice = self._limit_to_groups(choice)
-        chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
+        with torch.no_grad():  # which experts: no gradient flows through the choice, autograd keeps none of it
+            bias = self.gate.e_score_correction_bias
+            choice = scores if bias is None else scores + bias
+            if c.moe_n_group > 1:
+                choice = self._limit_to_groups(choice)
+            chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
         weights = scores.gather(1, chosen)
         if c.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if c.moe_routed_scaling != 1.0:
             weights = weights * c.moe_routed_scaling
-        return weights, chosen, probs
+        return weights, chosen, scores
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's distribution over the experts that the load-balancing loss reads: the softmax itself, or
+        each token's sigmoid scores divided by their sum (so that P_e sums to one, as in Switch Transformer's loss)."""
+        if self.config.moe_score_function == "softmax":
+            return scores
+        return scores / scores.sum(dim=-1, keepdim=True)
 
     def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """The scores of the experts outside each token's moe_topk_group best groups set to -inf."""

@@ -977,8 +977,9 @@ def _quantized_loading(run: _Run, layout: _Layout) -> int:
 
 
 def _mlp_width(config: Config) -> int:
-    if config.mlp_class_name == "LLaMAMoE":
-        return config.moe_intermediate_size * config.n_expert_per_token
+    if config.mlp_class_name == "LLaMAMoE":  # k routed experts and the shared ones per token; dense first layers
+        routed = config.moe_intermediate_size * config.n_expert_per_token + (config.moe_shared_intermediate_size or 0)
+        return max(routed, config.intermediate_size) if config.moe_first_dense_layers else routed
     return config.intermediate_size
 
 
@@ -1068,7 +1069,8 @@ def _measure(config: Config, batch: int, seq: int, precision: str, fsdp: bool, d
 
 def _fake_model(config: Config, lora, dtype: torch.dtype, fake) -> torch.nn.Module:
     """`GPT(config)` as the training commands build it (adapters added, only they trainable with LoRA), in `dtype`,
-    with fake parameters: built on the meta device, then every parameter (ties kept) made a fake CPU tensor."""
+    with fake parameters: built on the meta device, then every parameter (ties kept) and buffer made a fake CPU
+    tensor."""
     from litgpt.checkpoint.model_files import meta_device
     from litgpt.lora import add_lora, mark_only_lora_as_trainable
     from litgpt.model import GPT
@@ -1087,6 +1089,9 @@ def _fake_model(config: Config, lora, dtype: torch.dtype, fake) -> torch.nn.Modu
                     fakes[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
                 if param is not None:
                     module._parameters[name] = fakes[id(param)]
+            for name, buffer in module._buffers.items():  # the routers' correction biases
+                if buffer is not None:
+                    module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
     return model
 
 

@@ -64,10 +64,11 @@ def _family_configs():
 FAMILY_CASES = list(_family_configs())
 
 
-def build_hf_model(case: str, seed: int = 0):
-    """A random model of the named case with perturbed norms (so that a wrong norm mapping shows)."""
+def build_hf_model(case: str, seed: int = 0, **overrides):
+    """A random model of the named case with perturbed norms (so that a wrong norm mapping shows); `overrides`
+    change its config's values (e.g. vocab_size)."""
     config_cls, model_cls, kwargs = _family_configs()[case]
-    kwargs = dict(kwargs)
+    kwargs = dict(kwargs, **overrides)
     if "rope_parameters" in kwargs and case == "gemma3":
         kwargs.pop("sliding_window_pattern", None)
         kwargs["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(kwargs["num_hidden_layers"])]

@@ -249,3 +249,28 @@ def test_named_glm_configs_equal_their_published_config_json(name, published):
     from litgpt.convert.hf_to_litgpt import architecture_differences
 
     assert architecture_differences(Config.from_name(name), config_from_hf(published)) == ""
+
+
+def test_compress_moe_refuses_a_group_limited_router_in_one_line():
+    from litgpt.compress_moe import CalibrationArgs, check_request
+
+    with pytest.raises(UserError, match=r"within 4 groups of experts \(moe_n_group\)") as info:
+        check_request(Config(**BASE, **NOAUX_TC), 4, "top_routed", CalibrationArgs())
+    assert "\n" not in str(info.value)
+    check_request(Config(**{**BASE, **NOAUX_TC, "moe_n_group": 1, "moe_topk_group": 1}), 4, "top_routed",
+                  CalibrationArgs())
+
+
+def test_plan_counts_the_dense_layer_and_the_shared_experts():
+    """`litgpt plan`'s parameter count against one written out by hand: embeddings and head, attention with q/k/v
+    biases and QK-norm, the dense first layer, then per MoE layer the router, 8 routed and 2 shared experts' width."""
+    from litgpt.plan import estimate
+
+    config = Config(**BASE, **NOAUX_TC, attn_bias=True, norm_qk=True, head_size=16)
+    attention = 64 * (4 + 2 * 2) * 16 + (4 + 2 * 2) * 16 + 4 * 16 * 64 + 2 * 16
+    norms = 2 * 64
+    dense = 3 * 64 * 96
+    moe = 8 * 64 + 8 * 3 * 64 * 32 + 3 * 64 * (2 * 32)
+    expected = 2 * 128 * 64 + 64 + 3 * (attention + norms) + dense + 2 * moe
+    plan = estimate(config, precision="32-true", seq_length=32, device="cpu")
+    assert plan.total_params == expected == sum(p.numel() for p in GPT(config).parameters())
