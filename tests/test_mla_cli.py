@@ -65,3 +65,23 @@ def test_every_command_on_a_deepseek_shaped_model(tmp_path):
     assert generated.stdout.strip()
     litgpt("convert_from_litgpt", step, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["kv_lora_rank"] == 16
+
+
+@pytest.mark.slow
+def test_fsdp_with_two_processes_equals_one(tmp_path):
+    """finetune_lora (adapters on every latent attention projection and every expert) on the DeepSeek-shaped model:
+    two FSDP processes give the losses and adapters of one process on the same global batch."""
+    from test_distributed import assert_close_runs, command_args
+    from test_distributed import litgpt as run_litgpt
+
+    stories = (TINY_DIR / "val.txt").read_text().split("\n\n")[:40]
+    inputs = {"base": write_random_checkpoint(tmp_path / "base", Config(**DEEPSEEK_TINY)),
+              "instructions": tmp_path / "instructions.json", "root": tmp_path}
+    inputs["instructions"].write_text(json.dumps([{"instruction": "Go on.", "output": s[:200]} for s in stories]))
+    runs = {}
+    for devices in ("1", "2"):
+        runs[devices] = tmp_path / f"devices-{devices}"
+        args = command_args("finetune_lora", inputs, runs[devices])
+        result = run_litgpt(*args, "--lora_key", "true", "--lora_projection", "true", "--devices", devices)
+        assert result.returncode == 0, result.stderr
+    assert_close_runs(runs["2"], runs["1"], "lit_model.pth.lora")
