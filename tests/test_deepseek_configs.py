@@ -90,3 +90,20 @@ def test_active_parameters(monkeypatch, name):
     idle = (config.n_expert - config.n_expert_per_token) * (config.n_layer - dense) * per_expert
     active = total - idle - model.transformer.wte.weight.numel()
     assert active == pytest.approx(PUBLISHED_ACTIVE[name], rel=0.025)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_key_value_heads=16), "num_key_value_heads must equal num_attention_heads (128)"),
+        (dict(qk_rope_head_dim=63), "qk_rope_head_dim even"),
+        (dict(v_head_dim=None), "needs v_head_dim"),
+        (dict(kv_lora_rank=0), "kv_lora_rank=0"),
+    ],
+)
+def test_contradicting_latent_attention_fields_are_one_line(changes, message):
+    from litgpt.errors import UserError
+
+    with pytest.raises(UserError) as error:
+        config_from_hf({**_V3_JSON, **changes}, "config.json")
+    assert message in str(error.value) and "\n" not in str(error.value)
