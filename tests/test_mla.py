@@ -211,3 +211,33 @@ def test_lora_switches_cover_the_latent_projections(q_lora_rank):
 
 def test_mla_block_is_built_from_config_alone():
     assert isinstance(GPT(Config(**MLA)).transformer.h[0].attn, MultiheadLatentAttention)
+
+
+def test_serving_engine_batches_latent_caches_as_each_sequence_alone():
+    """The server's engine: prefill on its own latent cache, copy into the batch's rows, decode the rows together at
+    their own positions; a cancelled row is compacted away. Each sequence gets the tokens it gets alone."""
+    import queue
+
+    from litgpt.serving.engine import BatchingEngine, Sequence
+
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
+    alone = [list(generate(model, p, 10, temperature=0.0)) for p in prompts]
+    engine = BatchingEngine(model, max_batch_size=3)
+    assert engine.caches[0].latent and engine.prefill_caches[0].latent
+    events = queue.Queue()
+    sequences = [Sequence(p, 10, 0.0, None, 1.0, [], None, events, i) for i, p in enumerate(prompts)]
+    for sequence in sequences:
+        engine.submit(sequence)
+    engine.admit(block=False)
+    engine.decode_step()
+    sequences[0].cancelled = True
+    while engine.active:
+        engine.decode_step()
+    tokens = {0: [], 1: [], 2: []}
+    while not events.empty():
+        kind, index, value = events.get()
+        if kind == "tokens":
+            tokens[index] += value
+    assert tokens[1] == alone[1] and tokens[2] == alone[2] and tokens[0] == alone[0][: len(tokens[0])]
+    assert len(set(map(tuple, alone))) == 3  # the prompts lead to different continuations
