@@ -107,3 +107,10 @@ def test_contradicting_latent_attention_fields_are_one_line(changes, message):
     with pytest.raises(UserError) as error:
         config_from_hf({**_V3_JSON, **changes}, "config.json")
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite-Chat"])
+def test_named_configs_survive_model_config_yaml(name, tmp_path):
+    config = Config.from_name(name)
+    config.save(tmp_path / "model_config.yaml")
+    assert Config.from_file(tmp_path / "model_config.yaml") == config
