@@ -704,6 +704,17 @@ class Router(nn.Linear):
         else:
             self.e_score_correction_bias = None
 
+    def _apply(self, fn, recurse: bool = True):
+        """`Module.to(dtype)` (and .half(), .bfloat16()) casts the weight but keeps the correction bias in float32,
+        as transformers and the published checkpoints do: the choice among experts turns on differences of a few
+        thousandths, below bfloat16's resolution of the scores."""
+        before = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        after = self.e_score_correction_bias
+        if before is not None and before.dtype == torch.float32 and after.dtype != torch.float32:
+            self.e_score_correction_bias = after.float() if before.is_meta != after.is_meta else before.to(after.device)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.float32_logits:
             return super().forward(x)

@@ -274,3 +274,27 @@ def test_plan_counts_the_dense_layer_and_the_shared_experts():
     expected = 2 * 128 * 64 + 64 + 3 * (attention + norms) + dense + 2 * moe
     plan = estimate(config, precision="32-true", seq_length=32, device="cpu")
     assert plan.total_params == expected == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_the_correction_bias_stays_float32_in_a_16_bit_model(tmp_path):
+    """model.to(bfloat16) and `convert_to_litgpt --dtype bfloat16` keep it as transformers does (a bfloat16 bias
+    would round differences of a thousandth away, and with them the choice of experts)."""
+    moe = make_moe(**NOAUX_TC)
+    bias = moe.gate.e_score_correction_bias.clone() + 1e-3
+    moe.gate.e_score_correction_bias.copy_(bias)
+    moe.bfloat16()
+    assert moe.gate.weight.dtype == torch.bfloat16 and moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(moe.gate.e_score_correction_bias, bias)
+    with torch.device("meta"):
+        meta = GPT(Config(**BASE, **NOAUX_TC)).bfloat16()
+    assert meta.transformer.h[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+    hf_dir = tmp_path / "hf"
+    hf = save_hf_model("glm4_moe", hf_dir)
+    convert_hf_checkpoint(hf_dir, dtype="bfloat16")
+    from litgpt.io import load_state_dict
+
+    weights = load_state_dict(hf_dir / "lit_model.pth")
+    key = "transformer.h.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(weights[key], hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert weights["transformer.h.1.mlp.gate.weight"].dtype == torch.bfloat16
