@@ -546,8 +546,8 @@ class LLaMAMoE(nn.Module):
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
-    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an
-    `nn.Linear`) whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an `nn.Linear`)
+    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
     """
 
     def __init__(self, config: Config) -> None:

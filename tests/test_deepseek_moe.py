@@ -77,14 +77,18 @@ def test_moe_equals_transformers_forward_and_gradients(fields):
     x = torch.randn(2, 9, 64)
     out, x_grad, grads = outputs_and_grads(LLaMAMoE.__call__, moe, x)
     hf_out, hf_x_grad, _ = outputs_and_grads(lambda _, x: hf(x), moe, x)
-    torch.testing.assert_close(out, hf_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(x_grad, hf_x_grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grads["gate.weight"], hf.gate.weight.grad, atol=1e-5, rtol=1e-5)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, hf_out, **close)
+    torch.testing.assert_close(x_grad, hf_x_grad, **close)
+    torch.testing.assert_close(grads["gate.weight"], hf.gate.weight.grad, **close)
     for e in range(moe.config.n_expert):
         fc_1, fc_2 = hf.experts.gate_up_proj.grad[e].split(32)
-        torch.testing.assert_close(grads[f"experts.{e}.fc_1.weight"], fc_1, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grads[f"experts.{e}.proj.weight"], hf.experts.down_proj.grad[e], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grads["shared_experts.fc_2.weight"], hf.shared_experts.up_proj.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[f"experts.{e}.fc_1.weight"], fc_1, **close)
+        torch.testing.assert_close(grads[f"experts.{e}.fc_2.weight"], fc_2, **close)
+        torch.testing.assert_close(grads[f"experts.{e}.proj.weight"], hf.experts.down_proj.grad[e], **close)
+    for ours, theirs in (("fc_1", "gate_proj"), ("fc_2", "up_proj"), ("proj", "down_proj")):
+        hf_grad = getattr(hf.shared_experts, theirs).weight.grad
+        torch.testing.assert_close(grads[f"shared_experts.{ours}.weight"], hf_grad, **close)
     assert moe.gate.e_score_correction_bias is None or "gate.e_score_correction_bias" not in grads  # a buffer
 
 
