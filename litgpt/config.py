@@ -218,9 +218,8 @@ class Config:
                 f"moe_n_group ({self.moe_n_group}) is {per_group}."
             )
         if not 0 <= self.moe_first_dense_layers <= self.n_layer:
-            raise UserError(
-                f"moe_first_dense_layers ({self.moe_first_dense_layers}) must be between 0 and n_layer ({self.n_layer})."
-            )
+            raise UserError(f"moe_first_dense_layers ({self.moe_first_dense_layers}) must be between 0 and n_layer "
+                            f"({self.n_layer}).")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has routed experts (the first moe_first_dense_layers are dense)."""

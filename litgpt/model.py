@@ -678,8 +678,8 @@ class LLaMAMoE(nn.Module):
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized or biased experts excepted: they run as modules, after one read of
-    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an
-    `nn.Linear`) whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
+    the counts per layer). The parameters stay one `LLaMAMLP` per expert and `gate` a `Router` (an `nn.Linear`)
+    whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is unchanged.
     """
 
     def __init__(self, config: Config) -> None:
@@ -835,6 +835,17 @@ class Router(nn.Linear):
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_expert))
         else:
             self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """`Module.to(dtype)` (and .half(), .bfloat16()) casts the weight but keeps the correction bias in float32,
+        as transformers and the published checkpoints do: the choice among experts turns on differences of a few
+        thousandths, below bfloat16's resolution of the scores."""
+        before = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        after = self.e_score_correction_bias
+        if before is not None and before.dtype == torch.float32 and after.dtype != torch.float32:
+            self.e_score_correction_bias = after.float() if before.is_meta != after.is_meta else before.to(after.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.float32_logits:

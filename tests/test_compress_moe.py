@@ -243,7 +243,8 @@ def test_compressed_checkpoint_round_trips_through_transformers(family, tmp_path
         moe = ours.transformer.h[layer].mlp
         assert torch.equal(moe.gate.weight, hf_experts(reloaded, layer)[0])
         if family == "glm4_moe":  # the kept experts' correction biases; the shared expert as it was
-            bias, source_mlp = reloaded.model.layers[layer].mlp.gate.e_score_correction_bias, source.model.layers[layer].mlp
+            source_mlp = source.model.layers[layer].mlp
+            bias = reloaded.model.layers[layer].mlp.gate.e_score_correction_bias
             assert torch.equal(bias, source_mlp.gate.e_score_correction_bias[kept])
             assert torch.equal(moe.shared_experts.proj.weight, source_mlp.shared_experts.down_proj.weight)
         for j, expert_module in enumerate(moe.experts):

@@ -77,14 +77,18 @@ def test_moe_equals_transformers_forward_and_gradients(fields):
     x = torch.randn(2, 9, 64)
     out, x_grad, grads = outputs_and_grads(LLaMAMoE.__call__, moe, x)
     hf_out, hf_x_grad, _ = outputs_and_grads(lambda _, x: hf(x), moe, x)
-    torch.testing.assert_close(out, hf_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(x_grad, hf_x_grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grads["gate.weight"], hf.gate.weight.grad, atol=1e-5, rtol=1e-5)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, hf_out, **close)
+    torch.testing.assert_close(x_grad, hf_x_grad, **close)
+    torch.testing.assert_close(grads["gate.weight"], hf.gate.weight.grad, **close)
     for e in range(moe.config.n_expert):
         fc_1, fc_2 = hf.experts.gate_up_proj.grad[e].split(32)
-        torch.testing.assert_close(grads[f"experts.{e}.fc_1.weight"], fc_1, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grads[f"experts.{e}.proj.weight"], hf.experts.down_proj.grad[e], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grads["shared_experts.fc_2.weight"], hf.shared_experts.up_proj.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[f"experts.{e}.fc_1.weight"], fc_1, **close)
+        torch.testing.assert_close(grads[f"experts.{e}.fc_2.weight"], fc_2, **close)
+        torch.testing.assert_close(grads[f"experts.{e}.proj.weight"], hf.experts.down_proj.grad[e], **close)
+    for ours, theirs in (("fc_1", "gate_proj"), ("fc_2", "up_proj"), ("proj", "down_proj")):
+        hf_grad = getattr(hf.shared_experts, theirs).weight.grad
+        torch.testing.assert_close(grads[f"shared_experts.{ours}.weight"], hf_grad, **close)
     assert moe.gate.e_score_correction_bias is None or "gate.e_score_correction_bias" not in grads  # a buffer
 
 
@@ -274,3 +278,27 @@ def test_plan_counts_the_dense_layer_and_the_shared_experts():
     expected = 2 * 128 * 64 + 64 + 3 * (attention + norms) + dense + 2 * moe
     plan = estimate(config, precision="32-true", seq_length=32, device="cpu")
     assert plan.total_params == expected == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_the_correction_bias_stays_float32_in_a_16_bit_model(tmp_path):
+    """model.to(bfloat16) and `convert_to_litgpt --dtype bfloat16` keep it as transformers does (a bfloat16 bias
+    would round differences of a thousandth away, and with them the choice of experts)."""
+    moe = make_moe(**NOAUX_TC)
+    bias = moe.gate.e_score_correction_bias.clone() + 1e-3
+    moe.gate.e_score_correction_bias.copy_(bias)
+    moe.bfloat16()
+    assert moe.gate.weight.dtype == torch.bfloat16 and moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(moe.gate.e_score_correction_bias, bias)
+    with torch.device("meta"):
+        meta = GPT(Config(**BASE, **NOAUX_TC)).bfloat16()
+    assert meta.transformer.h[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+    hf_dir = tmp_path / "hf"
+    hf = save_hf_model("glm4_moe", hf_dir)
+    convert_hf_checkpoint(hf_dir, dtype="bfloat16")
+    from litgpt.io import load_state_dict
+
+    weights = load_state_dict(hf_dir / "lit_model.pth")
+    key = "transformer.h.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(weights[key], hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert weights["transformer.h.1.mlp.gate.weight"].dtype == torch.bfloat16

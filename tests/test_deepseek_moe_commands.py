@@ -17,7 +17,7 @@ from litgpt.__main__ import main as cli_main
 from litgpt.checkpoint.model_files import load_model_weights
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
-from litgpt.io import load_state_dict
+from litgpt.io import load_state_dict, save_state_dict
 from litgpt.lora import LoRASettings, add_lora, load_base_weights, load_lora_weights
 from litgpt.model import GPT
 
@@ -118,8 +118,6 @@ def test_distill_into_a_tiny_glm4_moe_student(world, tmp_path):
     student = write_random_checkpoint(tmp_path / "student", student_config, seed=2)
     biased = load_state_dict(student / "lit_model.pth")
     biased["transformer.h.1.mlp.gate.e_score_correction_bias"] = torch.linspace(-0.1, 0.1, 8)
-    from litgpt.io import save_state_dict
-
     save_state_dict(biased, student / "lit_model.pth")
     texts = tmp_path / "texts"
     texts.mkdir()

@@ -283,7 +283,9 @@ def convert_weights(
                     f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
                     f"but config.json implies {tuple(reference[name].shape)} for {name}."
                 )
-            yield name, tensor.to(dtype) if dtype is not None else tensor
+            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.model.Router`).
+            keep = dtype is None or name.endswith(".e_score_correction_bias")
+            yield name, tensor if keep else tensor.to(dtype)
         used.update(rule.hf)
     mtp = tuple(f"model.layers.{config.n_layer + i}." for i in range(mtp_layers))
     skipped = {key for key in available if mtp and key.startswith(mtp)}
