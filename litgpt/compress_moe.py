@@ -1,10 +1,12 @@
 """`litgpt compress_moe`: a mixture-of-experts checkpoint with fewer experts per layer, chosen by routing data.
 
 Calibration data goes through the model once; a forward hook on every MoE layer's router (`mlp.gate`) turns its
-logits into the routing the model applies (softmax over all experts, the top `n_expert_per_token`, renormalized when
-`moe_renormalize`) and sums, per expert, the routing weight it receives and the tokens routed to it. The experts with
-the most weight stay (`--strategy merge` folds the others into their nearest kept expert); the new checkpoint holds
-their router rows and weights, in the source's dtype, under new, consecutive indices.
+logits into the routing the model applies (`LLaMAMoE.route_logits`: softmax or sigmoid scores, the top
+`n_expert_per_token`, chosen with the correction bias of DeepSeek-style routers, renormalized when `moe_renormalize`)
+and sums, per expert, the routing weight it receives and the tokens routed to it. The experts with the most weight
+stay (`--strategy merge` folds the others into their nearest kept expert); the new checkpoint holds their router rows
+(and correction biases) and weights, in the source's dtype, under new, consecutive indices. Dense layers and shared
+experts stay as they are; group-limited routers are refused (dropping experts would unbalance their groups).
 """
 
 from __future__ import annotations
@@ -108,12 +110,12 @@ def main(
     batches = calibration_batches(data, tokenizer, config, calibration)
     routing = collect_routing(model, batches)
     del model
-    kept = [select_experts(weights, num_experts) for weights in routing.weight]
+    kept = {layer: select_experts(routing.weight[layer], num_experts) for layer in routing.layers}
     state_dict = read_model_weights(checkpoint_dir / WEIGHTS_FILE)
-    merged_into = [{} for _ in kept]
+    merged_into = {layer: {} for layer in kept}
     if strategy == "merge":
         experts = experts_by_layer(state_dict)
-        merged_into = [nearest_kept_experts(experts[layer], layer_kept) for layer, layer_kept in enumerate(kept)]
+        merged_into = {layer: nearest_kept_experts(experts[layer], layer_kept) for layer, layer_kept in kept.items()}
     compressed = compress_state_dict(state_dict, kept, merged_into, routing.weight)
     report = compression_report(checkpoint_dir, strategy, calibration_length(calibration, config), routing, kept,
                                 merged_into)
@@ -130,6 +132,11 @@ def check_request(config, num_experts: int, strategy: str, calibration: Calibrat
         raise UserError(
             f"The model ({config.name or 'unnamed'}) is dense ({config.mlp_class_name}): compress_moe needs a "
             "mixture-of-experts checkpoint (mlp_class_name LLaMAMoE), such as Mixtral or Qwen3-MoE."
+        )
+    if config.moe_n_group > 1:
+        raise UserError(
+            f"compress_moe keeps the same experts in every group of a layer's router only by chance: this model routes "
+            f"within {config.moe_n_group} groups of experts (moe_n_group), which compress_moe does not support."
         )
     if not config.n_expert_per_token <= num_experts <= config.n_expert:
         raise UserError(
@@ -188,20 +195,13 @@ def calibration_length(calibration: CalibrationArgs, config) -> int:
     return calibration.max_seq_length or min(DEFAULT_SEQ_LENGTH, config.block_size)
 
 
-def route(logits: torch.Tensor, n_expert_per_token: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each (tokens, n_expert_per_token): the routing a MoE layer applies to router `logits`
-    (tokens, n_expert), computed here in float32 as `LLaMAMoE` and transformers' Mixtral / Qwen3-MoE do."""
-    probabilities = torch.softmax(logits.float(), dim=-1)
-    weights, experts = probabilities.topk(n_expert_per_token, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
-
 
 @dataclass
 class Routing:
-    """What the calibration tokens gave each expert: weight and tokens are (n_layer, n_expert)."""
+    """What the calibration tokens gave each expert: weight and tokens are (n_layer, n_expert), zero in the dense
+    layers; `layers` lists the layers with experts."""
 
+    layers: list[int]
     weight: torch.Tensor  # float64: the sum of the routing weight each expert received
     tokens: torch.Tensor  # int64: how many tokens were routed to each expert
     num_samples: int
@@ -224,7 +224,7 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
             real = current["mask"]
             if logits.shape[0] != real.numel():  # the layer routed something other than the batch's tokens
                 raise RuntimeError(f"layer {layer}'s router saw {logits.shape[0]} tokens, the batch has {real.numel()}")
-            top_weights, top_experts = route(logits, config.n_expert_per_token, config.moe_renormalize)
+            top_weights, top_experts, _ = model.transformer.h[layer].mlp.route_logits(logits)
             real = real[:, None].expand_as(top_experts).flatten()  # padding counts 0 (a mask, not a host sync)
             experts = top_experts.flatten()
             zeros = torch.zeros(config.n_expert, device=logits.device)
@@ -233,7 +233,8 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
 
         return hook
 
-    handles = [block.mlp.gate.register_forward_hook(hook_for(layer)) for layer, block in enumerate(model.transformer.h)]
+    layers = [layer for layer in range(config.n_layer) if config.is_moe_layer(layer)]
+    handles = [model.transformer.h[layer].mlp.gate.register_forward_hook(hook_for(layer)) for layer in layers]
     num_samples = num_tokens = 0
     try:
         for input_ids, lengths in batches:
@@ -242,15 +243,15 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
             batch_weight.clear()
             batch_tokens.clear()
             model(input_ids.to(device), return_hidden=True)  # the head's logits are not needed
-            if len(batch_weight) != config.n_layer:  # a MoE layer that applies its router weight without the module
-                raise RuntimeError(f"the routers (mlp.gate) of layers {sorted(batch_weight)} ran, not of all layers")
-            weight += torch.stack([batch_weight[layer] for layer in range(config.n_layer)]).double().cpu()
-            tokens += torch.stack([batch_tokens[layer] for layer in range(config.n_layer)]).cpu()
+            if sorted(batch_weight) != layers:  # a MoE layer that applies its router weight without the module
+                raise RuntimeError(f"the routers (mlp.gate) of layers {sorted(batch_weight)} ran, not of all {layers}")
+            weight[layers] += torch.stack([batch_weight[layer] for layer in layers]).double().cpu()
+            tokens[layers] += torch.stack([batch_tokens[layer] for layer in layers]).cpu()
             num_samples, num_tokens = num_samples + len(lengths), num_tokens + int(lengths.sum())
     finally:
         for handle in handles:
             handle.remove()
-    return Routing(weight=weight, tokens=tokens, num_samples=num_samples, num_tokens=num_tokens)
+    return Routing(layers=layers, weight=weight, tokens=tokens, num_samples=num_samples, num_tokens=num_tokens)
 
 
 # ---- selection and merging ------------------------------------------------------------------------------------------
@@ -305,12 +306,13 @@ def merged_expert(layer_experts: dict[int, dict[str, torch.Tensor]], expert: int
 
 
 def compress_state_dict(
-    state_dict: dict, kept: list[list[int]], merged_into: list[dict[int, int]], weight: torch.Tensor
+    state_dict: dict, kept: dict[int, list[int]], merged_into: dict[int, dict[int, int]], weight: torch.Tensor
 ) -> dict:
-    """The source weights with, per layer, the kept router rows and the kept (or merged) experts numbered 0..K-1."""
+    """The source weights with, per MoE layer (the keys of `kept`), the kept router rows and correction biases and
+    the kept (or merged) experts numbered 0..K-1."""
     experts = experts_by_layer(state_dict)
     new_experts = {}  # (layer, new index) -> {name: tensor}
-    for layer, layer_kept in enumerate(kept):
+    for layer, layer_kept in kept.items():
         for new_index, expert in enumerate(layer_kept):
             folded = sorted(dropped for dropped, target in merged_into[layer].items() if target == expert)
             new_experts[layer, new_index] = merged_expert(experts[layer], expert, folded, weight[layer])
@@ -322,7 +324,7 @@ def compress_state_dict(
             if expert in kept[layer]:
                 new = kept[layer].index(expert)
                 compressed[f"transformer.h.{layer}.mlp.experts.{new}.{name}"] = new_experts[layer, new][name]
-        elif key.endswith((".mlp.gate.weight", ".mlp.gate.bias")):  # the router's rows (and bias) of the kept experts
+        elif key.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".mlp.gate.e_score_correction_bias")):  # the router's rows (and bias) of the kept experts
             layer = int(key.split(".")[2])
             compressed[key] = value[kept[layer]].contiguous()
         else:
@@ -331,11 +333,11 @@ def compress_state_dict(
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
-def compression_report(checkpoint_dir: Path, strategy: str, seq_length: int, routing: Routing, kept: list[list[int]],
-                       merged_into: list[dict[int, int]]) -> dict:
-    """What compress_moe.json records: per layer the kept experts and their shares, and the totals."""
+def compression_report(checkpoint_dir: Path, strategy: str, seq_length: int, routing: Routing,
+                       kept: dict[int, list[int]], merged_into: dict[int, dict[int, int]]) -> dict:
+    """What compress_moe.json records: per MoE layer the kept experts and their shares, and the totals."""
     layers = []
-    for layer, layer_kept in enumerate(kept):
+    for layer, layer_kept in kept.items():
         total = float(routing.weight[layer].sum())
         layers.append({
             "layer": layer,
@@ -344,11 +346,11 @@ def compression_report(checkpoint_dir: Path, strategy: str, seq_length: int, rou
             "kept_share": float(routing.weight[layer, layer_kept].sum()) / total,
             "merged_into": {str(d): k for d, k in merged_into[layer].items()},
         })
-    kept_weight = sum(float(routing.weight[layer, layer_kept].sum()) for layer, layer_kept in enumerate(kept))
+    kept_weight = sum(float(routing.weight[layer, layer_kept].sum()) for layer, layer_kept in kept.items())
     return {
         "source": str(checkpoint_dir),
         "strategy": strategy,
-        "num_experts": len(kept[0]),
+        "num_experts": len(next(iter(kept.values()))),
         "source_num_experts": routing.weight.shape[1],
         "calibration": {"samples": routing.num_samples, "max_seq_length": seq_length, "tokens": routing.num_tokens},
         "kept_share": kept_weight / float(routing.weight.sum()),

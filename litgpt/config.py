@@ -109,6 +109,40 @@ class Config:
     # Which layers rotate queries and keys, Hugging Face's SmolLM3 `no_rope_layers`: per layer 1 = RoPE, 0 = none
     # (NoPE); at least n_layer entries, the first n_layer used. None: every layer.
     no_rope_layers: Optional[list[int]] = None
+    # DeepSeek-style mixture of experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5); the defaults are Mixtral's routing.
+    # Shared experts: one SwiGLU MLP every token goes through, added to the routed experts' output; its width is
+    # moe_shared_intermediate_size (None: moe_n_shared_expert * moe_intermediate_size, as DeepSeek sizes it).
+    moe_n_shared_expert: int = 0
+    moe_shared_intermediate_size: Optional[int] = None
+    # The router's score per expert: "softmax" over all experts (Mixtral, Qwen3-MoE, DeepSeek-V2) or an independent
+    # "sigmoid" per expert (DeepSeek-V3, GLM-4.5).
+    moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # A per-expert bias added to the scores only to choose the experts, never to weight them (DeepSeek-V3's
+    # `e_score_correction_bias`: a buffer, adjusted outside of gradient descent, saved and converted with the weights).
+    moe_expert_bias: bool = False
+    # Group-limited routing: the experts form moe_n_group equal groups, each token picks moe_topk_group groups by
+    # their score (`moe_group_score`: the sum of a group's top two scores, DeepSeek-V3's "noaux_tc", or its best
+    # score, DeepSeek-V2's "group_limited_greedy"), then its top n_expert_per_token experts among those groups.
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_group_score: Literal["top2_sum", "max"] = "top2_sum"
+    # The routed experts' weights are multiplied by this (after any renormalization).
+    moe_routed_scaling: float = 1.0
+    # The first k layers have the dense LLaMAMLP of width intermediate_size instead of experts (first_k_dense_replace).
+    moe_first_dense_layers: int = 0
+
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), on when kv_lora_rank is set. Keys and values come from
+    # one compressed latent of kv_lora_rank elements per token plus one rotary key of qk_rope_head_dim shared by the
+    # heads; each head's query and key are qk_nope_head_dim elements without rotation followed by qk_rope_head_dim
+    # rotated ones (head_size is their sum), its value v_head_dim. q_lora_rank None: one plain query projection
+    # (DeepSeek-V2-Lite); else the query goes through a rank-q_lora_rank bottleneck with its own RMSNorm.
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # Rotate the pairs (x0, x1), (x2, x3), ... of the rotary elements (DeepSeek's layout) instead of (x_i, x_i+n/2).
+    rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.head_size is None:
@@ -134,6 +168,7 @@ class Config:
                 )
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
+            self._check_moe_routing()
         if not self.router_aux_loss_coef >= 0:
             raise UserError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
         if not self.norm_affine and self.norm_class_name != "LayerNorm":
@@ -163,6 +198,7 @@ class Config:
             if kind == "longrope":
                 self._check_longrope()
         self._check_norms_and_rope_layers()
+        self._check_latent_attention()
 
     def _check_longrope(self) -> None:
         scaling, half = self.rope_scaling, self.rope_n_elem // 2
@@ -190,14 +226,89 @@ class Config:
                 f"got {list(layers)}."
             )
 
+    def _check_latent_attention(self) -> None:
+        """One line naming the fields when the multi-head latent attention sizes do not fit together."""
+        sizes = dict(q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        if self.kv_lora_rank is None:
+            given = [name for name, value in sizes.items() if value is not None]
+            if given:
+                raise UserError(f"{', '.join(given)} describe latent attention, which needs kv_lora_rank; set it or "
+                                "leave them out.")
+            return
+        missing = [name for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if sizes[name] is None]
+        if missing:
+            raise UserError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs {', '.join(missing)}.")
+        bad = [f"{name}={value}" for name, value in dict(sizes, kv_lora_rank=self.kv_lora_rank).items()
+               if value is not None and (not isinstance(value, int) or value <= 0)]
+        if bad or self.qk_rope_head_dim % 2:
+            raise UserError(f"Latent attention sizes must be positive integers and qk_rope_head_dim even: got "
+                            f"{', '.join(bad) or f'qk_rope_head_dim={self.qk_rope_head_dim}'}.")
+        if self.head_size != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UserError(f"head_size={self.head_size} must equal qk_nope_head_dim + qk_rope_head_dim "
+                            f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) with latent attention.")
+        if self.n_query_groups != self.n_head:
+            raise UserError(f"n_query_groups={self.n_query_groups} must equal n_head={self.n_head} with latent "
+                            "attention (every head expands its own key and value from the latent).")
+        if self.rotary_percentage != 1.0:
+            raise UserError(f"rotary_percentage={self.rotary_percentage} does not apply to latent attention: "
+                            "qk_rope_head_dim sets the rotated elements; leave it at 1.0.")
+        unsupported = dict(norm_qk=self.norm_qk, attention_logit_softcapping=self.attention_logit_softcapping,
+                           rope_local_base=self.rope_local_base)
+        used = [f"{name}={value!r}" for name, value in unsupported.items() if value not in (None, False)]
+        if used:
+            raise UserError(f"Latent attention (kv_lora_rank) does not combine with {', '.join(used)}.")
+
+    def _check_moe_routing(self) -> None:
+        """The DeepSeek-style MoE fields against each other: one line naming the fields that contradict."""
+        if self.moe_n_shared_expert < 0:
+            raise UserError(f"moe_n_shared_expert must be >= 0, got {self.moe_n_shared_expert}.")
+        if self.moe_n_shared_expert and self.moe_shared_intermediate_size is None:
+            self.moe_shared_intermediate_size = self.moe_n_shared_expert * self.moe_intermediate_size
+        if not self.moe_n_shared_expert and self.moe_shared_intermediate_size:
+            raise UserError(
+                f"moe_shared_intermediate_size={self.moe_shared_intermediate_size} needs moe_n_shared_expert > 0."
+            )
+        if self.moe_n_group < 1 or self.n_expert % self.moe_n_group:
+            raise UserError(
+                f"n_expert ({self.n_expert}) must be divisible by moe_n_group ({self.moe_n_group}), a positive count."
+            )
+        if not 1 <= self.moe_topk_group <= self.moe_n_group:
+            raise UserError(
+                f"moe_topk_group ({self.moe_topk_group}) must be between 1 and moe_n_group ({self.moe_n_group})."
+            )
+        per_group = self.n_expert // self.moe_n_group
+        if self.n_expert_per_token > self.moe_topk_group * per_group:
+            raise UserError(
+                f"n_expert_per_token ({self.n_expert_per_token}) exceeds the experts in the moe_topk_group "
+                f"({self.moe_topk_group}) chosen groups of n_expert / moe_n_group ({per_group})."
+            )
+        if self.moe_n_group > 1 and self.moe_group_score == "top2_sum" and per_group < 2:
+            raise UserError(
+                f"moe_group_score 'top2_sum' needs two experts per group; n_expert ({self.n_expert}) / "
+                f"moe_n_group ({self.moe_n_group}) is {per_group}."
+            )
+        if not 0 <= self.moe_first_dense_layers <= self.n_layer:
+            raise UserError(f"moe_first_dense_layers ({self.moe_first_dense_layers}) must be between 0 and n_layer "
+                            f"({self.n_layer}).")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has routed experts (the first moe_first_dense_layers are dense)."""
+        return self.mlp_class_name == "LLaMAMoE" and layer_idx >= self.moe_first_dense_layers
+
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
     def rope_n_elem(self) -> int:
-        """How many leading elements of each head rotate."""
+        """How many leading elements of each head rotate (latent attention: the qk_rope_head_dim last ones)."""
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
         return int(self.rotary_percentage * self.head_size)
 
     @property
     def qkv_size(self) -> int:
+        """Per token, the width of the queries, keys and values the attention's projections produce."""
+        if self.kv_lora_rank is not None:  # the queries and the keys' and values' expansion of the latent
+            return self.n_head * (self.head_size + self.qk_nope_head_dim + self.v_head_dim)
         return (self.n_head + 2 * self.n_query_groups) * self.head_size
 
     def uses_rope(self, layer_idx: int) -> bool:

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 LORA_PREFIX = "lora_"
 # The three parts of the fused q/k/v projection, in the order of its rows.
 QKV_PARTS = ("q", "k", "v")
+# The switch that adapts each linear layer of latent attention (`litgpt.model.MultiheadLatentAttention`): query the
+# query path, key the compression of the token into the latent and the shared rotary key, value the expansion of the
+# latent into every head's keys and values, projection the output projection.
+LATENT_SWITCHES = {"q_proj": "query", "q_a_proj": "query", "q_b_proj": "query", "kv_a_proj": "key",
+                   "kv_b_proj": "value", "proj": "projection"}
 
 
 @dataclass
@@ -42,9 +47,12 @@ class LoRASettings:
         r: Rank of the update B @ A.
         alpha: Scale of the update; the update is multiplied by alpha / r.
         dropout: Dropout on the adapters' input (0 disables it).
-        query: Adapt the query rows of the fused q/k/v projection.
-        key: Adapt the key rows of the fused q/k/v projection.
-        value: Adapt the value rows of the fused q/k/v projection.
+        query: Adapt the query rows of the fused q/k/v projection (latent attention: q_proj, or q_a_proj and
+            q_b_proj).
+        key: Adapt the key rows of the fused q/k/v projection (latent attention: kv_a_proj, the compression into
+            the latent and the rotary key).
+        value: Adapt the value rows of the fused q/k/v projection (latent attention: kv_b_proj, the latent's
+            expansion into the heads' keys and values).
         projection: Adapt the attention output projection.
         mlp: Adapt every linear layer of the MLP (every expert's in a mixture of experts; not the router).
         head: Adapt the output head (not possible with tied embeddings).
@@ -259,8 +267,8 @@ class LoRALinear(nn.Linear):
 def add_lora(model: "GPT", settings: LoRASettings) -> None:
     """Swap the targeted linear layers of `model` for `LoRALinear` in place (works on the meta device too).
 
-    Targets: the q/k/v rows of each `attn.qkv` (per switch), `attn.proj`, every `nn.Linear` of each MLP (all
-    experts of a mixture; never the router `gate`) and `lm_head`.
+    Targets: the q/k/v rows of each `attn.qkv` (per switch) or latent attention's projections (LATENT_SWITCHES),
+    `attn.proj`, every `nn.Linear` of each MLP (all experts of a mixture; never the router `gate`) and `lm_head`.
     """
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise RuntimeError("The model already has LoRA adapters.")
@@ -279,9 +287,13 @@ def add_lora(model: "GPT", settings: LoRASettings) -> None:
 
     for block in model.transformer.h:
         attn = block.attn
-        if qkv_parts:
+        if not hasattr(attn, "qkv"):  # latent attention: one switch per projection (LATENT_SWITCHES)
+            for name, switch in LATENT_SWITCHES.items():
+                if hasattr(attn, name) and getattr(settings, switch):
+                    setattr(attn, name, LoRALinear(getattr(attn, name), **kwargs))
+        elif qkv_parts:
             attn.qkv = LoRALinear(attn.qkv, parts=qkv_parts, **kwargs)
-        if settings.projection:
+        if settings.projection and hasattr(attn, "qkv"):
             attn.proj = LoRALinear(attn.proj, **kwargs)
         if settings.mlp:
             for name, module in list(block.mlp.named_modules()):

@@ -6,6 +6,7 @@ parallelism. Parameters may be created on the `meta` device and materialized lat
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -79,13 +80,8 @@ class GPT(nn.Module):
         max_seq_length = max_seq_length or self.config.block_size
         param = self.lm_head.weight
         for block in self.transformer.h:
-            block.attn.kv_cache = KVCache(
-                batch_size,
-                self.config.n_query_groups,
-                max_seq_length,
-                self.config.head_size,
-                device=device or param.device,
-                dtype=dtype or param.dtype,
+            block.attn.kv_cache = block.attn.new_kv_cache(
+                batch_size, max_seq_length, device=device or param.device, dtype=dtype or param.dtype
             )
 
     def clear_kv_cache(self) -> None:
@@ -194,6 +190,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual_out else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+                if isinstance(module, Router) and module.e_score_correction_bias is not None:
+                    nn.init.zeros_(module.e_score_correction_bias)
             elif isinstance(module, (RMSNorm, nn.LayerNorm, HeadwiseLayerNorm)):
                 module.reset_parameters()
             if isinstance(module, CausalSelfAttention) and module.config.attention_sinks:
@@ -206,11 +204,11 @@ class Block(nn.Module):
         super().__init__()
         self.config = config
         self.norm_1 = build_norm(config, config.n_embd) if config.norm_1 else nn.Identity()
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = build_attention(config, layer_idx)
         self.post_attention_norm = build_norm(config, config.n_embd) if config.post_attention_norm else nn.Identity()
         shares_norm = config.parallel_residual and config.shared_attention_norm
         self.norm_2 = None if shares_norm else build_norm(config, config.n_embd) if config.norm_2 else nn.Identity()
-        self.mlp = build_mlp(config)
+        self.mlp = build_mlp(config, layer_idx)
         self.post_mlp_norm = build_norm(config, config.n_embd) if config.post_mlp_norm else nn.Identity()
 
     def forward(
@@ -248,6 +246,11 @@ class CausalSelfAttention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(config.n_head))
         self.kv_cache: Optional[KVCache] = None
         self.scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+
+    def new_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> "KVCache":
+        """An empty cache of this layer's keys and values for `max_seq_length` positions of `batch_size` rows."""
+        c = self.config
+        return KVCache(batch_size, c.n_query_groups, max_seq_length, c.head_size, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -342,13 +345,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class KVCache(nn.Module):
-    """A static cache of keys and values, (B, n_query_groups, max_seq_length, head_size)."""
+    """A static cache of keys and values, (B, n_query_groups, max_seq_length, head_size); values may have their own
+    v_head_size. Latent attention keeps its compressed latent in `k` and its rotary key in `v` (one group)."""
 
-    def __init__(self, batch_size, n_query_groups, max_seq_length, head_size, device=None, dtype=None) -> None:
+    def __init__(
+        self, batch_size, n_query_groups, max_seq_length, head_size, device=None, dtype=None,
+        v_head_size: Optional[int] = None, latent: bool = False,
+    ) -> None:
         super().__init__()
+        self.latent = latent  # holds latent attention's compressed latent and rotary key
         shape = (batch_size, n_query_groups, max_seq_length, head_size)
+        v_shape = shape[:-1] + (v_head_size or head_size,)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k and v (B, ng, T, hs) at `input_pos` (T,) and return the whole cache; or, with `input_pos` (B, T),
@@ -361,6 +370,122 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
         self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
         return self.k, self.v
+
+
+class MultiheadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434): every head's keys and values are expanded from one
+    shared latent per token (kv_lora_rank elements, RMS-normalized) plus one rotary key shared by the heads, so the KV
+    cache can hold just those kv_lora_rank + qk_rope_head_dim elements per token and layer.
+
+    Modules: the query through `q_a_proj` -> `q_a_norm` -> `q_b_proj` (or one `q_proj` without q_lora_rank);
+    `kv_a_proj` gives the latent and the rotary key, `kv_a_norm` normalizes the latent, `kv_b_proj` expands it into
+    each head's unrotated key and value; `proj` is the output projection. Same forward signature as
+    `CausalSelfAttention`.
+    """
+
+    # DeepSeek's latent norms use this epsilon whatever the model's norm_eps (transformers hard-codes it too).
+    LATENT_NORM_EPS = 1e-6
+
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        c = self.config = config
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.n_embd, c.q_lora_rank, bias=c.bias)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, eps=self.LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, c.n_head * c.head_size, bias=False)
+        self.kv_a_proj = nn.Linear(c.n_embd, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.bias)
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, eps=self.LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.n_head * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.proj = nn.Linear(c.n_head * c.v_head_dim, c.n_embd, bias=c.bias)
+        self.kv_cache: Optional[KVCache] = None
+        self.scale = latent_attention_scale(c)
+
+    def new_kv_cache(
+        self, batch_size: int, max_seq_length: int, device=None, dtype=None, latent: bool = True
+    ) -> KVCache:
+        """The compressed cache (`latent`: kv_lora_rank + qk_rope_head_dim elements per token) or every head's full
+        key and value (n_head * (head_size + v_head_dim) elements per token, expanded once when written)."""
+        c = self.config
+        if latent:
+            return KVCache(batch_size, 1, max_seq_length, c.kv_lora_rank, device, dtype, c.qk_rope_head_dim, True)
+        return KVCache(batch_size, c.n_head, max_seq_length, c.head_size, device, dtype, c.v_head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: Optional[torch.Tensor],
+        input_pos: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(B, T, c.n_head, c.head_size).transpose(1, 2).split(
+            (c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1
+        )
+        latent, k_rope = self.kv_a_proj(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
+        latent = self.kv_a_norm(latent).unsqueeze(1)  # (B, 1, T, kv_lora_rank)
+        cos, sin = rope
+        rotate = apply_rope_interleaved if c.rope_interleaved else apply_rope
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(1), cos, sin)  # k_rope (B, 1, T, n)
+
+        cache = self.kv_cache if input_pos is not None else None
+        if cache is not None and cache.latent:
+            latent, k_rope = cache.update(input_pos, latent, k_rope)
+            if T == 1 and type(self.kv_b_proj) is nn.Linear:
+                y = self.attend_latent(q_nope, q_rope, latent, k_rope, mask)
+                return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+        k, v = self.expand(latent, k_rope)
+        if cache is not None and not cache.latent:
+            k, v = cache.update(input_pos, k, v)
+
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+
+    def attend_latent(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """Attention over the cached latents themselves, without expanding them (one decoded token): kv_b_proj's
+        key rows are folded into the query and its value rows applied after the attention, so a step costs
+        O(cache length * kv_lora_rank) per head instead of expanding every cached position. The same products in
+        another order: equal up to rounding. Returns (B, nh, T, v_head_dim)."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(c.n_head, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_k, w_v = w.split((c.qk_nope_head_dim, c.v_head_dim), dim=1)
+        q = torch.cat((q_nope @ w_k, q_rope), dim=-1)  # (B, nh, T, kv_lora_rank + qk_rope_head_dim)
+        k = torch.cat((latent, k_rope), dim=-1).expand(-1, c.n_head, -1, -1)
+        v = latent.expand(-1, c.n_head, -1, -1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return y @ w_v.transpose(1, 2)
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's key (B, nh, S, head_size) and value (B, nh, S, v_head_dim) from the latent (B, 1, S, r) and
+        the shared rotary key (B, 1, S, qk_rope_head_dim)."""
+        c = self.config
+        B, _, S, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(B, S, c.n_head, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, c.n_head, -1, -1)), dim=-1)
+        return k, v
+
+
+def latent_attention_scale(config: Config) -> float:
+    """The softmax scale of latent attention: 1/sqrt(head_size), times YaRN's mscale(factor, mscale_all_dim) squared
+    when the rotary scaling sets mscale_all_dim (DeepSeek tempers the scores themselves, not only cos and sin)."""
+    scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+    scaling = config.rope_scaling or {}
+    if scaling.get("mscale_all_dim") and scaling["factor"] > 1:
+        mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def build_attention(config: Config, layer_idx: int) -> nn.Module:
+    """Latent attention when the config sets kv_lora_rank, else the fused q/k/v attention."""
+    if config.kv_lora_rank is not None:
+        return MultiheadLatentAttention(config, layer_idx)
+    return CausalSelfAttention(config, layer_idx)
 
 
 def attention_mask(
@@ -493,6 +618,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if passed.size(-1) == 0:
         return rotated
     return torch.cat((rotated, passed), dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x0, x1), (x2, x3), ... of x (B, nh, T, n) by the angles of the rotate-half tables cos and
+    sin (T, n), written back de-interleaved (rotated evens, then rotated odds): queries and keys get the same
+    permutation, so their products are those of the interleaved rotation (DeepSeek's layout)."""
+    half = cos.size(-1) // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 # ---- norms ---------------------------------------------------------------------------------------------------------------
@@ -682,22 +817,29 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class LLaMAMoE(nn.Module):
-    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the renormalized router.
+    """Sparse mixture of SwiGLU experts: each token goes to its top-k experts, weighted by the router (`route`:
+    Mixtral's softmax, or DeepSeek-V3's sigmoid with a correction bias and group-limited choice), plus, with
+    moe_n_shared_expert, the shared experts' MLP that every token goes through.
 
     The (token, slot) pairs are sorted by expert so that each expert's rows are contiguous, and every expert linear
     layer runs as one grouped matrix multiplication over all experts (`_ExpertsLinear`). Shapes never depend on the
     routing and nothing is read back to the host, so the forward pass does not wait for the device and
     `torch.compile` sees static shapes (quantized experts excepted: they run as modules, after one read of the counts
     per layer); biased experts add each row's expert's bias. The parameters stay one `LLaMAMLP` per expert and `gate`
-    an `nn.Linear` whose output is the router logits: the state-dict layout of checkpoints, conversion and LoRA is
-    unchanged.
+    a `Router` (an `nn.Linear`) whose output is the router logits: the state-dict layout of checkpoints, conversion
+    and LoRA is unchanged.
     """
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=config.router_bias)
+        self.gate = Router(config)
         self.experts = nn.ModuleList(
             LLaMAMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_expert)
+        )
+        # DeepSeek's shared experts: one MLP every token goes through, added to the routed experts' output.
+        self.shared_experts = (
+            LLaMAMLP(config, intermediate_size=config.moe_shared_intermediate_size)
+            if config.moe_n_shared_expert else None
         )
         self.config = config
         # What the load-balancing loss needs from the latest forward pass (`GPT.router_aux_loss`).
@@ -707,16 +849,16 @@ class LLaMAMoE(nn.Module):
         B, T, C = x.shape
         k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(k, dim=-1)
-        if self.config.moe_renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen, scores = self.route(x)
         dtype = _compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
-        if self.router_stats is None and self.config.router_aux_loss_coef:
-            # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the loss'
-            # graph) when activation checkpointing runs the block again in the backward pass.
-            self.router_stats = RouterStats(route.counts(), probs.sum(dim=0), x.size(0))
+        if self.config.router_aux_loss_coef:
+            # Computed in every run of the block, so that a recomputation saves what the first forward saved.
+            probabilities = self.probabilities(scores)
+            if self.router_stats is None:
+                # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the
+                # loss' graph) when activation checkpointing runs the block again in the backward pass.
+                self.router_stats = RouterStats(route.counts(), probabilities.sum(dim=0), x.size(0))
         rows = x.index_select(0, route.token)
         if route.kernel == "modules":
             y = self._expert_modules(rows, route)
@@ -727,7 +869,60 @@ class LLaMAMoE(nn.Module):
                 y = route.from_layout(self._experts(route.to_layout(rows.to(dtype)), route))
         # Back to (token, slot) order; every token has exactly k slots, so the weighted sum is a reshape.
         y = y.index_select(0, route.inverse).view(-1, k, C)
-        return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype).view(B, T, C)
+        y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(B, T, C)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, experts), each (tokens, n_expert_per_token), and the scores of every expert (tokens, n_expert),
+        all float32.
+
+        Softmax routers (Mixtral, Qwen3-MoE, DeepSeek-V2) weight the chosen experts by their probabilities; sigmoid
+        routers (DeepSeek-V3, GLM-4.5) by their scores, each expert's on its own. The correction bias and the group
+        limit change only which experts are chosen, never their weights; the weights are then renormalized
+        (moe_renormalize) and scaled (moe_routed_scaling), as transformers' DeepseekV3 does.
+        """
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` from the router's logits (tokens, n_expert), as `litgpt compress_moe` reads them."""
+        c = self.config
+        if c.moe_score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = logits.float().sigmoid()
+        with torch.no_grad():  # which experts: no gradient flows through the choice, autograd keeps none of it
+            bias = self.gate.e_score_correction_bias
+            choice = scores if bias is None else scores + bias
+            if c.moe_n_group > 1:
+                choice = self._limit_to_groups(choice)
+            chosen = choice.topk(c.n_expert_per_token, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if c.moe_renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.moe_routed_scaling != 1.0:
+            weights = weights * c.moe_routed_scaling
+        return weights, chosen, scores
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's distribution over the experts that the load-balancing loss reads: the softmax itself, or
+        each token's sigmoid scores divided by their sum (so that P_e sums to one, as in Switch Transformer's loss)."""
+        if self.config.moe_score_function == "softmax":
+            return scores
+        return scores / scores.sum(dim=-1, keepdim=True)
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The scores of the experts outside each token's moe_topk_group best groups set to -inf."""
+        c = self.config
+        grouped = choice.view(-1, c.moe_n_group, c.n_expert // c.moe_n_group)
+        if c.moe_group_score == "top2_sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(c.moe_topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def _kernel(self, x: torch.Tensor, dtype: torch.dtype) -> str:
         """How the experts run, decided once per forward pass: "grouped" (torch._grouped_mm), "blocks" (one bmm over
@@ -774,6 +969,41 @@ class LLaMAMoE(nn.Module):
         b = [layer.lora_B.to(x.dtype) for layer in layers]
         low = _ExpertsLinear.apply(first.lora_dropout(x), route.groups, route.kernel, 1, *a) * first.scaling
         return _ExpertsLinear.apply(low, route.groups, route.kernel, 1, *b)
+
+
+class Router(nn.Linear):
+    """A mixture of experts' router: `weight` (n_expert, n_embd) gives the logits, in float32 for sigmoid routers as
+    DeepSeek-V3 and GLM-4.5 compute them (their checkpoints keep the router in float32), in the model's dtype for
+    softmax ones (Mixtral). `e_score_correction_bias` (n_expert,), with moe_expert_bias, is the buffer DeepSeek-V3
+    adds to the scores to choose the experts; load balancing adjusts it outside of gradient descent, so it is a
+    buffer, saved, loaded and converted with the weights, never trained."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config.n_embd, config.n_expert, bias=config.router_bias)
+        self.float32_logits = config.moe_score_function == "sigmoid"
+        self.e_score_correction_bias: Optional[torch.Tensor]
+        if config.moe_expert_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_expert))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """`Module.to(dtype)` (and .half(), .bfloat16()) casts the weight but keeps the correction bias in float32,
+        as transformers and the published checkpoints do: the choice among experts turns on differences of a few
+        thousandths, below bfloat16's resolution of the scores."""
+        before = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        after = self.e_score_correction_bias
+        if before is not None and before.dtype == torch.float32 and after.dtype != torch.float32:
+            self.e_score_correction_bias = after.float() if before.is_meta != after.is_meta else before.to(after.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.float32_logits:
+            return super().forward(x)
+        autocast_off = torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else None
+        with autocast_off or contextlib.nullcontext():
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class RouterStats(NamedTuple):
@@ -953,7 +1183,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def build_mlp(config: Config) -> nn.Module:
+def build_mlp(config: Config, layer_idx: Optional[int] = None) -> nn.Module:
+    """The MLP of layer `layer_idx`: the config's class, or the dense LLaMAMLP in the first moe_first_dense_layers
+    layers of a mixture of experts (None: the config's class)."""
+    if layer_idx is not None and config.mlp_class_name == "LLaMAMoE" and not config.is_moe_layer(layer_idx):
+        return LLaMAMLP(config)
     return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP, "LLaMAMoE": LLaMAMoE}[
         config.mlp_class_name
     ](config)

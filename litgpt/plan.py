@@ -189,6 +189,7 @@ class MemoryPlan:
     loss_chunk_size: int = 0  # positions per chunk of the head and loss
     teacher_params: int = 0  # distillation: the frozen teacher's parameters (counted in the rows, not above)
     teacher_bytes: int = 0  # its weights as they stay on the device
+    kv_cache_bytes_per_token: int = 0  # generation (not training): one sequence's KV cache per position, all layers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -420,6 +421,8 @@ def estimate(
     loading = _quantized_loading(run, layout) if run.quantize else 0
     needed = max(total, loading + _overhead(loading, run.device) if loading else 0)
     details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
+    kv_cache_per_token, kv_cache_note = _kv_cache_per_token(config, run.compute)
+    notes.append(kv_cache_note)
     teacher_params = _parameter_layout(teacher, None, None).total_params if teacher is not None else 0
     if teacher is not None:
         details["parameters"] += f" + the teacher's {_fmt(teacher_bytes)}"
@@ -441,8 +444,32 @@ def estimate(
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
         host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
         attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
-        teacher_params=teacher_params, teacher_bytes=teacher_bytes,
+        teacher_params=teacher_params, teacher_bytes=teacher_bytes, kv_cache_bytes_per_token=kv_cache_per_token,
     )
+
+
+def _kv_cache_per_token(config: Config, itemsize: int) -> tuple[int, str]:
+    """Bytes per position of the KV cache generation allocates (the model's own caches, built on the meta device),
+    and a note saying so; latent attention caches its compressed latent, set against full keys and values."""
+    from litgpt.model import build_attention
+
+    with torch.device("meta"):
+        attn = build_attention(config, 0)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
+
+    def per_token(**kwargs) -> int:
+        cache = attn.new_kv_cache(1, 1, device="meta", dtype=dtype, **kwargs)
+        return config.n_layer * sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+
+    def words(nbytes: int) -> str:
+        return f"{nbytes:,} bytes per position, {_fmt(nbytes * config.block_size)} for {config.block_size:,} positions"
+
+    nbytes = per_token()
+    note = f"Generation (not in this training plan): one sequence's KV cache takes {words(nbytes)}"
+    if config.kv_lora_rank is not None:
+        full = words(per_token(latent=False))
+        note += f" (latent attention's compressed latent; full keys and values would take {full})"
+    return nbytes, note + "."
 
 
 def _check_run(config: Config, *, method, precision, sharding_strategy, devices, num_nodes, micro_batch_size,
@@ -950,8 +977,9 @@ def _quantized_loading(run: _Run, layout: _Layout) -> int:
 
 
 def _mlp_width(config: Config) -> int:
-    if config.mlp_class_name == "LLaMAMoE":
-        return config.moe_intermediate_size * config.n_expert_per_token
+    if config.mlp_class_name == "LLaMAMoE":  # k routed experts and the shared ones per token; dense first layers
+        routed = config.moe_intermediate_size * config.n_expert_per_token + (config.moe_shared_intermediate_size or 0)
+        return max(routed, config.intermediate_size) if config.moe_first_dense_layers else routed
     return config.intermediate_size
 
 
@@ -1041,7 +1069,8 @@ def _measure(config: Config, batch: int, seq: int, precision: str, fsdp: bool, d
 
 def _fake_model(config: Config, lora, dtype: torch.dtype, fake) -> torch.nn.Module:
     """`GPT(config)` as the training commands build it (adapters added, only they trainable with LoRA), in `dtype`,
-    with fake parameters: built on the meta device, then every parameter (ties kept) made a fake CPU tensor."""
+    with fake parameters: built on the meta device, then every parameter (ties kept) and buffer made a fake CPU
+    tensor."""
     from litgpt.checkpoint.model_files import meta_device
     from litgpt.lora import add_lora, mark_only_lora_as_trainable
     from litgpt.model import GPT
@@ -1060,6 +1089,9 @@ def _fake_model(config: Config, lora, dtype: torch.dtype, fake) -> torch.nn.Modu
                     fakes[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
                 if param is not None:
                     module._parameters[name] = fakes[id(param)]
+            for name, buffer in module._buffers.items():  # the routers' correction biases
+                if buffer is not None:
+                    module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
     return model
 
 

@@ -107,8 +107,8 @@ def test_sliced_router_and_experts_are_the_source_rows():
     model = routed_model(renormalize=True)
     source = model.state_dict()
     routing = collect_routing(model, [(TOKENS, LENGTHS)])
-    kept = [select_experts(routing.weight[0], 2)]
-    compressed = compress_state_dict(source, kept, [{}], routing.weight)
+    kept = {0: select_experts(routing.weight[0], 2)}
+    compressed = compress_state_dict(source, kept, {0: {}}, routing.weight)
     assert torch.equal(compressed["transformer.h.0.mlp.gate.weight"], source["transformer.h.0.mlp.gate.weight"][[2, 3]])
     for new, old in enumerate([2, 3]):
         ours, theirs = expert(compressed, 0, new), expert(source, 0, old)
@@ -137,9 +137,9 @@ def test_merge_is_the_routing_weighted_average_with_the_nearest_kept_expert():
                 getattr(experts[dropped], name).weight.copy_(factor * target + 0.01 * torch.randn_like(target))
     source = model.state_dict()
     routing = collect_routing(model, [(TOKENS, LENGTHS)])
-    kept = [select_experts(routing.weight[0], 2)]
-    merged_into = [nearest_kept_experts(experts_by_layer(source)[0], kept[0])]
-    assert kept == [[2, 3]] and merged_into == [{0: 3, 1: 2}]
+    kept = {0: select_experts(routing.weight[0], 2)}
+    merged_into = {0: nearest_kept_experts(experts_by_layer(source)[0], kept[0])}
+    assert kept == {0: [2, 3]} and merged_into == {0: {0: 3, 1: 2}}
     compressed = compress_state_dict(source, kept, merged_into, routing.weight)
     w = hand_routing(renormalize=True)
     for new, group in ((0, (2, 1)), (1, (3, 0))):
@@ -182,6 +182,16 @@ def hf_moe_model(family: str):
         config = transformers.Qwen3MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
                                              head_dim=16, norm_topk_prob=True)
         model_class = transformers.Qwen3MoeForCausalLM
+    elif family == "glm4_moe":  # a dense first layer, a shared expert, a sigmoid router with a correction bias
+        config = transformers.Glm4MoeConfig(**{**shape, "num_hidden_layers": 3}, intermediate_size=96,
+                                            moe_intermediate_size=32, n_routed_experts=6, n_shared_experts=1,
+                                            first_k_dense_replace=1, routed_scaling_factor=2.0)
+        torch.manual_seed(0)
+        model = transformers.Glm4MoeForCausalLM(config).eval()
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+        return model
     else:
         config = transformers.MixtralConfig(**shape, intermediate_size=32, num_local_experts=6, sliding_window=None)
         model_class = transformers.MixtralForCausalLM
@@ -195,7 +205,7 @@ def hf_experts(model, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_compressed_checkpoint_round_trips_through_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -225,13 +235,19 @@ def test_compressed_checkpoint_round_trips_through_transformers(family, tmp_path
     assert (reloaded.config.num_experts if family == "qwen3_moe" else reloaded.config.num_local_experts) == k
     ours = GPT(Config.from_checkpoint(out_dir))
     load_model_weights(ours, load_state_dict(out_dir / "lit_model.pth"), str(out_dir))
-    for layer, entry in enumerate(report["layers"]):
-        kept = [e["expert"] for e in entry["kept"]]
+    assert [entry["layer"] for entry in report["layers"]] == ([1, 2] if family == "glm4_moe" else [0, 1])
+    for entry in report["layers"]:
+        layer, kept = entry["layer"], [e["expert"] for e in entry["kept"]]
         assert len(kept) == k and kept == sorted(kept)
         for got, want in zip(hf_experts(reloaded, layer), hf_experts(source, layer)):
             assert torch.equal(got, want[kept])  # the kept experts' router rows and weights, bit for bit
         moe = ours.transformer.h[layer].mlp
         assert torch.equal(moe.gate.weight, hf_experts(reloaded, layer)[0])
+        if family == "glm4_moe":  # the kept experts' correction biases; the shared expert as it was
+            source_mlp = source.model.layers[layer].mlp
+            bias = reloaded.model.layers[layer].mlp.gate.e_score_correction_bias
+            assert torch.equal(bias, source_mlp.gate.e_score_correction_bias[kept])
+            assert torch.equal(moe.shared_experts.proj.weight, source_mlp.shared_experts.down_proj.weight)
         for j, expert_module in enumerate(moe.experts):
             gate_up = torch.cat([expert_module.fc_1.weight, expert_module.fc_2.weight])
             assert torch.equal(gate_up, hf_experts(reloaded, layer)[1][j])

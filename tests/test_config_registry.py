@@ -100,6 +100,17 @@ PUBLISHED = {
     "SmolLM3-3B-Base": (2048, 36, 16, 4, 11008, 128256, 5000000, 1e-6, True, 128),
     "Phi-3.5-mini-instruct": (3072, 32, 32, 32, 8192, 32064, 10000, 1e-5, False, 96),
     "Phi-4-mini-instruct": (3072, 32, 24, 8, 8192, 200064, 10000, 1e-5, True, 128),
+    "GLM-4.5": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
+    "GLM-4.5-Air": (4096, 46, 96, 8, 10944, 151552, 1000000, 1e-5, False, 128),
+    "GLM-4.6": (5120, 92, 96, 8, 12288, 151552, 1000000, 1e-5, False, 128),
+    # Latent attention: head_dim is qk_nope_head_dim + qk_rope_head_dim (128 + 64); key/value heads = heads.
+    "DeepSeek-V3": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "DeepSeek-V3-Base": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "DeepSeek-R1": (7168, 61, 128, 128, 18432, 129280, 10000, 1e-6, False, 192),
+    "Kimi-K2-Instruct": (7168, 61, 64, 64, 18432, 163840, 50000, 1e-6, False, 192),
+    "Kimi-K2-Base": (7168, 61, 64, 64, 18432, 163840, 50000, 1e-6, False, 192),
+    "DeepSeek-V2-Lite": (2048, 27, 16, 16, 10944, 102400, 10000, 1e-6, False, 192),
+    "DeepSeek-V2-Lite-Chat": (2048, 27, 16, 16, 10944, 102400, 10000, 1e-6, False, 192),
 }
 
 # Published context lengths (max_position_embeddings).
@@ -140,6 +151,13 @@ PUBLISHED_BLOCK_SIZE = {
     "SmolLM3-3B": 65536,
     "Phi-3.5-mini-instruct": 131072,
     "Phi-4-mini-instruct": 131072,
+    "GLM-4.5": 131072,
+    "GLM-4.5-Air": 131072,
+    "GLM-4.6": 202752,
+    "DeepSeek-V3": 163840,
+    "DeepSeek-R1": 163840,
+    "Kimi-K2-Instruct": 131072,
+    "DeepSeek-V2-Lite": 163840,
 }
 
 # Published total parameter counts (tied embeddings counted once).
@@ -192,6 +210,21 @@ PUBLISHED_PARAMS = {
     "SmolLM3-3B": 3.08e9,
     "Phi-3.5-mini-instruct": 3.82e9,
     "Phi-4-mini-instruct": 3.84e9,
+    # Without the multi-token prediction layer that the checkpoints also hold (GLM-4.5: 3.9B, Air: 2.3B, which
+    # litgpt does not convert): 352.8B and 106.8B, within 1% of the announced 355B and 106B.
+    "GLM-4.5": 355e9,
+    "GLM-4.5-Air": 106e9,
+    # Without the multi-token prediction layer of the V3/R1 checkpoints (14B: 685B with it), as DeepSeek counts.
+    "DeepSeek-V3": 671e9,
+    "DeepSeek-R1": 671e9,
+    "Kimi-K2-Instruct": 1026.5e9,  # the hub's count of the checkpoint ("1T" on the model card)
+    "DeepSeek-V2-Lite": 15.7e9,
+}
+# Published active parameters per token of mixtures: every weight a token goes through except the embedding and
+# output matrices (the count model cards announce). Announced in whole billions, hence 5%: "12B" may be 11.5-12.5B.
+PUBLISHED_ACTIVE_PARAMS = {
+    "GLM-4.5": 32e9,  # 32.1B
+    "GLM-4.5-Air": 12e9,  # 12.2B
 }
 
 # The names LitGPT 0.5.13 registers that came with its name list (tests/test_litgpt_names.py), one or more per family.
@@ -248,6 +281,7 @@ HF_MODEL_TYPES = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_neox",
     "falcon", "stablelm", "phi", "olmo", "gpt_oss",
     "olmo2", "smollm3",
+    "glm4_moe", "deepseek_v3", "deepseek_v2",
 }
 HF_MODEL_TYPES |= {"gemma"}
 
@@ -437,9 +471,10 @@ def meta_param_counts():
             config = Config(**values)
             key = repr({k: v for k, v in values.items() if k not in ("name", "hf_config", "prompt_style")})
             if key not in by_architecture:
-                if name in MANY_EXPERTS:
-                    one, two = (_meta_param_count(Config(**{**values, "n_layer": n})) for n in (1, 2))
-                    by_architecture[key] = one + (config.n_layer - 1) * (two - one)
+                if name in MANY_EXPERTS:  # the dense first layers, then identical MoE layers
+                    dense = config.moe_first_dense_layers
+                    one, two = (_meta_param_count(Config(**{**values, "n_layer": dense + n})) for n in (1, 2))
+                    by_architecture[key] = one + (config.n_layer - dense - 1) * (two - one)
                 else:
                     by_architecture[key] = _meta_param_count(config)
             counts[name] = by_architecture[key]
@@ -498,6 +533,24 @@ def test_gpt_oss_published_fields_and_active_parameters(meta_param_counts, name)
     inactive = (c.n_expert - c.n_expert_per_token) * per_expert * c.n_layer
     active = meta_param_counts[name] - inactive - c.padded_vocab_size * c.n_embd
     assert active == pytest.approx(GPT_OSS_ACTIVE[name], rel=0.005)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE_PARAMS))
+def test_published_active_parameter_counts(meta_param_counts, name):
+    """The total less the embedding and output matrices and the experts a token does not go through, the sizes of
+    one expert and of the embeddings read from a model built on the meta device."""
+    config = Config(**REGISTRY[name])
+    patch = _skip_meta_init()
+    try:
+        with torch.device("meta"):
+            model = GPT(Config(**{**REGISTRY[name], "n_layer": config.moe_first_dense_layers + 1}))
+    finally:
+        patch.undo()
+    per_expert = sum(p.numel() for p in model.transformer.h[-1].mlp.experts[0].parameters())
+    idle_experts = (config.n_expert - config.n_expert_per_token) * (config.n_layer - config.moe_first_dense_layers)
+    embeddings = model.transformer.wte.weight.numel() + model.lm_head.weight.numel()
+    active = meta_param_counts[name] - embeddings - idle_experts * per_expert
+    assert active == pytest.approx(PUBLISHED_ACTIVE_PARAMS[name], rel=0.05)
 
 
 def test_from_name_by_hub_id():

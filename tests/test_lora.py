@@ -25,7 +25,7 @@ from litgpt.lora import (
     merge_lora_weights,
     plain_state_dict,
 )
-from litgpt.model import GPT
+from litgpt.model import GPT, Router
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -190,7 +190,7 @@ def test_switches_create_exactly_the_expected_adapters(name, switches):
     # The base keys are unchanged, in the same order.
     assert [key for key in model.state_dict() if not is_lora_key(key)] == plain_keys
     if name == "moe":
-        assert type(model.transformer.h[0].mlp.gate) is nn.Linear  # the router never gets an adapter
+        assert type(model.transformer.h[0].mlp.gate) is Router  # the router never gets an adapter
 
 
 def test_qkv_parts_write_only_their_rows():

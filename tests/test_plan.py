@@ -46,6 +46,18 @@ ARCHITECTURES = {
                      rope_local_base=10000.0),
     "qwen3-moe": Config(**TINY, mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2,
                         moe_intermediate_size=32, norm_qk=True),
+    # GLM-4.5's layout: a dense first layer, then shared + routed experts behind a grouped sigmoid router
+    "glm4-moe": Config(**{**TINY, "n_layer": 3}, mlp_class_name="LLaMAMoE", n_expert=8, n_expert_per_token=3,
+                       moe_intermediate_size=32, moe_n_shared_expert=1, moe_score_function="sigmoid",
+                       moe_expert_bias=True, moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5,
+                       moe_first_dense_layers=1, attn_bias=True, norm_qk=True, rotary_percentage=0.5),
+    # DeepSeek-V3's layout: latent attention; a dense first layer, then shared + routed experts, grouped sigmoid router
+    "deepseek-mla": Config(**{**TINY, "n_layer": 3, "n_query_groups": 4}, head_size=24, kv_lora_rank=16,
+                           q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           rope_interleaved=True, mlp_class_name="LLaMAMoE", n_expert=8, n_expert_per_token=3,
+                           moe_intermediate_size=32, moe_n_shared_expert=1, moe_score_function="sigmoid",
+                           moe_expert_bias=True, moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5,
+                           moe_first_dense_layers=1),
 }
 TUNINGS = {
     "full": None,
@@ -758,3 +770,13 @@ def test_the_litgpt_command_prints_one_line_and_exits_1(monkeypatch, capsys):
 
 if __name__ == "__main__":
     print(json.dumps(measure_cpu_cases(json.loads(sys.argv[1]))))
+
+
+def test_generation_kv_cache_per_token_by_hand():
+    """The note on generation's KV cache: latent attention's latent + rotary key, else every group's key and value."""
+    mla, llama = ARCHITECTURES["deepseek-mla"], ARCHITECTURES["llama"]
+    plan = estimate(mla, precision="bf16-true", device="cpu", seq_length=32)
+    assert plan.kv_cache_bytes_per_token == mla.n_layer * (16 + 8) * 2
+    assert f"full keys and values would take {mla.n_layer * 4 * (24 + 12) * 2:,} bytes per position" in plan.notes[-1]
+    plan = estimate(llama, precision="32-true", device="cpu", seq_length=32)
+    assert plan.kv_cache_bytes_per_token == llama.n_layer * 2 * 2 * 16 * 4

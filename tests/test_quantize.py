@@ -16,7 +16,7 @@ import torch.nn as nn
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRALinear, LoRASettings, add_lora, lora_state_dict, mark_only_lora_as_trainable, merge_lora_weights
-from litgpt.model import GPT
+from litgpt.model import GPT, Router
 from litgpt import quantize
 from litgpt.quantize import (
     QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, is_nf4, quantize_frozen_base,
@@ -168,7 +168,7 @@ def test_plain_model_router_and_head_stay_float():
     model = make_model(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=64)
     quantize_frozen_base(model, "bnb.nf4-dq")
     mlp = model.transformer.h[0].mlp
-    assert type(mlp.gate) is nn.Linear and mlp.gate.weight.dtype == torch.float32
+    assert type(mlp.gate) is Router and mlp.gate.weight.dtype == torch.float32
     assert isinstance(mlp.experts[3].fc_2, bnb.nn.Linear4bit)
     assert isinstance(model.transformer.h[1].attn.proj, bnb.nn.Linear4bit)
     assert type(model.lm_head) is nn.Linear

@@ -13,7 +13,7 @@ import importlib
 from functools import lru_cache
 from typing import Callable, Iterable, Union
 
-FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "falcon", "stablelm", "phi_legacy", "olmo1", "gpt_oss", "olmo2")
+FAMILIES = ("pythia", "llama", "mistral", "qwen", "phi", "gemma", "smollm", "falcon", "stablelm", "phi_legacy", "olmo1", "gpt_oss", "olmo2", "glm", "deepseek")
 FAMILIES += ("llama_community", "falcon3", "salamandra")  # the rest of LitGPT 0.5.13's names
 
 

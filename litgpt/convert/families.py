@@ -59,6 +59,7 @@ class Family:
     fused_gate_up: bool = False  # Phi-3 keeps gate and up projections in one matrix
     head_dim_key: bool = True  # config.json has `head_dim`
     default_tie: bool = False
+    latent: bool = False  # multi-head latent attention (DeepSeek): see the DeepSeek section below
 
 
 def _family(model_type: str, architecture: str, free: tuple[str, ...] = (), **kwargs: Any) -> Family:
@@ -74,6 +75,8 @@ _GEMMA_FREE = ("attention_logit_softcapping", "final_logit_softcapping", "attent
 # OLMo 2 and 3: no norm before attention or the MLP, norms on their outputs, q/k norms over the whole projections.
 _OLMO = dict(norm_1=False, norm_2=False, post_attention_norm=True, post_mlp_norm=True, norm_qk=True, norm_qk_type="olmo2")
 
+# DeepSeek-V3's routing ("noaux_tc"), which GLM-4.5 shares: sigmoid scores, a correction bias, groups by top-2 sum.
+_NOAUX_TC = dict(moe_score_function="sigmoid", moe_expert_bias=True, moe_group_score="top2_sum")
 _GEMMA = dict(norm_unit_offset=True, scale_embeddings=True, mlp_class_name="GemmaMLP", gelu_approximate="tanh")
 
 FAMILIES: dict[str, Family] = {
@@ -104,6 +107,12 @@ FAMILIES: dict[str, Family] = {
             fixed=dict(_GEMMA, post_attention_norm=True, post_mlp_norm=True, norm_qk=True),
         ),
         _family(
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            free=_MOE_FREE + ("attn_bias", "norm_qk"),
+            fixed=dict(mlp_class_name="LLaMAMoE", **_NOAUX_TC),
+        ),
+        _family(
             "gpt_neox",
             "GPTNeoXForCausalLM",
             head_dim_key=False,
@@ -123,11 +132,21 @@ FAMILIES: dict[str, Family] = {
         _family("olmo2", "Olmo2ForCausalLM", head_dim_key=False, fixed=_OLMO),
         _family("olmo3", "Olmo3ForCausalLM", sliding=True, head_dim_key=False, free=("rope_local_base",), fixed=_OLMO),
         _family("smollm3", "SmolLM3ForCausalLM", head_dim_key=False, default_tie=True, free=("no_rope_layers",)),
+        # config.json's head_dim is the rotary size (transformers sets it so); head_size is derived from the MLA sizes.
+        _family("deepseek_v3", "DeepseekV3ForCausalLM", head_dim_key=False, latent=True, free=_MOE_FREE,
+                fixed=dict(mlp_class_name="LLaMAMoE", **_NOAUX_TC)),
+        # DeepSeek-V2's router: softmax scores, no correction bias; config.json's topk_method picks the group score.
+        _family("deepseek_v2", "DeepseekV2ForCausalLM", head_dim_key=False, latent=True, free=_MOE_FREE,
+                fixed=dict(mlp_class_name="LLaMAMoE", moe_score_function="softmax", moe_expert_bias=False,
+                           rope_interleaved=True)),
     ]
 }
+# Other model types whose config.json describes one of the families above (Kimi K2 ships DeepSeek-V3's classes).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def family_of(model_type: str, where: str) -> Family:
+    model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise UserError(
             f"{where} has model_type {model_type!r}, which litgpt does not support. "
@@ -145,6 +164,8 @@ GEMMA3_TEXT_DEFAULTS = dict(
 )
 # Multimodal checkpoints whose language model litgpt converts: model_type -> (text family, weight prefixes).
 MULTIMODAL = {"gemma3": "gemma3_text"}
+# What transformers' config classes assume for fields that config.json may leave out, per family.
+HF_DEFAULTS = {"glm4_moe": dict(partial_rotary_factor=0.5)}
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> Config:
@@ -159,6 +180,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> Config:
     if model_type is None and "text_config" in hf:
         raise UserError(f"{where} describes a multimodal model; litgpt converts text-only causal LMs.")
     family = family_of(model_type, where)
+    hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
     if model_type == "falcon":
         hf = _falcon_as_standard(hf, where)
     try:
@@ -201,8 +223,10 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
         elif activation != "silu":
             raise UserError(f"{where}: activation {activation!r} is not supported for {family.model_type}.")
         for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag) and family.model_type not in ("qwen2", "gpt_oss"):
+            if hf.get(flag) and not (family.model_type == "gpt_oss" or flag == "attention_bias" and family.model_type in ("qwen2", "glm4_moe")):
                 raise UserError(f"{where}: {flag}=true is not supported for {family.model_type}.")
+    if family.model_type == "glm4_moe":
+        values.update(attn_bias=bool(hf.get("attention_bias", False)), norm_qk=bool(hf.get("use_qk_norm", False)))
 
     if family.model_type.startswith("gemma"):
         values["attention_scores_scalar"] = hf.get("query_pre_attn_scalar") or values["head_size"]
@@ -216,6 +240,8 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
             swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
         )
+    elif family.model_type in DEEPSEEK_MOE_FAMILIES:
+        values.update(deepseek_moe_from_hf(hf, DEEPSEEK_MOE_FAMILIES[family.model_type], where))
     elif values["mlp_class_name"] == "LLaMAMoE":
         if family.model_type == "mixtral":
             values.update(n_expert=hf["num_local_experts"], moe_intermediate_size=hf["intermediate_size"])
@@ -227,7 +253,7 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 moe_renormalize=bool(hf.get("norm_topk_prob", False)),
             )
-    if values["mlp_class_name"] == "LLaMAMoE":
+    if values["mlp_class_name"] == "LLaMAMoE" and family.model_type not in DEEPSEEK_MOE_FAMILIES:
         values["n_expert_per_token"] = hf["num_experts_per_tok"]
         # transformers' default for these families when config.json has none
         values["router_aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.001)
@@ -237,6 +263,8 @@ def _config_from_hf(hf: dict, family: Family, where: str) -> Config:
         values["no_rope_layers"] = hf.get("no_rope_layers") or [
             int((i + 1) % interval != 0) for i in range(values["n_layer"])
         ]
+    if family.latent:
+        values.update(_latent_from_hf(hf, family, where))
     values.update(_rope_from_hf(hf, family, where))
     values.update(_sliding_from_hf(hf, family, values["n_layer"], where))
     return Config(**values)
@@ -416,6 +444,10 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             "Set hf_model_type in model_config.yaml to the family these weights match."
         )
     c = config
+    if (c.kv_lora_rank is not None) != family.latent:
+        kind = "has" if family.latent else "has no"
+        raise UserError(f"Hugging Face {family.model_type!r} {kind} latent attention; this model's kv_lora_rank is "
+                        f"{c.kv_lora_rank}. Set hf_model_type in model_config.yaml to the family these weights match.")
     hf: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -431,7 +463,7 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     }
     if family.head_dim_key:
         hf["head_dim"] = c.head_size
-    elif c.head_size != c.n_embd // c.n_head:
+    elif c.head_size != c.n_embd // c.n_head and not family.latent:
         raise UserError(f"Hugging Face {family.model_type!r} requires head_size == n_embd // n_head.")
     if c.rope_scaling is not None:
         scaling = dict(c.rope_scaling)
@@ -476,6 +508,12 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
         hf.update(no_rope_layers=list(c.no_rope_layers or [1] * c.n_layer), use_sliding_window=False)
     if c.mlp_class_name == "LLaMAMoE":
         hf["router_aux_loss_coef"] = c.router_aux_loss_coef
+    if family.model_type in DEEPSEEK_MOE_FAMILIES:
+        hf.update(deepseek_moe_to_hf(c, method_keys=DEEPSEEK_MOE_FAMILIES[family.model_type] is None))
+    if family.model_type == "glm4_moe":
+        # num_nextn_predict_layers: the multi-token prediction layer is not converted (deepseek_moe_from_hf).
+        hf.update(attention_bias=c.attn_bias, use_qk_norm=c.norm_qk, partial_rotary_factor=c.rotary_percentage,
+                  num_nextn_predict_layers=0)
     if family.model_type == "mixtral":
         hf.update(num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_per_token)
         hf["intermediate_size"] = c.moe_intermediate_size
@@ -499,6 +537,8 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             swiglu_alpha=c.swiglu_alpha,
             swiglu_limit=c.swiglu_limit,
         )
+    if family.latent:
+        hf.update(_latent_to_hf(c, family))
     hf.update(_sliding_to_hf(c, family))
     hf.update(extra or {})
     return hf
@@ -614,7 +654,7 @@ def weight_rules(config: Config, lit_keys: set[str]) -> list[Rule]:
     modules = _module_map(config, family)
     rules = []
     for lit, hf, kind, sizes in modules:
-        for suffix in ("weight", "bias"):
+        for suffix in ("weight", "bias", "e_score_correction_bias"):
             lit_names = tuple(f"{name}.{suffix}" for name in lit)
             present = [name in lit_keys for name in lit_names]
             if not any(present):
@@ -684,7 +724,10 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
             add(f"{lit}.post_mlp_norm", f"{hf}.post_feedforward_layernorm")
         else:
             add(f"{lit}.norm_2", f"{hf}.post_attention_layernorm")
-        if family.fused_qkv:
+        if family.latent:
+            for ours, theirs in _latent_modules(c):
+                add(f"{lit}.attn.{ours}", f"{hf}.self_attn.{theirs}")
+        elif family.fused_qkv:
             add(f"{lit}.attn.qkv", f"{hf}.self_attn.qkv_proj")
         else:
             attn = f"{hf}.self_attn"
@@ -695,6 +738,8 @@ def _module_map(c: Config, family: Family) -> list[tuple[tuple[str, ...], tuple[
             add(f"{lit}.attn.norm_k", f"{hf}.self_attn.k_norm")
         if family.model_type == "gpt_oss":
             add(f"{lit}.mlp.gate", f"{hf}.mlp.router")  # the experts are fused: _gpt_oss_rules
+        elif family.model_type in DEEPSEEK_MOE_FAMILIES:
+            add_deepseek_moe_modules(add, c, i, f"{lit}.mlp", f"{hf}.mlp")
         elif c.mlp_class_name == "LLaMAMoE":
             moe = f"{hf}.block_sparse_moe" if family.model_type == "mixtral" else f"{hf}.mlp"
             names = ("w1", "w3", "w2") if family.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -932,3 +977,147 @@ def _stacked_to_falcon(t: torch.Tensor, c: Config) -> torch.Tensor:
     parts = (q.reshape(c.n_query_groups, per_group, c.head_size, *rest),
              *(x.reshape(c.n_query_groups, 1, c.head_size, *rest) for x in (k, v)))
     return torch.cat(parts, dim=1).reshape(t.shape).contiguous()
+# ---- DeepSeek-style mixture of experts (DeepSeek-V2/V3, Kimi K2, GLM-4.5) ------------------------------------------
+# model_type -> the router's `topk_method` its transformers class hard-codes, or None to read config.json's.
+DEEPSEEK_MOE_FAMILIES: dict[str, Optional[str]] = {
+    "glm4_moe": "noaux_tc", "deepseek_v3": "noaux_tc", "deepseek_v2": None,
+}
+# topk_method -> how our router runs it: "noaux_tc" (DeepSeek-V3) chooses by sigmoid score plus the correction bias
+# within the best groups by top-2 sum; "greedy" and "group_limited_greedy" (DeepSeek-V2) by softmax probability,
+# the latter within the groups of the best single probabilities.
+TOPK_METHODS = {
+    "noaux_tc": _NOAUX_TC,
+    "greedy": dict(moe_score_function="softmax", moe_expert_bias=False, moe_group_score="top2_sum"),
+    "group_limited_greedy": dict(moe_score_function="softmax", moe_expert_bias=False, moe_group_score="max"),
+}
+
+
+def deepseek_moe_from_hf(hf: dict, topk_method: Optional[str], where: str) -> dict:
+    """Config values for the DeepSeek-style MoE keys of config.json (n_routed_experts, n_shared_experts,
+    num_experts_per_tok, n_group, topk_group, routed_scaling_factor, norm_topk_prob, first_k_dense_replace,
+    moe_intermediate_size, topk_method and scoring_func); `topk_method` is the one the family's class hard-codes, or
+    None to read config.json's. Keys that contradict each other raise one line naming them."""
+    method = topk_method or hf.get("topk_method", "greedy")
+    if method not in TOPK_METHODS:
+        raise UserError(f"{where}: topk_method {method!r} is not supported; litgpt runs {', '.join(TOPK_METHODS)}.")
+    values = dict(TOPK_METHODS[method], mlp_class_name="LLaMAMoE")
+    scoring = hf.get("scoring_func", values["moe_score_function"]) if topk_method is None else None
+    if scoring is not None and scoring != values["moe_score_function"]:
+        raise UserError(f"{where}: scoring_func {scoring!r} contradicts topk_method {method!r}.")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise UserError(f"{where}: moe_layer_freq={hf['moe_layer_freq']} is not supported (MoE in every layer after "
+                        "first_k_dense_replace).")
+    n_expert, k = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    grouped = method != "greedy"  # DeepSeek-V2's greedy router ignores n_group and topk_group
+    n_group = (hf.get("n_group") or 1) if grouped else 1
+    topk_group = (hf.get("topk_group") or 1) if grouped else 1
+    if n_group < 1 or n_expert % n_group:
+        raise UserError(f"{where}: n_routed_experts ({n_expert}) is not divisible by n_group ({n_group}).")
+    if not 1 <= topk_group <= n_group:
+        raise UserError(f"{where}: topk_group ({topk_group}) must be between 1 and n_group ({n_group}).")
+    if not 0 < k <= topk_group * (n_expert // n_group):
+        raise UserError(
+            f"{where}: num_experts_per_tok ({k}) exceeds the {topk_group * (n_expert // n_group)} experts of "
+            f"topk_group ({topk_group}) groups of n_routed_experts / n_group ({n_expert // n_group})."
+        )
+    first_dense = hf.get("first_k_dense_replace") or 0
+    if not 0 <= first_dense <= hf["num_hidden_layers"]:
+        raise UserError(f"{where}: first_k_dense_replace ({first_dense}) exceeds num_hidden_layers.")
+    values.update(
+        n_expert=n_expert,
+        n_expert_per_token=k,
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        moe_n_shared_expert=hf.get("n_shared_experts") or 0,
+        moe_n_group=n_group,
+        moe_topk_group=topk_group,
+        moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        # transformers' DeepSeek-V2 router never renormalizes, whatever norm_topk_prob says
+        moe_renormalize=bool(hf.get("norm_topk_prob", False)) and method == "noaux_tc",
+        moe_first_dense_layers=first_dense,
+        # These models balance their experts through the correction bias, not an auxiliary loss.
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
+    )
+    return values
+
+
+def deepseek_moe_to_hf(c: Config, method_keys: bool) -> dict:
+    """The DeepSeek-style MoE keys of config.json for `c` (with `method_keys`, also topk_method and scoring_func,
+    for classes that read them)."""
+    shared = c.moe_n_shared_expert
+    if shared and c.moe_shared_intermediate_size != shared * c.moe_intermediate_size:
+        raise UserError(
+            f"Hugging Face sizes the shared experts n_shared_experts * moe_intermediate_size; this model has "
+            f"moe_shared_intermediate_size={c.moe_shared_intermediate_size}, moe_n_shared_expert={shared} and "
+            f"moe_intermediate_size={c.moe_intermediate_size}."
+        )
+    routing = dict(moe_score_function=c.moe_score_function, moe_expert_bias=c.moe_expert_bias)
+    methods = [m for m, v in TOPK_METHODS.items() if v.items() >= routing.items()
+               and (c.moe_n_group == 1 or v["moe_group_score"] == c.moe_group_score)]
+    if not methods:
+        raise UserError(f"No DeepSeek topk_method routes as moe_score_function={c.moe_score_function!r}, "
+                        f"moe_expert_bias={c.moe_expert_bias}, moe_group_score={c.moe_group_score!r}.")
+    hf = dict(
+        n_routed_experts=c.n_expert,
+        num_experts_per_tok=c.n_expert_per_token,
+        moe_intermediate_size=c.moe_intermediate_size,
+        n_shared_experts=shared,
+        n_group=c.moe_n_group,
+        topk_group=c.moe_topk_group,
+        routed_scaling_factor=c.moe_routed_scaling,
+        norm_topk_prob=c.moe_renormalize,
+        first_k_dense_replace=c.moe_first_dense_layers,
+    )
+    if method_keys:
+        hf.update(topk_method=methods[0], scoring_func=c.moe_score_function)
+    return hf
+
+
+def add_deepseek_moe_modules(add, c: Config, layer: int, lit: str, hf: str) -> None:
+    """The weight-name map of one layer's MLP `lit` <-> `hf` (e.g. model.layers.3.mlp): the dense
+    gate/up/down_proj in the first moe_first_dense_layers layers; then the router `gate` (weight and
+    e_score_correction_bias), experts.N.{gate,up,down}_proj and shared_experts.{gate,up,down}_proj."""
+    names = (("fc_1", "gate_proj"), ("fc_2", "up_proj"), ("proj", "down_proj"))
+    if not c.is_moe_layer(layer):
+        for ours, theirs in names:
+            add(f"{lit}.{ours}", f"{hf}.{theirs}")
+        return
+    add(f"{lit}.gate", f"{hf}.gate")
+    for e in range(c.n_expert):
+        for ours, theirs in names:
+            add(f"{lit}.experts.{e}.{ours}", f"{hf}.experts.{e}.{theirs}")
+    if c.moe_n_shared_expert:
+        for ours, theirs in names:
+            add(f"{lit}.shared_experts.{ours}", f"{hf}.shared_experts.{theirs}")
+
+
+# ---- DeepSeek-V2/V3 and Kimi K2: multi-head latent attention --------------------------------------------------------
+_LATENT_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_from_hf(hf: dict, family: Family, where: str) -> dict:
+    """The latent attention sizes of config.json."""
+    heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise UserError(f"{where}: num_key_value_heads must equal num_attention_heads ({heads}) with latent attention.")
+    values = {key: hf.get(key) if key == "q_lora_rank" else hf[key] for key in _LATENT_SIZES}
+    values.update(
+        head_size=values["qk_nope_head_dim"] + values["qk_rope_head_dim"],
+        n_query_groups=heads,
+        rope_interleaved=bool(hf.get("rope_interleave", True)) if family.model_type == "deepseek_v3" else True,
+    )
+    return values
+
+
+def _latent_to_hf(c: Config, family: Family) -> dict:
+    hf = {key: getattr(c, key) for key in _LATENT_SIZES}
+    hf.update(head_dim=c.qk_rope_head_dim, attention_bias=False)
+    if family.model_type == "deepseek_v3":
+        hf.update(rope_interleave=c.rope_interleaved, num_nextn_predict_layers=0)
+    return hf
+
+
+def _latent_modules(c: Config) -> list[tuple[str, str]]:
+    """(litgpt, Hugging Face) names of the latent attention's modules under `attn` / `self_attn`."""
+    query = [("q_proj", "q_proj")] if c.q_lora_rank is None else [
+        ("q_a_proj", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj")]
+    return query + [("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj")]

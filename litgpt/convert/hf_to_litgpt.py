@@ -44,6 +44,8 @@ class HFWeights:
                 "Download the model again with `litgpt download REPO_ID`."
             )
         self._names = {key: key for key in self._files}  # the name conversion uses -> the name in the file
+        self._fp8: dict[str, str] = {}  # FP8 weight -> its block scales (`dequantize_fp8`)
+        self._fp8_block, self._fp8_dtype = (128, 128), torch.bfloat16
 
     def _shards(self, single: str, pattern: str) -> list[Path]:
         index = self.folder / f"{single}.index.json"
@@ -70,6 +72,14 @@ class HFWeights:
                     names[new + key[len(old):]] = key
         self._names = names
 
+    def dequantize_fp8(self, block: tuple[int, int], dtype: torch.dtype) -> None:
+        """Read every float8 weight that has a `weight_scale_inv` beside it as weight * scale per block (DeepSeek's
+        published checkpoints), in `dtype`; the scales themselves are then no tensors of the model."""
+        scales = {key[: -len("_scale_inv")]: key for key in self._names if key.endswith(".weight_scale_inv")}
+        self._fp8 = {key: scale for key, scale in scales.items() if key in self._names}
+        self._names = {key: name for key, name in self._names.items() if key not in self._fp8.values()}
+        self._fp8_block, self._fp8_dtype = block, dtype
+
     def keys(self) -> set[str]:
         """The tensors' names; a pair NAME_blocks, NAME_scales of MXFP4 weights (gpt-oss) shows as NAME."""
         names = set(self._names)
@@ -81,7 +91,23 @@ class HFWeights:
         if key not in self._names and key + "_blocks" in self._names:
             return dequantize_mxfp4(self.get(key + "_blocks"), self.get(key + "_scales"))
         name = self._names[key]
-        return self._open[self._files[name]][name]
+        tensor = self._open[self._files[name]][name]
+        scale_key = self._fp8.get(key)
+        if scale_key is None:
+            return tensor
+        scale = self._open[self._files[scale_key]][scale_key]
+        return dequantize_fp8_blocks(tensor, scale, self._fp8_block).to(self._fp8_dtype)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight (rows, cols) times scale_inv[i // block[0], j // block[1]] at every (i, j), in float32: the block
+    scaling of DeepSeek's FP8 checkpoints (the last blocks of a row or column may be partial)."""
+    rows, cols = weight.shape
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise UserError(f"An FP8 weight of shape {tuple(weight.shape)} has scales of shape {tuple(scale_inv.shape)}, "
+                        f"which do not tile it in blocks of {block[0]}x{block[1]}.")
+    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return weight.float() * scale
 
 
 # The 16 values of a 4-bit e2m1 float (1 sign, 2 exponent and 1 mantissa bit), by their code.
@@ -109,6 +135,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
@@ -198,15 +225,29 @@ def convert_hf_checkpoint(
     if (checkpoint_dir / WEIGHTS_FILE).exists() and not overwrite:
         raise UserError(f"{str(checkpoint_dir / WEIGHTS_FILE)!r} exists already: pass --overwrite true to replace it.")
     weights = HFWeights(checkpoint_dir)
-    if "text_config" in read_hf_config(checkpoint_dir):
+    hf_config = read_hf_config(checkpoint_dir)
+    if "text_config" in hf_config:
         weights.language_model_only()
-    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype)))
+    _read_fp8(weights, hf_config, DTYPES.get(dtype))
+    # DeepSeek-V3 and GLM-4.5 publish their multi-token prediction layers as layers n_layer, n_layer + 1, ...: a
+    # draft head for speculative decoding, which litgpt does not run; they are left out, with a note.
+    mtp_layers = hf_config.get("num_nextn_predict_layers") or 0
+    state_dict = dict(convert_weights(weights, config, DTYPES.get(dtype), mtp_layers))
     if config.tie_embeddings:
         # The output head shares the embedding matrix; the state dict names it under both keys, stored once.
         state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
     save_state_dict(state_dict, checkpoint_dir / WEIGHTS_FILE)
     config.save(checkpoint_dir / CONFIG_FILE)
     print(f"Wrote {checkpoint_dir / WEIGHTS_FILE} and {checkpoint_dir / CONFIG_FILE} ({config.name or 'unnamed'})")
+
+
+def _read_fp8(weights: HFWeights, hf: dict, dtype: Optional[torch.dtype]) -> None:
+    """DeepSeek-V3's published checkpoints store most weights in FP8 with a scale per block (quant_method "fp8",
+    weight_block_size): read them dequantized, in `dtype` (default bfloat16, the dtype of their other tensors)."""
+    quantization = hf.get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":
+        block = tuple(quantization.get("weight_block_size") or (128, 128))
+        weights.dequantize_fp8(block, dtype or torch.bfloat16)
 
 
 def resolve_config(checkpoint_dir: Path, model_name: Optional[str]) -> Config:
@@ -247,9 +288,10 @@ def architecture_differences(a: Config, b: Config) -> str:
 
 
 def convert_weights(
-    weights: HFWeights, config: Config, dtype: Optional[torch.dtype]
+    weights: HFWeights, config: Config, dtype: Optional[torch.dtype], mtp_layers: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time."""
+    """Yield litgpt (name, tensor) pairs, reading and converting one Hugging Face tensor group at a time; the
+    `mtp_layers` multi-token prediction layers after the last layer (model.layers.{n_layer}...) are skipped."""
     from litgpt.model import GPT
 
     with meta_device():
@@ -270,8 +312,16 @@ def convert_weights(
                     f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
                     f"but config.json implies {tuple(reference[name].shape)} for {name}."
                 )
-            yield name, tensor.to(dtype) if dtype is not None else tensor
+            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.model.Router`).
+            keep = dtype is None or name.endswith(".e_score_correction_bias")
+            yield name, tensor if keep else tensor.to(dtype)
         used.update(rule.hf)
+    mtp = tuple(f"model.layers.{config.n_layer + i}." for i in range(mtp_layers))
+    skipped = {key for key in available if mtp and key.startswith(mtp)}
+    if skipped:
+        print(f"Skipped the {mtp_layers} multi-token prediction layer(s) ({len(skipped)} tensors, "
+              f"{', '.join(p.rstrip('.') for p in mtp)}): litgpt does not run them.")
+    available = available - skipped
     unexpected = sorted(
         key
         for key in available - used

@@ -57,6 +57,7 @@ class CacheWindow(nn.Module):
     def __init__(self, cache: KVCache, length: int) -> None:
         super().__init__()
         self.k, self.v = cache.k[:, :, :length], cache.v[:, :, :length]
+        self.latent = cache.latent
 
 
 class BatchingEngine:
@@ -69,10 +70,9 @@ class BatchingEngine:
         self.block_size = model.config.block_size
         model.set_kv_cache(batch_size=max_batch_size, max_seq_length=self.block_size)
         self.caches = [block.attn.kv_cache for block in model.transformer.h]
-        c = model.config
         self.prefill_caches = [
-            KVCache(1, c.n_query_groups, self.block_size, c.head_size, device=self.device, dtype=self.caches[0].k.dtype)
-            for _ in model.transformer.h
+            block.attn.new_kv_cache(1, self.block_size, device=self.device, dtype=self.caches[0].k.dtype)
+            for block in model.transformer.h
         ]
         self._windows: dict[int, list[CacheWindow]] = {}
         self.waiting: "queue.Queue[Sequence]" = queue.Queue()
