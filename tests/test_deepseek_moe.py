@@ -302,3 +302,14 @@ def test_the_correction_bias_stays_float32_in_a_16_bit_model(tmp_path):
     key = "transformer.h.1.mlp.gate.e_score_correction_bias"
     assert torch.equal(weights[key], hf.model.layers[1].mlp.gate.e_score_correction_bias)
     assert weights["transformer.h.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_a_sigmoid_router_computes_its_logits_in_float32_under_autocast():
+    """As transformers' DeepseekV3/Glm4Moe routers do; a softmax router (Mixtral's) computes them in autocast's dtype."""
+    moe = make_moe(**NOAUX_TC)
+    x = torch.randn(5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = moe.gate(x)
+        softmax_logits = make_moe().gate(x)
+    assert logits.dtype == torch.float32 and softmax_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, x @ moe.gate.weight.T, rtol=0, atol=1e-5)
