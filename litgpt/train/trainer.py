@@ -164,9 +164,10 @@ class Trainer:
         for micro in range(self.accumulation):
             epoch, index, batch = next(batches)
             input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
+            positions = fabric.to_device(batch["positions"]) if "positions" in batch else None  # packed samples
             with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
                 with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
-                    losses = self.loss(model, input_ids, labels)
+                    losses = self.loss(model, input_ids, labels, positions)
                 fabric.backward(losses["loss"] / self.accumulation)
             for name, value in losses.items():
                 step_losses[name] = step_losses.get(name, 0.0) + value.detach().float() / self.accumulation
