@@ -14,6 +14,7 @@ from litgpt.errors import UserError
 from litgpt.lora import LoRASettings, add_lora, mark_only_lora_as_trainable
 from litgpt.model import GPT
 from litgpt.train.loss import loss_function
+from test_training import base_checkpoint  # noqa: F401 - a fixture
 
 TINY = dict(block_size=32, vocab_size=50, padded_vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
             intermediate_size=48, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", rotary_percentage=1.0)
@@ -199,3 +200,44 @@ def test_instruction_data_packs_and_cuts_long_samples_like_unpacked(tmp_path):
                     for a, b in zip(starts[p], starts[p][1:]))
     assert pieces == tokens
     assert "positions" not in packing.val_dataset()[0]
+
+
+@pytest.fixture(scope="module")
+def short_instructions(tmp_path_factory):
+    """Sixty instruction records of 10 to 60 tokens in the default style: several fit in one 128-token sequence."""
+    import json
+
+    from litgpt.data.tiny import TINY_DIR
+
+    path = tmp_path_factory.mktemp("packing") / "short.jsonl"
+    sentences = (TINY_DIR / "val.txt").read_text().replace("\n\n", " ").split(". ")[:120]
+    with open(path, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"instruction": sentences[2 * i] + ".", "output": sentences[2 * i + 1][:20 + 4 * i]}) + "\n")
+    return path
+
+
+def finetune_packed(out_dir, base, data_path, resume=False):
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import JSON
+    from litgpt.finetune.lora import setup
+
+    setup(base, out_dir=out_dir, data=JSON(data_path, val_split_fraction=0.1, prompt_style="default", packing=True),
+          train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=6, lr_warmup_steps=2, save_interval=3,
+                          log_interval=1, max_seq_length=128),
+          eval=EvalArgs(interval=1000, max_iters=2, max_new_tokens=None), devices=1, resume=resume, seed=3,
+          lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_mlp=True)
+
+
+def test_packed_lora_finetuning_resumes_exactly(tmp_path, base_checkpoint, short_instructions, capsys):
+    """`finetune_lora` with packing through the real trainer: stopped after step 3 and resumed, it ends with the
+    weights of an uninterrupted run (the packs and their order are a function of the seed)."""
+    from test_training import assert_same_weights, drop_after, weights
+
+    finetune_packed(tmp_path / "whole", base_checkpoint, short_instructions)
+    assert "Packed 54 training samples into" in capsys.readouterr().out
+    finetune_packed(tmp_path / "stopped", base_checkpoint, short_instructions)
+    drop_after(tmp_path / "stopped", 3)
+    finetune_packed(tmp_path / "stopped", base_checkpoint, short_instructions, resume="auto")
+    name = "lit_model.pth.lora"
+    assert_same_weights(weights(tmp_path / "whole" / "final", name), weights(tmp_path / "stopped" / "final", name), 0)
