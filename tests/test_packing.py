@@ -75,7 +75,8 @@ def test_packed_loader_resumes_where_it_stopped():
     packed = PackedDataset(Samples([1 + i % 23 for i in range(40)]), max_seq_length=24, seed=3)
     loader = MicroBatches(packed, micro_batch_size=2, seed=5)
     whole = [batch["positions"] for _, (_, _, batch) in zip(range(2 * loader.per_epoch), loader.iterate())]
-    resumed = MicroBatches(PackedDataset(Samples([1 + i % 23 for i in range(40)]), 24, seed=3), 2, seed=5).iterate(epoch=1, position=1)
+    again = PackedDataset(Samples([1 + i % 23 for i in range(40)]), 24, seed=3)
+    resumed = MicroBatches(again, 2, seed=5).iterate(epoch=1, position=1)
     assert torch.equal(next(resumed)[2]["positions"], whole[loader.per_epoch + 1])
 
 
@@ -181,7 +182,8 @@ def test_instruction_data_packs_and_cuts_long_samples_like_unpacked(tmp_path):
     from litgpt.data.tiny import TOKENIZER_DIR
     from litgpt.tokenizer import Tokenizer
 
-    records = [{"instruction": f"Say {'a word ' * (1 + 12 * (i % 5))}", "output": "ok " * (1 + i % 4)} for i in range(20)]
+    records = [{"instruction": f"Say {'a word ' * (1 + 12 * (i % 5))}", "output": "ok " * (1 + i % 4)}
+               for i in range(20)]
     (tmp_path / "data.json").write_text(json.dumps(records))
     plain = JSON(tmp_path / "data.json", val_split_fraction=0.1, prompt_style="default")
     packing = JSON(tmp_path / "data.json", val_split_fraction=0.1, prompt_style="default", packing=True)
@@ -213,7 +215,8 @@ def short_instructions(tmp_path_factory):
     sentences = (TINY_DIR / "val.txt").read_text().replace("\n\n", " ").split(". ")[:120]
     with open(path, "w") as f:
         for i in range(60):
-            f.write(json.dumps({"instruction": sentences[2 * i] + ".", "output": sentences[2 * i + 1][:20 + 4 * i]}) + "\n")
+            record = {"instruction": sentences[2 * i] + ".", "output": sentences[2 * i + 1][:20 + 4 * i]}
+            f.write(json.dumps(record) + "\n")
     return path
 
 

@@ -307,7 +307,7 @@ class SFTDataModule(DataModule):
             raise RuntimeError("packing needs the max_seq_length that connect() sets")
         packed = PackedDataset(samples, self.max_seq_length, self.seed)
         print_once(f"Packed {len(samples):,} training samples into {len(packed):,} sequences of up to "
-                   f"{self.max_seq_length} tokens ({packed.fill():.0%} of their tokens are samples' tokens).")
+                   f"{self.max_seq_length} tokens ({packed.fill():.1%} of their tokens are samples' tokens).")
         return packed
 
     def val_dataset(self) -> SFTDataset:

@@ -384,7 +384,8 @@ def distillation_loss_on_logits(model: nn.Module, teacher: nn.Module, input_ids:
     with torch.no_grad():
         teacher_logits = teacher(input_ids, **packed(positions))
     chunk_loss = DistillationChunkLoss(kd)
-    total = _OnWholeLogits.apply(model(input_ids, **packed(positions)), chunk_loss, labels.flatten(), teacher_logits.flatten(0, -2))
+    total = _OnWholeLogits.apply(model(input_ids, **packed(positions)), chunk_loss, labels.flatten(),
+                                 teacher_logits.flatten(0, -2))
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
 

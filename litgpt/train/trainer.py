@@ -22,6 +22,7 @@ from tqdm import tqdm
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
 from litgpt.checkpoint.store import step_checkpoints
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
+from litgpt.data.packing import PackedDataset
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
@@ -137,9 +138,11 @@ class Trainer:
     def check_data(self) -> None:
         """Fail before training, not after it, when the data cannot make one step or one validation."""
         if self.train_data.per_epoch < self.accumulation:
+            packed = isinstance(self.train_data.dataset, PackedDataset)
             raise UserError(
-                f"The training set has {len(self.train_data.dataset)} samples, fewer than one global batch "
-                f"({self.train.global_batch_size}): add data or lower --train.global_batch_size."
+                f"The training set has {len(self.train_data.dataset)} {'packed sequences' if packed else 'samples'}, "
+                f"fewer than one global batch ({self.train.global_batch_size}): add data or lower "
+                "--train.global_batch_size."
             )
         self.validation_batches()
 
