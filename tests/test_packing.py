@@ -244,3 +244,32 @@ def test_packed_lora_finetuning_resumes_exactly(tmp_path, base_checkpoint, short
     finetune_packed(tmp_path / "stopped", base_checkpoint, short_instructions, resume="auto")
     name = "lit_model.pth.lora"
     assert_same_weights(weights(tmp_path / "whole" / "final", name), weights(tmp_path / "stopped" / "final", name), 0)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_packed_distillation_loss_equals_the_samples_distilled_alone(chunked):
+    """The teacher sees the packed positions too: the packed KD + CE loss equals the labelled-token mean of each
+    sample distilled alone."""
+    from test_distill import tiny_models
+
+    from litgpt.args import KDArgs
+    from litgpt.train.loss import distillation_loss_function
+
+    student, teacher = tiny_models(dict(final_logit_softcapping=15.0))
+    loss = distillation_loss_function(teacher, KDArgs("forward_kl", temperature=2.0, alpha=0.5), chunk_size=5,
+                                      chunked=chunked)
+    data = Samples([5, 7, 4], seed=1)
+    packed = PackedDataset(data, max_seq_length=16, seed=0)
+    assert len(packed) == 1
+    batch = collate([packed[0]])
+    got = loss(student, batch["input_ids"], batch["labels"], batch["positions"])
+    totals = {name: 0.0 for name in got}
+    count = 0
+    for s in data.samples:
+        alone = loss(student, s["input_ids"][None], s["labels"][None])
+        n = (s["labels"] != IGNORE_INDEX).sum().item()
+        for name in totals:
+            totals[name] += alone[name].item() * n
+        count += n
+    for name, value in got.items():
+        assert abs(value.item() - totals[name] / count) < 1e-5, name
