@@ -48,6 +48,12 @@ def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
+def packed(positions: Optional[torch.Tensor]) -> dict:
+    """The model's keyword argument for packed samples' positions (none for unpacked data, so a model or a compiled
+    module that knows nothing of packing is called as before)."""
+    return {} if positions is None else {"sample_positions": positions}
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions that have a label (0, not NaN, when none has: a fully masked batch)."""
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -419,12 +425,6 @@ def with_router_aux_loss(model: nn.Module, losses: Losses) -> Losses:
         return losses
     parts = {name: value for name, value in losses.items() if name != "loss"} or {"ce_loss": losses["loss"].detach()}
     return {"loss": losses["loss"] + aux, **parts, "aux_loss": aux.detach()}
-
-
-def packed(positions: Optional[torch.Tensor]) -> dict:
-    """The model's keyword argument for packed samples' positions (none for unpacked data, so a model or a compiled
-    module that knows nothing of packing is called as before)."""
-    return {} if positions is None else {"sample_positions": positions}
 
 
 def model_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss: Loss,
