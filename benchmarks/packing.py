@@ -142,6 +142,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 units, as /proc/cpuinfo names them."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = re.search(r"model name\s*:\s*(.+)", info)
+    units = sorted({flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info})
+    return " ".join([name.group(1) if name else platform.machine(), *units])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commands", nargs="+", default=["finetune_full", "finetune_lora"])
@@ -205,7 +213,7 @@ def main() -> None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                         "torch": torch.__version__, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "data": {"records": len(drawn), "median_tokens": statistics.median(drawn),
