@@ -90,7 +90,8 @@ class GPT(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------------------------
     def forward(
-        self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, *, return_hidden: bool = False
+        self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, *, return_hidden: bool = False,
+        sample_positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits for token ids `idx` (B, T); with `return_hidden`, the final norm's output (B, T, n_embd) instead,
         for a loss that applies the head itself chunk by chunk (`litgpt.train.loss.model_loss`).
@@ -101,6 +102,10 @@ class GPT(nn.Module):
         on the position, so decoding needs no host-device sync and one compiled graph serves every step.
         `input_pos` (B, T) gives each row its own positions (rows 0..B-1 of the cache: a server's batch of requests
         of different lengths).
+
+        `sample_positions` (B, T), without a cache, is packed training data (`litgpt.data.packing`): each token's
+        position within its own sample, 0 where a sample starts. RoPE reads these positions and attention stays
+        within each sample (a block-diagonal causal mask), so every sample sees what it would see alone.
         """
         c = self.config
         T = idx.size(1)
@@ -126,12 +131,13 @@ class GPT(nn.Module):
 
         ropes = {}
         for local in {c.rope_local_base is not None and c.is_sliding_layer(i) for i in range(c.n_layer)}:
-            cos, sin = self.rope_at(x.device, local, T, positions)
+            # packed samples (sample_positions) rotate by their own positions
+            cos, sin = self.rope_at(x.device, local, T, positions if sample_positions is None else sample_positions)
             ropes[local] = (cos.to(x.dtype), sin.to(x.dtype))
 
         masks = {}
         for window in {c.sliding_window_size if c.is_sliding_layer(i) else None for i in range(c.n_layer)}:
-            masks[window] = attention_mask(T, kv_length, positions, window, x.device)
+            masks[window] = attention_mask(T, kv_length, positions, window, x.device, sample_positions)
 
         for i, block in enumerate(self.transformer.h):
             sliding = c.is_sliding_layer(i)
@@ -489,17 +495,22 @@ def build_attention(config: Config, layer_idx: int) -> nn.Module:
 
 
 def attention_mask(
-    q_len: int, kv_length: int, input_pos: Optional[torch.Tensor], window: Optional[int], device: torch.device
+    q_len: int, kv_length: int, input_pos: Optional[torch.Tensor], window: Optional[int], device: torch.device,
+    sample_positions: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """Boolean (q_len, kv_length) mask, True where a query may attend, or (B, 1, q_len, kv_length) for per-row
-    positions (B, q_len); None for plain causal attention."""
-    if input_pos is None and window is None:
+    positions (B, q_len) or packed samples (`sample_positions` (B, q_len), no cache: block-diagonal, each token sees
+    its own sample's earlier tokens only); None for plain causal attention."""
+    if input_pos is None and window is None and sample_positions is None:
         return None
     q_pos = input_pos if input_pos is not None else torch.arange(q_len, device=device)
     k_pos = torch.arange(kv_length, device=device)
     allowed = k_pos <= q_pos[..., None]
     if window is not None:
         allowed &= k_pos > q_pos[..., None] - window
+    if sample_positions is not None:
+        sample = (sample_positions == 0).cumsum(dim=1)  # which sample of the row each token belongs to
+        allowed = allowed & (sample[:, :, None] == sample[:, None, :])
     return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
 
 

@@ -34,13 +34,17 @@ class SampleDataset(Protocol):
 class LoaderOptions:
     """LitGPT's loader option, which every data module of ours accepts (keyword only, after its own fields) so that
     LitGPT's recipes read as written. It has no effect: samples are tokenized once into a cache and collated in the
-    training process, so there are no loader workers; `litgpt.compat` says so when it is set.
+    training process, so there are no loader workers; `litgpt.compat` says so when it is set. And the packing switch,
+    accepted everywhere so that data which cannot be packed says so in one line (`check_packing`).
 
     Args:
         num_workers: LitGPT's data loader workers; no effect here (there are none).
+        packing: Instruction data: several samples in each training sequence, each attending only to itself
+            (`litgpt.data.packing`).
     """
 
     num_workers: Optional[int] = field(default=None, kw_only=True)
+    packing: bool = field(default=False, kw_only=True)
 
 
 class DataModule(LoaderOptions, ABC):
@@ -54,6 +58,17 @@ class DataModule(LoaderOptions, ABC):
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.prompt_style = prompt_style
+
+    def check_packing(self) -> None:
+        """Fail in one line when `packing` is set on data that cannot be packed (instruction data overrides this)."""
+        if self.packing:
+            from litgpt.errors import UserError
+
+            raise UserError(
+                f"--data.packing is for instruction data (JSON, Alpaca, Alpaca2k, AlpacaGPT4, Dolly, LIMA); "
+                f"{type(self).__name__} is pretraining text, already cut into full windows of max_seq_length tokens: "
+                "drop --data.packing."
+            )
 
     @abstractmethod
     def prepare(self) -> None:
@@ -73,15 +88,25 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack samples, right-padding shorter ones (input 0, label IGNORE_INDEX)."""
+    """Stack samples, right-padding shorter ones (input 0, label IGNORE_INDEX). Packed samples' `positions` are
+    stacked too, the padding continuing the positions of the row's last sample (causal: no sample sees it)."""
     length = max(s["input_ids"].numel() for s in samples)
     input_ids = torch.zeros(len(samples), length, dtype=torch.long)
     labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+    packed = "positions" in samples[0]
+    positions = torch.zeros(len(samples), length, dtype=torch.long) if packed else None
     for row, sample in enumerate(samples):
         n = sample["input_ids"].numel()
         input_ids[row, :n] = sample["input_ids"]
         labels[row, :n] = sample["labels"]
-    return {"input_ids": input_ids, "labels": labels}
+        if packed:
+            positions[row, :n] = sample["positions"]
+            start = int(sample["positions"][-1]) + 1 if n else 0
+            positions[row, n:] = torch.arange(start, start + length - n)
+    batch = {"input_ids": input_ids, "labels": labels}
+    if packed:
+        batch["positions"] = positions
+    return batch
 
 
 @dataclass

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 import torch
 
 from litgpt.data.base import IGNORE_INDEX, DataModule
+from litgpt.data.packing import PackedDataset
 from litgpt.data.token_cache import pick_validation
+from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
 from litgpt.prompts import ROLES, Alpaca as AlpacaStyle, PromptStyle
 
@@ -292,8 +294,21 @@ class SFTDataModule(DataModule):
             raise UserError(f"{type(self).__name__}: set val_split_fraction to hold out part of the data for validation.")
         return split_records(records, self.val_split_fraction, self.seed)
 
-    def train_dataset(self) -> SFTDataset:
-        return self._dataset(self.records()[0])
+    def check_packing(self) -> None:
+        """Any instruction data can be packed (`litgpt.data.packing`)."""
+
+    def train_dataset(self) -> Union[SFTDataset, PackedDataset]:
+        """The training samples; with `packing`, packed into sequences of max_seq_length tokens (validation samples
+        stay one per sequence, so the validation loss reads the same with and without packing)."""
+        samples = self._dataset(self.records()[0])
+        if not self.packing:
+            return samples
+        if self.max_seq_length < 1:
+            raise RuntimeError("packing needs the max_seq_length that connect() sets")
+        packed = PackedDataset(samples, self.max_seq_length, self.seed)
+        print_once(f"Packed {len(samples):,} training samples into {len(packed):,} sequences of up to "
+                   f"{self.max_seq_length} tokens ({packed.fill():.1%} of their tokens are samples' tokens).")
+        return packed
 
     def val_dataset(self) -> SFTDataset:
         return self._dataset(self.records()[1])

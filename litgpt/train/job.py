@@ -75,6 +75,7 @@ def run_job(fabric, job: Job) -> dict:
 def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
     """Tokenize once and return (train, val) datasets: global rank 0 first, then the first process of every node (its
     cache may be on a node-local disk), then the others, who find the cache."""
+    job.data.check_packing()
     job.data.connect(tokenizer, max_seq_length, job.prompt_style)
     with node_local_first("preparing the data"):
         job.data.prepare()

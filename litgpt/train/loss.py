@@ -35,7 +35,9 @@ Targets = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 ChunkLoss = Callable[[torch.Tensor, Targets, bool], tuple[torch.Tensor, Optional[torch.Tensor]]]
 # "loss" (what the backward pass runs on) and, where it has several, its parts (detached), by name.
 Losses = dict[str, torch.Tensor]
-LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], Losses]
+# loss(model, input_ids, labels, positions=None): `positions` (B, T) are packed samples' own token positions
+# (`litgpt.data.packing`), which the model's forward takes as `sample_positions`.
+LossFunction = Callable[..., Losses]
 
 # Fewer positions per chunk would not pay: every chunk reads and writes the head's whole weight gradient once.
 MIN_CHUNK_POSITIONS = 1024
@@ -44,6 +46,12 @@ MIN_CHUNK_POSITIONS = 1024
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
     """How many positions have a label, at least 1 (a fully masked batch has a loss of 0, not NaN)."""
     return (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def packed(positions: Optional[torch.Tensor]) -> dict:
+    """The model's keyword argument for packed samples' positions (none for unpacked data, so a model or a compiled
+    module that knows nothing of packing is called as before)."""
+    return {} if positions is None else {"sample_positions": positions}
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -360,29 +368,30 @@ def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
 
 
 def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                      kd: KDArgs, chunk_size: Optional[int] = None) -> Losses:
+                      kd: KDArgs, chunk_size: Optional[int] = None, positions: Optional[torch.Tensor] = None) -> Losses:
     """alpha x KD + (1 - alpha) x CE of the student `model` (a `GPT` or Fabric's wrapper of one) against the frozen
     `teacher`, means over the labelled positions, chunk by chunk: the teacher's forward gives its final hidden states
     once (no gradient) and each chunk builds both models' logits of its positions only."""
     from litgpt.checkpoint.manager import unwrap
 
     with torch.no_grad():
-        teacher_hidden = teacher(input_ids, return_hidden=True)
+        teacher_hidden = teacher(input_ids, return_hidden=True, **packed(positions))
     chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden))
     gpt = unwrap(model)
-    hidden = model(input_ids, return_hidden=True)
+    hidden = model(input_ids, return_hidden=True, **packed(positions))
     head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
     total = chunked_head_loss(hidden, head, (labels, teacher_hidden), chunk_loss, chunk_size)
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
 
 def distillation_loss_on_logits(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor,
-                                labels: torch.Tensor, kd: KDArgs) -> Losses:
+                                labels: torch.Tensor, kd: KDArgs, positions: Optional[torch.Tensor] = None) -> Losses:
     """`distillation_loss` on both models' whole logits (a student module compiled whole, extensions/thunder)."""
     with torch.no_grad():
-        teacher_logits = teacher(input_ids)
+        teacher_logits = teacher(input_ids, **packed(positions))
     chunk_loss = DistillationChunkLoss(kd)
-    total = _OnWholeLogits.apply(model(input_ids), chunk_loss, labels.flatten(), teacher_logits.flatten(0, -2))
+    total = _OnWholeLogits.apply(model(input_ids, **packed(positions)), chunk_loss, labels.flatten(),
+                                 teacher_logits.flatten(0, -2))
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
 
@@ -419,33 +428,37 @@ def with_router_aux_loss(model: nn.Module, losses: Losses) -> Losses:
 
 
 def model_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, loss: Loss,
-               chunk_size: Optional[int] = None) -> Losses:
+               chunk_size: Optional[int] = None, positions: Optional[torch.Tensor] = None) -> Losses:
     """The mean of `loss` over the labelled positions of a `GPT` (or Fabric's wrapper of one), its logits built
-    chunk by chunk (`chunked_head_loss`) from the final hidden states the model's forward returns."""
+    chunk by chunk (`chunked_head_loss`) from the final hidden states the model's forward returns. `positions`:
+    packed samples (`litgpt.data.packing`); the mean is over every labelled token of the micro-batch either way."""
     from litgpt.checkpoint.manager import unwrap
 
     gpt = unwrap(model)
-    hidden = model(input_ids, return_hidden=True)
+    hidden = model(input_ids, return_hidden=True, **packed(positions))
     head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
     total = chunked_head_loss(hidden, head, labels, loss.per_chunk, chunk_size)
     return with_router_aux_loss(model, {"loss": total / labelled_positions(labels)})
 
 
 def loss_function(name: str, chunk_size: Optional[int] = None, chunked: bool = True) -> LossFunction:
-    """loss(model, input_ids, labels) -> Losses for the loss `name` of LOSSES: chunked (`model_loss`, `chunk_size`
-    positions per chunk, None: automatic), or on the model's whole logits (a compiled module whose head is not
-    callable from outside, extensions/thunder)."""
+    """loss(model, input_ids, labels, positions=None) -> Losses for the loss `name` of LOSSES: chunked
+    (`model_loss`, `chunk_size` positions per chunk, None: automatic), or on the model's whole logits (a compiled
+    module whose head is not callable from outside, extensions/thunder)."""
     loss = LOSSES[name]
     if not chunked:
-        return lambda model, input_ids, labels: with_router_aux_loss(
-            model, {"loss": loss.on_logits(model(input_ids), labels)})
-    return lambda model, input_ids, labels: model_loss(model, input_ids, labels, loss, chunk_size)
+        return lambda model, input_ids, labels, positions=None: with_router_aux_loss(
+            model, {"loss": loss.on_logits(model(input_ids, **packed(positions)), labels)})
+    return lambda model, input_ids, labels, positions=None: model_loss(
+        model, input_ids, labels, loss, chunk_size, positions)
 
 
 def distillation_loss_function(teacher: nn.Module, kd: KDArgs, chunk_size: Optional[int] = None,
                                chunked: bool = True) -> LossFunction:
-    """loss(model, input_ids, labels) -> Losses of distilling the frozen `teacher` into the model
+    """loss(model, input_ids, labels, positions=None) -> Losses of distilling the frozen `teacher` into the model
     (`distillation_loss`, or `distillation_loss_on_logits` with `chunked=False`)."""
     if not chunked:
-        return lambda model, input_ids, labels: distillation_loss_on_logits(model, teacher, input_ids, labels, kd)
-    return lambda model, input_ids, labels: distillation_loss(model, teacher, input_ids, labels, kd, chunk_size)
+        return lambda model, input_ids, labels, positions=None: distillation_loss_on_logits(
+            model, teacher, input_ids, labels, kd, positions)
+    return lambda model, input_ids, labels, positions=None: distillation_loss(
+        model, teacher, input_ids, labels, kd, chunk_size, positions)

@@ -90,9 +90,10 @@ class Recipe:
 
     def loss_function(self, chunk_size: Optional[int] = None, chunked: bool = True,
                       teacher: Optional[nn.Module] = None) -> LossFunction:
-        """loss(model, input_ids, labels) -> Losses: the training objective of one micro-batch, its logits built
-        `chunk_size` positions at a time (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`);
-        with a teacher, against `teacher` as `materialize_teacher` made it."""
+        """loss(model, input_ids, labels, positions=None) -> Losses: the training objective of one micro-batch
+        (`positions`: packed samples', `litgpt.data.packing`), its logits built `chunk_size` positions at a time
+        (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`); with a teacher, against `teacher`
+        as `materialize_teacher` made it."""
         if self.teacher is not None:
             return distillation_loss_function(teacher, self.teacher.kd, chunk_size, chunked)
         return loss_function(self.loss, chunk_size, chunked)

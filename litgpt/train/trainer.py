@@ -22,6 +22,7 @@ from tqdm import tqdm
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
 from litgpt.checkpoint.store import step_checkpoints
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
+from litgpt.data.packing import PackedDataset
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
@@ -137,9 +138,11 @@ class Trainer:
     def check_data(self) -> None:
         """Fail before training, not after it, when the data cannot make one step or one validation."""
         if self.train_data.per_epoch < self.accumulation:
+            packed = isinstance(self.train_data.dataset, PackedDataset)
             raise UserError(
-                f"The training set has {len(self.train_data.dataset)} samples, fewer than one global batch "
-                f"({self.train.global_batch_size}): add data or lower --train.global_batch_size."
+                f"The training set has {len(self.train_data.dataset)} {'packed sequences' if packed else 'samples'}, "
+                f"fewer than one global batch ({self.train.global_batch_size}): add data or lower "
+                "--train.global_batch_size."
             )
         self.validation_batches()
 
@@ -164,9 +167,10 @@ class Trainer:
         for micro in range(self.accumulation):
             epoch, index, batch = next(batches)
             input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
+            positions = fabric.to_device(batch["positions"]) if "positions" in batch else None  # packed samples
             with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
                 with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
-                    losses = self.loss(model, input_ids, labels)
+                    losses = self.loss(model, input_ids, labels, positions)
                 fabric.backward(losses["loss"] / self.accumulation)
             for name, value in losses.items():
                 step_losses[name] = step_losses.get(name, 0.0) + value.detach().float() / self.accumulation
