@@ -436,18 +436,8 @@ def _sliding_from_hf(hf: dict, family: Family, n_layer: int, where: str) -> dict
 def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
     """The config.json a Hugging Face `from_pretrained` reads for this Config (4.x layout, read by 5.x too)."""
     family = family_of(config.hf_model_type, "The model config")
-    mismatched = {k: (getattr(config, k), v) for k, v in family.fixed.items() if getattr(config, k) != v}
-    if mismatched:
-        details = ", ".join(f"{k}={ours!r} (needs {theirs!r})" for k, (ours, theirs) in mismatched.items())
-        raise UserError(
-            f"This model cannot be written as Hugging Face {family.model_type!r}: {details}. "
-            "Set hf_model_type in model_config.yaml to the family these weights match."
-        )
+    _check_writable(config, family)
     c = config
-    if (c.kv_lora_rank is not None) != family.latent:
-        kind = "has" if family.latent else "has no"
-        raise UserError(f"Hugging Face {family.model_type!r} {kind} latent attention; this model's kv_lora_rank is "
-                        f"{c.kv_lora_rank}. Set hf_model_type in model_config.yaml to the family these weights match.")
     hf: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -506,14 +496,40 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
         hf["rope_parameters"] = _olmo3_rope_parameters(c)
     if family.model_type == "smollm3":
         hf.update(no_rope_layers=list(c.no_rope_layers or [1] * c.n_layer), use_sliding_window=False)
-    if c.mlp_class_name == "LLaMAMoE":
-        hf["router_aux_loss_coef"] = c.router_aux_loss_coef
-    if family.model_type in DEEPSEEK_MOE_FAMILIES:
-        hf.update(deepseek_moe_to_hf(c, method_keys=DEEPSEEK_MOE_FAMILIES[family.model_type] is None))
+    hf.update(_moe_to_hf(c, family))
     if family.model_type == "glm4_moe":
         # num_nextn_predict_layers: the multi-token prediction layer is not converted (deepseek_moe_from_hf).
         hf.update(attention_bias=c.attn_bias, use_qk_norm=c.norm_qk, partial_rotary_factor=c.rotary_percentage,
                   num_nextn_predict_layers=0)
+    if family.latent:
+        hf.update(_latent_to_hf(c, family))
+    hf.update(_sliding_to_hf(c, family))
+    hf.update(extra or {})
+    return hf
+
+
+def _check_writable(c: Config, family: Family) -> None:
+    """One line when `c` has values that the Hugging Face class of its family hard-codes otherwise."""
+    mismatched = {k: (getattr(c, k), v) for k, v in family.fixed.items() if getattr(c, k) != v}
+    if mismatched:
+        details = ", ".join(f"{k}={ours!r} (needs {theirs!r})" for k, (ours, theirs) in mismatched.items())
+        raise UserError(
+            f"This model cannot be written as Hugging Face {family.model_type!r}: {details}. "
+            "Set hf_model_type in model_config.yaml to the family these weights match."
+        )
+    if (c.kv_lora_rank is not None) != family.latent:
+        kind = "has" if family.latent else "has no"
+        raise UserError(f"Hugging Face {family.model_type!r} {kind} latent attention; this model's kv_lora_rank is "
+                        f"{c.kv_lora_rank}. Set hf_model_type in model_config.yaml to the family these weights match.")
+
+
+def _moe_to_hf(c: Config, family: Family) -> dict:
+    """The mixture-of-experts keys of config.json, each family in its own spelling (none for a dense model)."""
+    hf: dict[str, Any] = {}
+    if c.mlp_class_name == "LLaMAMoE":
+        hf["router_aux_loss_coef"] = c.router_aux_loss_coef
+    if family.model_type in DEEPSEEK_MOE_FAMILIES:
+        hf.update(deepseek_moe_to_hf(c, method_keys=DEEPSEEK_MOE_FAMILIES[family.model_type] is None))
     if family.model_type == "mixtral":
         hf.update(num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_per_token)
         hf["intermediate_size"] = c.moe_intermediate_size
@@ -537,10 +553,6 @@ def config_to_hf(config: Config, extra: Optional[dict] = None) -> dict:
             swiglu_alpha=c.swiglu_alpha,
             swiglu_limit=c.swiglu_limit,
         )
-    if family.latent:
-        hf.update(_latent_to_hf(c, family))
-    hf.update(_sliding_to_hf(c, family))
-    hf.update(extra or {})
     return hf
 
 
