@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import build_hf_model
+from test_moe import check_fsdp2_with_checkpointing_equals_one_process
 
 from litgpt.__main__ import main as cli_main
 from litgpt.checkpoint.model_files import load_model_weights
@@ -158,44 +159,9 @@ def fsdp_model() -> GPT:
     return model
 
 
-def total_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
-    return model(tokens).logsumexp(-1).mean() + model.router_aux_loss()
-
-
-def _fsdp_rank(rank: int, port: int, tokens: list, expected: dict) -> None:
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from litgpt.distributed.parallelize import apply_activation_checkpointing
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = fsdp_model()
-        apply_activation_checkpointing(model, "full")
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
-        total_loss(model, tokens[rank]).backward()
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad.full_tensor(), expected[name], atol=1e-6, rtol=1e-5, msg=name)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_fsdp2_with_checkpointing_equals_one_process():
-    """Two ranks, each block sharded and checkpointed: the gradients of a cross-entropy-like loss plus the router
-    loss equal the mean of one process' over the ranks' batches, for every parameter of the dense layer, the
-    routers, the routed and the shared experts."""
-    from test_distributed import free_port
-
-    tokens = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
-    model = fsdp_model()
-    for batch in tokens:
-        (total_loss(model, batch) / 2).backward()
-    expected = {name: param.grad for name, param in model.named_parameters()}
+    """test_moe's two-rank check on this model: every parameter of the dense layer, the routers, the routed and the
+    shared experts gets one process' gradient."""
+    expected = check_fsdp2_with_checkpointing_equals_one_process(fsdp_model)
     assert expected["transformer.h.2.mlp.shared_experts.fc_1.weight"].abs().sum() > 0
-    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), tokens, expected), nprocs=2)

@@ -4,6 +4,8 @@ the experts, and the router's load-balancing loss against transformers' `load_ba
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_model import _hf_moe_block
@@ -316,7 +318,7 @@ def _total_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).logsumexp(-1).mean() + model.router_aux_loss()
 
 
-def _fsdp_rank(rank: int, port: int, tokens: list, expected: dict) -> None:
+def _fsdp_rank(rank: int, port: int, make_model, tokens: list, expected: dict) -> None:
     import os
 
     import torch.distributed as dist
@@ -325,7 +327,7 @@ def _fsdp_rank(rank: int, port: int, tokens: list, expected: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = tiny_model(0.1)
+        model = make_model()
         apply_activation_checkpointing(model, "full")
         for block in model.transformer.h:
             fully_shard(block)
@@ -337,15 +339,21 @@ def _fsdp_rank(rank: int, port: int, tokens: list, expected: dict) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_fsdp2_with_checkpointing_equals_one_process():
-    """Two ranks, each block sharded (FSDP2 unshards it around its forward and backward) and checkpointed: the
-    gradients of cross-entropy-like loss + router loss equal the mean of one process' over the ranks' batches."""
+def check_fsdp2_with_checkpointing_equals_one_process(make_model) -> dict:
+    """Two ranks, each block of `make_model()` sharded (FSDP2 unshards it around its forward and backward) and
+    checkpointed: the gradients of a cross-entropy-like loss + router loss equal the mean of one process' over the
+    ranks' batches. `make_model` must be picklable (a module-level function); returns one process' gradients."""
     from test_distributed import free_port
 
     tokens = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
-    model = tiny_model(0.1)
+    model = make_model()
     for batch in tokens:
         (_total_loss(model, batch) / 2).backward()
     expected = {name: param.grad for name, param in model.named_parameters()}
-    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), tokens, expected), nprocs=2)
+    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), make_model, tokens, expected), nprocs=2)
+    return expected
+
+
+@pytest.mark.slow
+def test_fsdp2_with_checkpointing_equals_one_process():
+    check_fsdp2_with_checkpointing_equals_one_process(functools.partial(tiny_model, 0.1))
