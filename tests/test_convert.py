@@ -15,6 +15,7 @@ from hf_models import FAMILY_CASES, build_hf_model, save_hf_model
 from litgpt.checkpoint.model_files import load_model_weights
 from litgpt.io import load_state_dict
 from litgpt.config import Config
+from litgpt.convert.families import config_from_hf
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
 from litgpt.errors import UserError
@@ -127,6 +128,19 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(UserError, match="model_type 'bert'.*Supported"):
         convert_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("hf, named", [
+    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM (model_type 'qwen3_next'), which"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}, "Qwen2ForSequenceClassification (model_type 'qwen2'), not a causal"),
+])
+def test_unsupported_architecture_is_named_with_the_supported_ones(hf, named):
+    with pytest.raises(UserError) as info:
+        config_from_hf(hf)
+    message = str(info.value)
+    assert named in message and "\n" not in message
+    for model_type in ("llama", "deepseek_v3", "gpt_oss", "glm4_moe", "olmo2", "smollm3", "falcon", "phi3"):
+        assert model_type in message.split("Supported model_type values: ")[1]
 
 
 def test_not_a_hf_folder(tmp_path):

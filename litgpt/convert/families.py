@@ -145,13 +145,17 @@ FAMILIES: dict[str, Family] = {
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
-def family_of(model_type: str, where: str) -> Family:
+def family_of(model_type: str, where: str, architectures: Optional[list] = None) -> Family:
+    """The family of `model_type`; with config.json's `architectures`, also refuses a known model_type whose class
+    is not a causal LM (a classifier's or an encoder's weights are no language model's)."""
     model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    supported = f"Supported model_type values: {', '.join(sorted(FAMILIES))} (causal LMs)."
+    named = f"{architectures[0]} (model_type {model_type!r})" if architectures else f"model_type {model_type!r}"
     if model_type not in FAMILIES:
-        raise UserError(
-            f"{where} has model_type {model_type!r}, which litgpt does not support. "
-            f"Supported: {', '.join(sorted(FAMILIES))}."
-        )
+        raise UserError(f"{where} describes {named}, which litgpt does not support. {supported}")
+    if architectures and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise UserError(f"{where} describes {named}, not a causal language model, which litgpt does not convert. "
+                        f"{supported}")
     return FAMILIES[model_type]
 
 
@@ -179,7 +183,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> Config:
         return config_from_hf(text, f"{where} (text_config)")
     if model_type is None and "text_config" in hf:
         raise UserError(f"{where} describes a multimodal model; litgpt converts text-only causal LMs.")
-    family = family_of(model_type, where)
+    architectures = hf.get("architectures")
+    family = family_of(model_type, where, architectures if isinstance(architectures, list) else None)
     hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
     if model_type == "falcon":
         hf = _falcon_as_standard(hf, where)
