@@ -6,7 +6,6 @@ The model file knows nothing of this; recipes call `parallelize`.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional, Union
 
 import torch
@@ -89,4 +88,15 @@ def apply_activation_checkpointing(
         options["context_fn"] = selective_checkpoint_contexts
     for index, block in enumerate(model.transformer.h):
         if checkpointing.checkpoints(index):
-            block.forward = functools.partial(checkpoint, block.forward, **options)
+            block.forward = checkpointed(block.forward, options)
+
+
+def checkpointed(forward: Callable, options: dict) -> Callable:
+    """`forward` run through `torch.utils.checkpoint.checkpoint`, as a function of its own: a compiled block traces
+    it and the checkpoint inside it. (With `functools.partial(checkpoint, ...)` as the forward, torch.compile of the
+    block starts at `checkpoint`, which is excluded from tracing: no graph at all, every step eager.)"""
+
+    def forward_with_checkpoint(*args, **kwargs):
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    return forward_with_checkpoint
