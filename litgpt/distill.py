@@ -16,7 +16,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
-from litgpt.pretrain import fsdp_for_strategy
+from litgpt.pretrain import compiles_blocks, fsdp_for_strategy
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
@@ -81,8 +81,8 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of a random student's initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
-        compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), or torch (torch.compile of each
-            transformer block of the student and the teacher).
+        compiler: auto (as `litgpt pretrain`'s: torch on CUDA GPUs, and on CPUs for runs of at least 100 steps),
+            none (eager), or torch (torch.compile of each transformer block of the student and the teacher).
         strategy: How several devices train: auto or fsdp shard the models with FSDP (--fsdp.*); ddp replicates
             them (FSDP's NO_SHARD).
         kd: The distillation loss: --kd.loss forward_kl|reverse_kl|js, --kd.temperature, --kd.alpha.
@@ -96,7 +96,7 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"distill-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")
+    job.compile_blocks = compiles_blocks(compiler, fabric.device, job)
     launch(fabric, job)
 
 

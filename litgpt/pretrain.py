@@ -75,9 +75,10 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
-        compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), torch (torch.compile of each
-            transformer block: about a third more tokens/s on an H100; on a CPU it costs a minute of compilation
-            and gains little, see benchmarks/README.md), or the name of a compiler extension registered under the
+        compiler: auto (torch on CUDA GPUs, and on CPUs for runs of at least 100 steps; none for shorter CPU
+            runs and mixture-of-experts models on CPUs), none (eager), torch (torch.compile of each transformer
+            block: about a third more tokens/s on an H100; see benchmarks/README.md for CPUs; compiled graphs are
+            cached for later runs of the same shapes), or the name of a compiler extension registered under the
             `litgpt.compilers` entry points, which takes over the run: thunder (extensions/thunder,
             `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
@@ -99,8 +100,33 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")
+    job.compile_blocks = compiles_blocks(compiler, fabric.device, job)
     launch(fabric, job)
+
+
+def compiles_blocks(compiler: str, device, job: "Job") -> bool:
+    """Whether --compiler (torch, none or auto: `auto_compiles` for this device and run length) compiles each block;
+    auto's choice is said in one line."""
+    from litgpt.distributed.parallelize import auto_compiles
+    from litgpt.distributed.runtime import print_once
+
+    if compiler != "auto":
+        return compiler == "torch"
+    steps = planned_steps(job.train, job.train.max_seq_length or job.recipe.config.block_size)
+    compiles = auto_compiles(device, job.recipe.config, steps)
+    print_once(f"Compiler: {'torch.compile of each transformer block' if compiles else 'none (eager)'} "
+               f"(--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}; "
+               "--compiler torch or none to choose)")
+    return compiles
+
+
+def planned_steps(train: TrainArgs, seq_length: int) -> Optional[int]:
+    """The optimizer steps --train.max_steps and --train.max_tokens allow (samples of `seq_length` tokens) before
+    the data is known; None when only --train.epochs limits the run."""
+    limits = [train.max_steps] if train.max_steps is not None else []
+    if train.max_tokens is not None:
+        limits.append(-(-train.max_tokens // (train.global_batch_size * seq_length)))
+    return min(limits) if limits else None
 
 
 def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
