@@ -427,6 +427,8 @@ def run_command(command: Command, case: Case, warmup: int, total_steps: int, thr
         shutil.rmtree(command.out_dir)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    if command.toolkit == "ours":
+        env["PYTHONPATH"] = str(REPO)  # this checkout, whichever interpreter (or its editable install) runs it
     env.update({
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"), "TOKENIZERS_PARALLELISM": "false",

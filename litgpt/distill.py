@@ -16,7 +16,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
-from litgpt.pretrain import compiles_blocks, fsdp_for_strategy
+from litgpt.pretrain import fsdp_for_strategy, set_compilation
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
@@ -96,7 +96,7 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"distill-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiles_blocks(compiler, fabric.device, job)
+    set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss=False)  # the teacher's blocks too
     launch(fabric, job)
 
 

@@ -76,9 +76,10 @@ def setup(
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: auto (torch on CUDA GPUs, and on CPUs for runs of at least 100 steps; none for shorter CPU
-            runs and mixture-of-experts models on CPUs), none (eager), torch (torch.compile of each transformer
-            block: about a third more tokens/s on an H100; see benchmarks/README.md for CPUs; compiled graphs are
-            cached for later runs of the same shapes), or the name of a compiler extension registered under the
+            runs and mixture-of-experts models on CPUs), none (eager), torch (torch.compile: of each transformer
+            block on GPUs and with several processes, about a third more tokens/s on an H100; of the whole loss,
+            model, head and loss in one graph, in one CPU process, see benchmarks/README.md; the first step pays
+            the compilation, which inductor caches for later runs of the same shapes), or the name of a compiler extension registered under the
             `litgpt.compilers` entry points, which takes over the run: thunder (extensions/thunder,
             `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
@@ -100,24 +101,25 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiles_blocks(compiler, fabric.device, job)
+    set_compilation(job, compiler, fabric.device, fabric.world_size)
     launch(fabric, job)
 
 
-def compiles_blocks(compiler: str, device, job: "Job") -> bool:
-    """Whether --compiler (torch, none or auto: `auto_compiles` for this device and run length) compiles each block;
-    auto's choice is said in one line."""
+def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
+    """What --compiler torch, none or auto (`auto_compiles`: this device and run length) compiles, said in one line:
+    one CPU process compiles the whole loss (`Job.compile_loss`: forward, chunked head and loss in one graph,
+    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block."""
     from litgpt.distributed.parallelize import auto_compiles
     from litgpt.distributed.runtime import print_once
 
-    if compiler != "auto":
-        return compiler == "torch"
     steps = planned_steps(job.train, job.train.max_seq_length or job.recipe.config.block_size)
-    compiles = auto_compiles(device, job.recipe.config, steps)
-    print_once(f"Compiler: {'torch.compile of each transformer block' if compiles else 'none (eager)'} "
-               f"(--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}; "
-               "--compiler torch or none to choose)")
-    return compiles
+    compiles = compiler == "torch" or (compiler == "auto" and auto_compiles(device, job.recipe.config, steps))
+    job.compile_loss = compiles and whole_loss and device.type == "cpu" and world_size == 1
+    job.compile_blocks = compiles and not job.compile_loss
+    what = ("torch.compile of the whole loss (model, head and loss)" if job.compile_loss
+            else "torch.compile of each transformer block" if job.compile_blocks else "none (eager)")
+    why = f"--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}"
+    print_once(f"Compiler: {what} ({why if compiler == 'auto' else f'--compiler {compiler}'})")
 
 
 def planned_steps(train: TrainArgs, seq_length: int) -> Optional[int]:

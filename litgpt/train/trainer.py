@@ -69,6 +69,11 @@ class Trainer:
         # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
         chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
         self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked, teacher)
+        if job.compile_loss:
+            gpt = unwrap(model)
+            for local in {False, gpt.config.rope_local_base is not None}:
+                gpt.rope_tables(fabric.device, local)  # built before tracing: a table built inside would recompile
+            self.loss = torch.compile(self.loss)
         # A distillation validates with its own loss: its cross-entropy part is the validation loss, and its KD term
         # against the teacher is measured too.
         self.validation_loss = (self.loss if teacher is not None
@@ -199,7 +204,7 @@ class Trainer:
         window.add_step(seconds)
         if self.first_step is None:
             self.first_step = (seconds, input_ids.numel() * fabric.world_size * self.accumulation)
-            if self.job.compile_blocks:
+            if self.job.compile_blocks or self.job.compile_loss:
                 self.say(progress, f"The first step took {seconds:.1f} s with torch.compile's compilation (cached for "
                                    f"later runs of the same shapes in {inductor_cache_dir()})")
         return stop_signal
