@@ -6,9 +6,9 @@
 Both measurements run our model in this process, on the 5M Llama shape of `run.py`:
 
 * Training (`--precision 32-true` or `bf16-mixed`, autocast to bf16 as Fabric does): one pretrain step (micro batch
-  4 = global batch, seq 256): forward, the chunked cross-entropy of `litgpt.train.loss` (the head applied by the loss,
-  as training does), backward, gradient-norm clipping and fused AdamW. torch.profiler splits the step's CPU time into the matrix
-  multiplications (aten::mm/addmm/bmm), the attention kernels, and everything else. The matmuls' FLOP rate is set
+  4 = global batch, seq 256): forward, the chunked cross-entropy of `litgpt.train.loss` (the head applied by the
+  loss, as training does), backward, gradient-norm clipping and fused AdamW, eager. torch.profiler splits the step's
+  CPU time into the matrix multiplications (aten::mm/addmm/bmm), the attention kernels, and everything else. The matmuls' FLOP rate is set
   beside the 2048^3 matmul peak measured here. **Bound**: tokens per step / (matmul + attention time), the tokens/s of
   a step whose every other op (norms, activations, loss, optimizer) took no time at all.
 * Decoding: 200 tokens, KV cache, top-k 50, eager. Each token multiplies a (1, n) row by every weight matrix, so

@@ -79,9 +79,9 @@ def setup(
             runs and mixture-of-experts models on CPUs), none (eager), torch (torch.compile: of each transformer
             block on GPUs and with several processes, about a third more tokens/s on an H100; of the whole loss,
             model, head and loss in one graph, in one CPU process, see benchmarks/README.md; the first step pays
-            the compilation, which inductor caches for later runs of the same shapes), or the name of a compiler extension registered under the
-            `litgpt.compilers` entry points, which takes over the run: thunder (extensions/thunder,
-            `pip install -e '.[thunder]'`).
+            the compilation, which inductor caches for later runs of the same shapes), or the name of a compiler
+            extension registered under the `litgpt.compilers` entry points, which takes over the run: thunder
+            (extensions/thunder, `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
         log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
