@@ -1,10 +1,11 @@
 """What torch.compile buys a training step of the 5M Llama on the CPU: eager, each block compiled (`--compiler torch`
 with several processes or on GPUs), the whole model compiled (LitGPT 0.5.13's way, the loss outside), the whole loss
 compiled (model, chunked head and cross-entropy in one graph: `--compiler torch`/`auto` in one CPU process), and the
-optimizer step compiled on top of compiled blocks.
+optimizer step compiled on top of compiled blocks; with --litgpt-venv, LitGPT 0.5.13's step beside them ("litgpt":
+its pretrain's `torch.compile(model)`, `chunked_cross_entropy` on the whole logits, foreach AdamW, in that venv).
 
     python benchmarks/compile_modes.py --precision bf16-mixed --repeats 2 --steps 15
-    python benchmarks/compile_modes.py --modes eager,loss --threads 2 --output results.json
+    python benchmarks/compile_modes.py --modes eager,loss,litgpt --litgpt-venv /tmp/litgpt-ref --output results.json
 
 Each run is a fresh process (micro batch 4 x 256, fused AdamW, clipping, as `litgpt pretrain` steps), the modes taken
 in turn (A B C A B C ...). Per run: the first step's wall time (with compilation; inductor's cache in
@@ -25,6 +26,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("eager", "blocks", "whole", "loss", "blocks+optimizer")
+
+LITGPT_CHILD = r"""
+import json, statistics, sys, time, torch
+from litgpt.model import GPT, Config
+from litgpt.utils import chunked_cross_entropy
+precision, steps, model_args = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+torch.manual_seed(0)
+model = torch.compile(GPT(Config(**model_args)))
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
+batch = torch.randint(0, model_args["padded_vocab_size"], (4, 257))
+walls, cpus = [], []
+for _ in range(steps):
+    wall, cpu = time.perf_counter(), time.process_time()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = chunked_cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss.item()
+    walls.append(time.perf_counter() - wall)
+    cpus.append(time.process_time() - cpu)
+print(json.dumps({"first_step_s": walls[0], "wall_ms": statistics.median(walls[3:]) * 1e3,
+                  "cpu_ms": statistics.median(cpus[3:]) * 1e3, "loss": loss.item(), "graphs": 0, "graph_breaks": 0}))
+"""
 
 CHILD = r"""
 import json, statistics, sys, time, torch
@@ -77,15 +103,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/litgpt-compile-modes"))
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--litgpt-venv", type=Path, default=None, help="virtual environment with litgpt==0.5.13")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    if "litgpt" in modes and args.litgpt_venv is None:
+        raise SystemExit("mode litgpt needs --litgpt-venv")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from train import REF_MODEL
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads),
            "TORCHINDUCTOR_CACHE_DIR": str(args.cache_dir)}
     runs = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
         for mode in modes:
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, args.precision, str(args.steps),
-                                  str(REPO / "benchmarks")], capture_output=True, text=True, env=env, timeout=3600)
+            if mode == "litgpt":  # cwd outside the repository: its python must import its own litgpt
+                argv = [str(args.litgpt_venv / "bin" / "python"), "-c", LITGPT_CHILD, args.precision, str(args.steps),
+                        json.dumps(REF_MODEL)]
+                child_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+            else:
+                argv = [sys.executable, "-c", CHILD, mode, args.precision, str(args.steps), str(REPO / "benchmarks")]
+                child_env = env
+            out = subprocess.run(argv, capture_output=True, text=True, env=child_env, timeout=3600, cwd="/")
             if out.returncode != 0:
                 raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
             run = json.loads(out.stdout.strip().splitlines()[-1])
