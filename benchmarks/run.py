@@ -315,6 +315,15 @@ def main() -> None:
     print(f"measured 2048^3 matmul peak: fp32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s", flush=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    output = args.output or REPO / "benchmarks" / "results" / f"run-{args.suite}-{datetime.date.today()}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def write_output() -> None:  # after every case: a run cut short keeps the cases it finished
+        output.write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
+            "command_line": ["python", "benchmarks/run.py", *sys.argv[1:]], "repeats": args.repeats,
+            "order": "ours, litgpt alternating per repeat", "results": results,
+        }, indent=1, default=str) + "\n")
     training = training_cases([n for n in names if n.startswith(("pretrain", "lora"))], work, python_ours, python_ref,
                               device == "cuda", (args.warmup, args.steps))
     results = []
@@ -374,15 +383,10 @@ def main() -> None:
             record["summary"][f"{toolkit}_peak_rss_mb"] = summarize(record["runs"][toolkit], "peak_rss_mb")
             record["summary"][f"{toolkit}_mfu"] = summarize(record["runs"][toolkit], "mfu_vs_measured_peak")
         results.append(record)
+        write_output()
     info["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
     print_table(results, info)
-    output = args.output or REPO / "benchmarks" / "results" / f"run-{args.suite}-{datetime.date.today()}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
-        "command_line": ["python", "benchmarks/run.py", *sys.argv[1:]], "repeats": args.repeats,
-        "order": "ours, litgpt alternating per repeat", "results": results,
-    }, indent=1, default=str) + "\n")
+    write_output()
     print(f"\nwrote {output}")
 
 
