@@ -3,11 +3,12 @@
     python benchmarks/roofline.py
     python benchmarks/roofline.py --compare benchmarks/results/run-cpu-2026-11-23*.json --output roofline.json
 
-Both measurements run our model in this process, in 32-true, on the 5M Llama shape of `run.py`:
+Both measurements run our model in this process, on the 5M Llama shape of `run.py`:
 
-* Training: one pretrain step (micro batch 4 = global batch, seq 256): forward, the cross-entropy of `litgpt.train.loss`,
-  backward, gradient-norm clipping and fused AdamW. torch.profiler splits the step's CPU time into the matrix
-  multiplications (aten::mm/addmm/bmm), the attention kernels, and everything else. The matmuls' FLOP rate is set
+* Training (`--precision 32-true` or `bf16-mixed`, autocast to bf16 as Fabric does): one pretrain step (micro batch
+  4 = global batch, seq 256): forward, the chunked cross-entropy of `litgpt.train.loss` (the head applied by the
+  loss, as training does), backward, gradient-norm clipping and fused AdamW, eager. torch.profiler splits the step's
+  CPU time into the matrix multiplications (aten::mm/addmm/bmm), the attention kernels, and everything else. The matmuls' FLOP rate is set
   beside the 2048^3 matmul peak measured here. **Bound**: tokens per step / (matmul + attention time), the tokens/s of
   a step whose every other op (norms, activations, loss, optimizer) took no time at all.
 * Decoding: 200 tokens, KV cache, top-k 50, eager. Each token multiplies a (1, n) row by every weight matrix, so
@@ -16,7 +17,7 @@ Both measurements run our model in this process, in 32-true, on the 5M Llama sha
 
 The headroom is bound / the tokens/s measured here at the same time (a shared host's speed drifts, so bounds are
 compared with figures of the same moment). With `--compare` (`run.py` results JSONs; a later file's case replaces an
-earlier one's) the side-by-side ratio ours / LitGPT of pretrain-5m-32-true and generate-5m-32-true is multiplied by
+earlier one's) the side-by-side ratio ours / LitGPT of pretrain-5m-PRECISION and generate-5m-32-true is multiplied by
 that headroom: the largest ratio over LitGPT that removing all work but the matmuls (and attention, in training)
 from ours could give on this machine.
 """
@@ -40,8 +41,8 @@ ATTENTION_PREFIX = "aten::_scaled_dot_product"  # the fused kernels, forward and
 TRAIN_BATCH, TRAIN_SEQ, DECODE_TOKENS = 4, 256, 200
 
 
-def matmul_peak(seconds: float = 3.0) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+def matmul_peak(seconds: float = 3.0, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     best, budget = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < budget:
         start = time.perf_counter()
@@ -104,16 +105,18 @@ def linear_weight_bytes(model) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def training(steps: int) -> dict:
-    from litgpt.train.loss import cross_entropy
+def training(steps: int, precision: str) -> dict:
+    from litgpt.train.loss import loss_function
     from litgpt.train.metrics import flops_per_token
 
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
     batch = torch.randint(0, MODEL["padded_vocab_size"], (TRAIN_BATCH, TRAIN_SEQ + 1))
+    loss_of = loss_function("cross_entropy")
 
     def step() -> None:
-        loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = loss_of(model, batch[:, :-1], batch[:, 1:])["loss"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -158,12 +161,12 @@ def decoding(repeats: int) -> dict:
     }
 
 
-def side_by_side(paths: list[Path]) -> dict:
+def side_by_side(paths: list[Path], precision: str) -> dict:
     """Ours / LitGPT (medians) of the cases the bounds are for, with the file each came from."""
     ratios = {}
     for path in paths:
         for result in json.loads(path.read_text())["results"]:
-            key = {"pretrain-5m-32-true": "training", "generate-5m-32-true": "decoding"}.get(result["case"])
+            key = {f"pretrain-5m-{precision}": "training", "generate-5m-32-true": "decoding"}.get(result["case"])
             ours, reference = result["summary"].get("ours"), result["summary"].get("litgpt")
             if key and ours and reference:
                 ratios[key] = {"ratio": ours["median"] / reference["median"], "file": path.name}
@@ -176,13 +179,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="200-token generations timed and profiled")
     parser.add_argument("--compare", type=Path, nargs="+", default=[], help="run.py results JSONs with LitGPT's figures")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true",
+                        help="training's precision (decoding runs in 32-true)")
     args = parser.parse_args()
 
-    machine = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+    machine = {"torch": torch.__version__, "threads": torch.get_num_threads(), "precision": args.precision,
                "matmul_peak_flops_fp32": matmul_peak(), "copy_bytes_per_s": copy_bandwidth()}
-    train, decode = training(args.steps), decoding(args.repeats)
-    peak = machine["matmul_peak_flops_fp32"]
-    print(f"machine: {machine['threads']} threads, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, "
+    if args.precision == "bf16-mixed":
+        machine["matmul_peak_flops_bf16"] = matmul_peak(dtype=torch.bfloat16)
+    train, decode = training(args.steps, args.precision), decoding(args.repeats)
+    peak = machine["matmul_peak_flops_bf16" if args.precision == "bf16-mixed" else "matmul_peak_flops_fp32"]
+    print(f"machine: {machine['threads']} threads, {args.precision} matmul peak {peak / 1e9:.1f} GFLOP/s, "
           f"copy {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     step = train["step_seconds"]
     print(f"training step {step * 1e3:.0f} ms ({train['tokens_per_s']:,.0f} tokens/s): matmuls "
@@ -198,7 +205,7 @@ def main() -> None:
     for key in ("training", "decoding"):
         result[key]["headroom"] = result[key]["bound_tokens_per_s"] / result[key]["tokens_per_s"]
         print(f"{key}: headroom {result[key]['headroom']:.2f}x")
-    ratios = side_by_side(args.compare)
+    ratios = side_by_side(args.compare, args.precision)
     for key, measured in ratios.items():
         measured["largest_possible_ratio"] = measured["ratio"] * result[key]["headroom"]
         kept = "the matmuls and attention" if key == "training" else "the matmuls"

@@ -44,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as harness  # noqa: E402  (the training measurement, shared with benchmarks/train.py)
 
 REPO = harness.REPO
-STEPS = {"32-true": (5, 25), "bf16-mixed": (1, 3)}  # (warm-up, measured) steps per precision on the CPU
-TRAINING_CPU = ["pretrain-5m-32-true", "lora-5m-32-true", "pretrain-5m-bf16-mixed", "lora-5m-bf16-mixed",
-                "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP", "pretrain-5m-2proc-NO_SHARD",
+PRECISIONS = ("32-true", "bf16-mixed", "default")  # "default": no --precision, each toolkit's own
+STEPS_100M = (3, 20)  # (warm-up, measured) steps of the ~100M cases: ~7 s a step on 2 cores
+TRAINING_CPU = ["pretrain-5m-default", "pretrain-5m-32-true", "pretrain-5m-bf16-mixed", "pretrain-tiny-default",
+                "pretrain-100m-default", "lora-5m-32-true", "lora-5m-bf16-mixed", "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP", "pretrain-5m-2proc-NO_SHARD",
                 "pretrain-5m-2proc-HYBRID_SHARD", "pretrain-100m-1proc", "pretrain-100m-1proc-1thread",
                 "pretrain-100m-2proc"]
 GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "generate-5m-bf16-true",
@@ -135,8 +136,9 @@ class Variant:
 
 
 def training_cases(names: list[str], work: Path, python_ours: str, python_ref: Optional[Path],
-                   gpu: bool) -> dict[str, tuple[harness.Case, int, int, dict]]:
-    """name -> (the harness's case, warm-up steps, total steps, facts for MFU)."""
+                   gpu: bool, steps: tuple[int, int] = (10, 150)) -> dict[str, tuple[harness.Case, int, int, dict]]:
+    """name -> (the harness's case, warm-up steps, total steps, facts for MFU); `steps` (warm-up, measured) of the
+    5M and tiny cases."""
     cases = {}
     for name in names:
         if name.startswith("pretrain-1b"):
@@ -159,15 +161,14 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
                                         "bf16-mixed, 1 GPU", 32 * 2048, command, None), warmup, total,
                            {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16", "processes": 1})
             continue
-        kind, _, rest = name.partition("-5m-") if "-5m-" in name else name.partition("-100m-")
-        precision = rest if rest in STEPS else "32-true"
-        warmup, measured = STEPS[precision]
-        if "100m" in name:
-            warmup, measured = 2, 5
+        kind, size, rest = name.split("-", 2)
+        precision = rest if rest in PRECISIONS else "32-true"
+        warmup, measured = STEPS_100M if size == "100m" else steps
         total = warmup + measured
-        base = "llama5m-lora" if kind == "lora" else "llama5m-pretrain"
+        base = "llama5m-lora" if kind == "lora" else "tiny" if size == "tiny" else "llama5m-pretrain"
         ref = python_ref if ("proc" not in name) else None  # LitGPT cannot run FSDP on a CPU
-        (case,) = harness.build_cases([base], work, ref, precision, total, python_ours=python_ours)
+        (case,) = harness.build_cases([base], work, ref, None if precision == "default" else precision, total,
+                                      python_ours=python_ours)
         case.name = name
         ours = case.ours
         ours.out_dir = work / "out" / name / "ours"
@@ -179,6 +180,8 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
         if "100m" in name:
             # global batch 4 of 256 tokens whatever the number of processes: every variant does the same work
             ours.argv += MODEL_100M + ["--train.global_batch_size", "4"]
+            if case.ref is not None:
+                case.ref.argv += MODEL_100M
             model.update(n_layer=12, n_embd=768, n_head=12, n_query_groups=4, intermediate_size=2048,
                          padded_vocab_size=32000)
             case.description = "Llama-shaped 124M (12 layers, 768 wide, GQA 12/4), global batch 4, seq 256"
@@ -192,10 +195,12 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
             case.description += f"; 2 processes, {strategy}, micro batch 2 each (same global batch)"
         if name.endswith("1thread"):
             case.description += "; 1 thread: one process on one core, the unit the 2-process run has per rank"
-        if precision == "bf16-mixed" and "bf16" not in case.description:
-            case.description += "; bf16-mixed"
+        if precision != "32-true" and precision not in case.description:
+            case.description += f"; {precision}" + (" precision of each toolkit" if precision == "default" else "")
+        # MFU's peak: bf16 where a default may be bf16-mixed (LitGPT's always is on a CPU; ours where bf16 is native)
+        dtype = "float32" if precision == "32-true" else "bfloat16"
         cases[name] = (case, warmup, total, {"model": model, "seq": harness.MODEL["block_size"], "lora": kind == "lora",
-                                             "dtype": "bfloat16" if precision == "bf16-mixed" else "float32",
+                                             "dtype": dtype,
                                              "processes": processes})
     return cases
 
@@ -271,6 +276,8 @@ def main() -> None:
     parser.add_argument("--suite", choices=list(SUITES), default="cpu")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the suite's cases")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=10, help="5M and tiny training: steps before the measurement")
+    parser.add_argument("--steps", type=int, default=150, help="5M and tiny training: steps measured")
     parser.add_argument("--samples", type=int, default=4, help="generation: samples per run (the first is cold)")
     parser.add_argument("--litgpt-venv", type=Path, default=None, help="virtual environment with litgpt==0.5.13")
     parser.add_argument("--ours-venv", type=Path, default=None,
@@ -308,8 +315,17 @@ def main() -> None:
     print(f"measured 2048^3 matmul peak: fp32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s", flush=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    output = args.output or REPO / "benchmarks" / "results" / f"run-{args.suite}-{datetime.date.today()}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def write_output() -> None:  # after every case: a run cut short keeps the cases it finished
+        output.write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
+            "command_line": ["python", "benchmarks/run.py", *sys.argv[1:]], "repeats": args.repeats,
+            "order": "ours, litgpt alternating per repeat", "results": results,
+        }, indent=1, default=str) + "\n")
     training = training_cases([n for n in names if n.startswith(("pretrain", "lora"))], work, python_ours, python_ref,
-                              device == "cuda")
+                              device == "cuda", (args.warmup, args.steps))
     results = []
     for name in names:
         record: dict = {"case": name, "runs": {"ours": [], "litgpt": []}}
@@ -367,15 +383,10 @@ def main() -> None:
             record["summary"][f"{toolkit}_peak_rss_mb"] = summarize(record["runs"][toolkit], "peak_rss_mb")
             record["summary"][f"{toolkit}_mfu"] = summarize(record["runs"][toolkit], "mfu_vs_measured_peak")
         results.append(record)
+        write_output()
     info["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
     print_table(results, info)
-    output = args.output or REPO / "benchmarks" / "results" / f"run-{args.suite}-{datetime.date.today()}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
-        "command_line": ["python", "benchmarks/run.py", *sys.argv[1:]], "repeats": args.repeats,
-        "order": "ours, litgpt alternating per repeat", "results": results,
-    }, indent=1, default=str) + "\n")
+    write_output()
     print(f"\nwrote {output}")
 
 

@@ -249,10 +249,13 @@ class Case:
     ref: Optional[Command]
 
 
-def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precision: str, total_steps: int,
+def build_cases(names: list[str], work: Path, python_ref: Optional[Path], precision: Optional[str], total_steps: int,
                 python_ours: str = sys.executable) -> list[Case]:
-    """The cases' commands and input files; `python_ours` is the interpreter that runs our `litgpt`."""
-    common_train = ["--train.log_interval", "1", "--devices", "1", "--precision", precision, "--logger_name", "csv"]
+    """The cases' commands and input files; `python_ours` is the interpreter that runs our `litgpt`. `precision`
+    None leaves --precision out: each toolkit's own default."""
+    common_train = ["--train.log_interval", "1", "--devices", "1", "--logger_name", "csv"]
+    if precision is not None:
+        common_train += ["--precision", precision]
     ours_python = [python_ours, "-m", "litgpt"]
     ref_python = [str(python_ref), "-m", "litgpt"] if python_ref is not None else None
     cases = []
@@ -424,6 +427,8 @@ def run_command(command: Command, case: Case, warmup: int, total_steps: int, thr
         shutil.rmtree(command.out_dir)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    if command.toolkit == "ours":
+        env["PYTHONPATH"] = str(REPO)  # this checkout, whichever interpreter (or its editable install) runs it
     env.update({
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"), "TOKENIZERS_PARALLELISM": "false",

@@ -85,7 +85,8 @@ def main(
         temperature: Divides the logits before sampling: higher is more random, 0 always takes the most likely token.
         seed: Seed of the random sampling.
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
-            (16-true without bf16 support), 32-true on the CPU.
+            (16-true without bf16 support) and on CPUs with native bf16 (AVX512-BF16 or AMX),
+            32-true on other CPUs.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         compile: Compile the one-token decoding step with torch.compile: the first reply pays the compilation
             (seconds to a minute), later tokens run faster, on the CPU as on GPUs.

@@ -84,8 +84,9 @@ def main(
             (default: the bundled tiny corpus, `Tiny`).
         calibration: How many samples (--calibration.samples), of how many tokens (--calibration.max_seq_length),
             in batches of --calibration.batch_size.
-        precision: The dtype calibration runs in: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs,
-            32-true on the CPU. The weights written keep the checkpoint's dtype.
+        precision: The dtype calibration runs in: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
+            and on CPUs with native bf16 (AVX512-BF16 or AMX), 32-true on other CPUs.
+            The weights written keep the checkpoint's dtype.
         device: Where calibration runs: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         overwrite: Replace an out_dir that is not empty (the old folder stays until the new one is complete).
     """

@@ -16,7 +16,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
-from litgpt.pretrain import fsdp_for_strategy
+from litgpt.pretrain import fsdp_for_strategy, set_compilation
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
@@ -67,7 +67,8 @@ def setup(
         model_name: A registered model name for a randomly initialized student (`litgpt download list`).
         model_config: The randomly initialized student's config fields (in YAML under `model_config:`).
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+            native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The data module: pretraining text or instruction data (default: the bundled tiny corpus, `Tiny`).
         train: Training schedule and batch sizes.
@@ -80,8 +81,8 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of a random student's initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
-        compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), or torch (torch.compile of each
-            transformer block of the student and the teacher).
+        compiler: auto (as `litgpt pretrain`'s: torch on CUDA GPUs, and on CPUs for runs of at least 100 steps),
+            none (eager), or torch (torch.compile of each transformer block of the student and the teacher).
         strategy: How several devices train: auto or fsdp shard the models with FSDP (--fsdp.*); ddp replicates
             them (FSDP's NO_SHARD).
         kd: The distillation loss: --kd.loss forward_kl|reverse_kl|js, --kd.temperature, --kd.alpha.
@@ -95,7 +96,7 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"distill-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")
+    set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss=False)  # the teacher's blocks too
     launch(fabric, job)
 
 

@@ -57,7 +57,8 @@ def main(
         max_length: The most tokens the model sees at once (default and maximum: the model's block_size).
         seed: Seed of the harness's sampling of few-shot examples and of torch.
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
-            (16-true without bf16 support), 32-true on the CPU.
+            (16-true without bf16 support) and on CPUs with native bf16 (AVX512-BF16 or AMX),
+            32-true on other CPUs.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         dtype: LitGPT's name for --precision (float32, bfloat16, float16); give one of the two.
         save_filepath: Where the results JSON goes instead of OUT_DIR/results.json (as in LitGPT).

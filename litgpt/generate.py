@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from litgpt.errors import UserError
-from litgpt.precision import PRECISION_DTYPES
+from litgpt.precision import PRECISION_DTYPES, default_inference_dtype
 
 if TYPE_CHECKING:
     from litgpt.model import GPT
@@ -281,13 +281,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_precision(precision: Optional[str], device: torch.device) -> torch.dtype:
-    """The weights' dtype: the named precision, or bf16 (fp16 without bf16 support) on GPUs and fp32 on the CPU."""
+    """The weights' dtype: the named precision, or the device's default (`default_inference_dtype`: bf16 on GPUs
+    and on CPUs with native bf16, else fp16 on GPUs and fp32 on CPUs), said on stderr."""
     if precision is None:
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "mps":
-            return torch.float16
-        return torch.float32
+        dtype = default_inference_dtype(device)
+        print(f"Precision: {dtype} (the default on this {device.type}; --precision to choose)", file=sys.stderr)
+        return dtype
     if precision not in PRECISION_DTYPES:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISION_DTYPES)}.")
     return PRECISION_DTYPES[precision]
@@ -383,7 +382,8 @@ def main(
         temperature: Divides the logits before sampling: higher is more random, 0 always takes the most likely token.
         seed: Seed of the random sampling.
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
-            (16-true without bf16 support), 32-true on the CPU.
+            (16-true without bf16 support) and on CPUs with native bf16 (AVX512-BF16 or AMX),
+            32-true on other CPUs.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         compile: Compile the one-token decoding step with torch.compile: the first sample pays the compilation
             (seconds to a minute), later tokens run faster, on the CPU as on GPUs.

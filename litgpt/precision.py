@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 
 from litgpt.errors import UserError
@@ -35,17 +38,62 @@ def check_precision(precision: str, on_cpu: bool, fsdp: bool = False) -> None:
         raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
 
 
-def default_precision() -> str:
-    """bf16-mixed where the hardware supports it, else 32-true."""
-    if torch.cuda.is_available():
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "32-true"
+# Where the CPU's flags are read from; LITGPT_CPUINFO names another file of the same format (tests feed fixtures).
+CPUINFO = "/proc/cpuinfo"
+# CPU flags of native bf16 matrix multiply: AVX512-BF16 (dot products) or AMX (tiles).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_has_fast_bf16() -> bool:
+def cpuinfo_path() -> str:
+    """The cpuinfo file this process reads: $LITGPT_CPUINFO, else /proc/cpuinfo."""
+    return os.environ.get("LITGPT_CPUINFO") or CPUINFO
+
+
+def cpu_bf16_flags(cpuinfo: Optional[str] = None) -> Optional[list[str]]:
+    """The native-bf16 flags (`NATIVE_BF16_FLAGS`) on the first `flags` line of `cpuinfo` (default `cpuinfo_path()`),
+    [] when it has none, None when there is no such file or line (not Linux): what the CPU reports, no probe."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
+        with open(cpuinfo or cpuinfo_path()) as f:
+            line = next((line for line in f if line.startswith("flags")), None)
     except OSError:
-        return True  # not Linux: nothing to say
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return None
+    if line is None:
+        return None
+    flags = set(line.partition(":")[2].split())
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+
+def cpu_has_fast_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Whether the CPU reports native bf16 matrix multiply; True when it reports nothing (not Linux: no warning)."""
+    flags = cpu_bf16_flags(cpuinfo)
+    return flags is None or bool(flags)
+
+
+def default_precision_and_reason(cpuinfo: Optional[str] = None) -> tuple[str, str]:
+    """Training's default precision here and why: bf16-mixed on GPUs with bf16 (16-mixed on older ones) and on CPUs
+    that report native bf16 (AVX512-BF16 or AMX; bf16 runs emulated and many times slower elsewhere), else 32-true."""
+    if torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported():
+            return "bf16-mixed", "the GPU supports bf16"
+        return "16-mixed", "the GPU has no bf16"
+    flags = cpu_bf16_flags(cpuinfo)
+    if flags:
+        return "bf16-mixed", f"the CPU has native bf16 ({', '.join(flags)})"
+    if flags is None:
+        return "32-true", f"{cpuinfo or cpuinfo_path()} does not say whether the CPU has native bf16"
+    return "32-true", "the CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+
+
+def default_precision(cpuinfo: Optional[str] = None) -> str:
+    """Training's default precision on this machine (`default_precision_and_reason`)."""
+    return default_precision_and_reason(cpuinfo)[0]
+
+
+def default_inference_dtype(device: torch.device, cpuinfo: Optional[str] = None) -> torch.dtype:
+    """Generation's default dtype on `device`: bf16 on GPUs that support it (fp16 on others and on MPS), on the CPU
+    bf16 where it is native (`cpu_bf16_flags`), else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_bf16_flags(cpuinfo) else torch.float32

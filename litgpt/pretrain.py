@@ -60,7 +60,8 @@ def setup(
         model_name: A registered model name (`litgpt download list`), or leave out and give --model_config.
         model_config: The model's config fields (in YAML under `model_config:`), instead of a name.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+            native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         initial_checkpoint_dir: Start from these weights (continued pretraining) instead of a random init.
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The data module (default: the bundled tiny corpus, `Tiny`).
@@ -74,11 +75,13 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
-        compiler: auto (torch on CUDA GPUs, none elsewhere), none (eager), torch (torch.compile of each
-            transformer block: about a third more tokens/s on an H100; on a CPU it costs a minute of compilation
-            and gains little, see benchmarks/README.md), or the name of a compiler extension registered under the
-            `litgpt.compilers` entry points, which takes over the run: thunder (extensions/thunder,
-            `pip install -e '.[thunder]'`).
+        compiler: auto (torch on CUDA GPUs, and on CPUs for runs of at least 100 steps; none for shorter CPU
+            runs and mixture-of-experts models on CPUs), none (eager), torch (torch.compile: of each transformer
+            block on GPUs and with several processes, about a third more tokens/s on an H100; of the whole loss,
+            model, head and loss in one graph, in one CPU process, see benchmarks/README.md; the first step pays
+            the compilation, which inductor caches for later runs of the same shapes), or the name of a compiler
+            extension registered under the `litgpt.compilers` entry points, which takes over the run: thunder
+            (extensions/thunder, `pip install -e '.[thunder]'`).
         strategy: How several devices train: auto or fsdp shard the model with FSDP (--fsdp.*); ddp replicates it
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
         log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
@@ -98,8 +101,34 @@ def setup(
 
     logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
     fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    job.compile_blocks = compiler == "torch" or (compiler == "auto" and fabric.device.type == "cuda")
+    set_compilation(job, compiler, fabric.device, fabric.world_size)
     launch(fabric, job)
+
+
+def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
+    """What --compiler torch, none or auto (`auto_compiles`: this device and run length) compiles, said in one line:
+    one CPU process compiles the whole loss (`Job.compile_loss`: forward, chunked head and loss in one graph,
+    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block."""
+    from litgpt.distributed.parallelize import auto_compiles
+    from litgpt.distributed.runtime import print_once
+
+    steps = planned_steps(job.train, job.train.max_seq_length or job.recipe.config.block_size)
+    compiles = compiler == "torch" or (compiler == "auto" and auto_compiles(device, job.recipe.config, steps))
+    job.compile_loss = compiles and whole_loss and device.type == "cpu" and world_size == 1
+    job.compile_blocks = compiles and not job.compile_loss
+    what = ("torch.compile of the whole loss (model, head and loss)" if job.compile_loss
+            else "torch.compile of each transformer block" if job.compile_blocks else "none (eager)")
+    why = f"--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}"
+    print_once(f"Compiler: {what} ({why if compiler == 'auto' else f'--compiler {compiler}'})")
+
+
+def planned_steps(train: TrainArgs, seq_length: int) -> Optional[int]:
+    """The optimizer steps --train.max_steps and --train.max_tokens allow (samples of `seq_length` tokens) before
+    the data is known; None when only --train.epochs limits the run."""
+    limits = [train.max_steps] if train.max_steps is not None else []
+    if train.max_tokens is not None:
+        limits.append(-(-train.max_tokens // (train.global_batch_size * seq_length)))
+    return min(limits) if limits else None
 
 
 def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":

@@ -25,6 +25,11 @@ def _share_the_cores_between_workers() -> None:
 
 _share_the_cores_between_workers()
 
+# The default precision follows the CPU's flags (bf16-mixed where bf16 is native); the suite's references are float32,
+# so its processes read a cpuinfo without bf16 flags. tests/test_precision.py feeds both kinds of file itself.
+CPUINFO_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cpuinfo"
+os.environ.setdefault("LITGPT_CPUINFO", str(CPUINFO_FIXTURES / "no_bf16.txt"))
+
 # Modules whose tests take longest (most of them launching training processes), heaviest first: under
 # `--dist loadfile --no-loadscope-reorder` (.ci/run) the workers take modules in this order, so that no long module
 # starts last while the other worker idles. Other modules keep their place after these.

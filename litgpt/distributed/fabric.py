@@ -18,7 +18,7 @@ from litgpt.distributed.fsdp import FSDPStrategy
 from litgpt.distributed.topology import Topology
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
-from litgpt.precision import check_precision, cpu_has_fast_bf16, default_precision
+from litgpt.precision import check_precision, cpu_has_fast_bf16, default_precision_and_reason
 
 
 def build_fabric(
@@ -37,7 +37,9 @@ def build_fabric(
     from lightning.fabric import Fabric
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    precision = precision or default_precision()
+    if precision is None:
+        precision, reason = default_precision_and_reason()
+        print_once(f"Precision: {precision} (the default here: {reason}; --precision to choose)")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     check_precision(precision, on_cpu)
     if num_nodes < 1:

@@ -6,7 +6,6 @@ The model file knows nothing of this; recipes call `parallelize`.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional, Union
 
 import torch
@@ -78,6 +77,36 @@ def compile_each_block(model: torch.nn.Module) -> None:
         block.compile()
 
 
+# Below this many optimizer steps --compiler auto leaves a CPU run eager: compiling the blocks takes 15-60 s on a
+# 2-core CPU with an empty inductor cache, which a short run would not earn back.
+AUTO_COMPILE_MIN_STEPS_CPU = 100
+
+
+def auto_compiles(device: torch.device, config, planned_steps: Optional[int]) -> bool:
+    """What `--compiler auto` picks: compile each block on CUDA GPUs; on a CPU too when the run is long enough
+    (`planned_steps` None: as long as its epochs make it) and inductor can build CPU kernels (a C++ compiler), except
+    for mixture-of-experts layers (their routing gives every step new shapes)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or config.mlp_class_name == "LLaMAMoE":
+        return False
+    if planned_steps is not None and planned_steps < AUTO_COMPILE_MIN_STEPS_CPU:
+        return False
+    return cpp_compiler_found()
+
+
+def cpp_compiler_found() -> bool:
+    """Whether the C++ compiler inductor builds CPU kernels with (its $CXX, else g++/clang++) is on the PATH."""
+    import shutil
+
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return shutil.which(get_cpp_compiler()) is not None
+    except RuntimeError:  # inductor found none
+        return False
+
+
 def apply_activation_checkpointing(
     model: torch.nn.Module, checkpointing: Union[bool, int, str, ActivationCheckpointing] = "full"
 ) -> None:
@@ -89,4 +118,15 @@ def apply_activation_checkpointing(
         options["context_fn"] = selective_checkpoint_contexts
     for index, block in enumerate(model.transformer.h):
         if checkpointing.checkpoints(index):
-            block.forward = functools.partial(checkpoint, block.forward, **options)
+            block.forward = checkpointed(block.forward, options)
+
+
+def checkpointed(forward: Callable, options: dict) -> Callable:
+    """`forward` run through `torch.utils.checkpoint.checkpoint`, as a function of its own: a compiled block traces
+    it and the checkpoint inside it. (With `functools.partial(checkpoint, ...)` as the forward, torch.compile of the
+    block starts at `checkpoint`, which is excluded from tracing: no graph at all, every step eager.)"""
+
+    def forward_with_checkpoint(*args, **kwargs):
+        return checkpoint(forward, *args, **options, **kwargs)
+
+    return forward_with_checkpoint

@@ -53,7 +53,8 @@ def setup(
     Args:
         checkpoint_dir: The base model: a folder with lit_model.pth, model_config.yaml and the tokenizer.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs, 32-true on CPU).
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+            native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         quantize: QLoRA: store the frozen base weights of the blocks quantized: with bitsandbytes (bnb.nf4,
             bnb.nf4-dq, bnb.fp4, bnb.int8) or as torchao's NF4 (ao.nf4); needs `pip install 'litgpt[quantize]'`.
             On several devices FSDP shards the 4-bit base (all-gathered in 4 bits): ao.nf4, and bnb.nf4 / bnb.nf4-dq

@@ -343,7 +343,8 @@ def main(
         max_batch_size: The most sequences decoded together (each holds a row of the KV cache, of the model's
             context length); further requests wait for a free row.
         precision: The weights' precision: 32-true, 16-true or bf16-true. Default: bf16-true on GPUs
-            (16-true without bf16 support), 32-true on the CPU.
+            (16-true without bf16 support) and on CPUs with native bf16 (AVX512-BF16 or AMX),
+            32-true on other CPUs.
         device: Where to run: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.
         devices: With N > 1, one copy of the model on each of the GPUs cuda:0..N-1; a request goes to the least busy.
     """

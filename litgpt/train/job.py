@@ -45,6 +45,9 @@ class Job:
     timeout: float = 600.0  # seconds a collective may wait for the other ranks
     # Finetuning data lays samples out in a prompt style; pretraining data has none.
     prompt_style: Optional[Any] = None
+    # torch.compile the training loss whole: the model's forward, the chunked head and the loss in one graph
+    # (--compiler torch/auto on one CPU process, where it beats compiling each block)
+    compile_loss: bool = False
 
 
 def launch(fabric, job: Job) -> dict:

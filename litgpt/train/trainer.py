@@ -70,6 +70,11 @@ class Trainer:
         # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
         chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
         self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked, teacher)
+        if job.compile_loss:
+            gpt = unwrap(model)
+            for local in {False, gpt.config.rope_local_base is not None}:
+                gpt.rope_tables(fabric.device, local)  # built before tracing: a table built inside would recompile
+            self.loss = torch.compile(self.loss)
         # A distillation validates with its own loss: its cross-entropy part is the validation loss, and its KD term
         # against the teacher is measured too.
         self.validation_loss = (self.loss if teacher is not None
@@ -81,6 +86,8 @@ class Trainer:
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
         self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
         self.logged_loss_parts: dict[str, float] = {}  # the parts of the loss on the last log line (kd_loss, ...)
+        # This session's first step (seconds, tokens): it pays torch.compile's compilation, reported on its own.
+        self.first_step: Optional[tuple[float, int]] = None
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -97,7 +104,7 @@ class Trainer:
         )
         if self.eval.initial_validation and state.step == 0:
             print_once(f"step 0 | val loss {self.validate():.4f}")
-        fit_start = time.perf_counter()
+        fit_start, fit_tokens, fit_seconds = time.perf_counter(), state.tokens, state.train_seconds
         profiler = start_profiler() if self.job.profile else None
         progress = progress_bar(fabric.global_rank, self.total_steps, state.step)
         window = LogWindow(fabric.device, state.tokens)
@@ -128,6 +135,8 @@ class Trainer:
         if self.val_kd_loss is not None:
             metrics["val_kd_loss"] = self.val_kd_loss
         metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
+        metrics.update(steady_state_metrics(self.first_step, state.tokens - fit_tokens,
+                                            state.train_seconds - fit_seconds))
         fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
         for logger in fabric.loggers:
             logger.finalize("success")  # flush what the logger buffers
@@ -197,6 +206,11 @@ class Trainer:
         seconds = time.perf_counter() - step_start
         state.train_seconds += seconds
         window.add_step(seconds)
+        if self.first_step is None:
+            self.first_step = (seconds, input_ids.numel() * fabric.world_size * self.accumulation)
+            if self.job.compile_blocks or self.job.compile_loss:
+                self.say(progress, f"The first step took {seconds:.1f} s with torch.compile's compilation (cached for "
+                                   f"later runs of the same shapes in {inductor_cache_dir()})")
         return stop_signal
 
     def step_values(self, step_loss: torch.Tensor) -> tuple[float, float]:
@@ -341,6 +355,27 @@ def sample_prompt(input_ids: torch.Tensor, labels: torch.Tensor, prefix: int = 1
     if first > 0:
         return input_ids[: first + 1]
     return input_ids[: max(1, min(prefix, input_ids.numel() // 2))]
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its compiled graphs across runs ($TORCHINDUCTOR_CACHE_DIR, else a folder in /tmp)."""
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    return cache_dir()
+
+
+def steady_state_metrics(first_step: Optional[tuple[float, int]], tokens: int, seconds: float) -> dict:
+    """metrics.json's split of this session's steps: the first one's seconds (with any compilation) and the tokens/s
+    of the others (None with a single step)."""
+    if first_step is None:
+        return {}
+    first_seconds, first_tokens = first_step
+    later_seconds = seconds - first_seconds
+    return {
+        "first_step_seconds": round(first_seconds, 3),
+        "tokens_per_sec_after_first_step": round((tokens - first_tokens) / later_seconds, 1) if later_seconds > 0
+        else None,
+    }
 
 
 def progress_bar(rank: int, total: int, initial: int):
