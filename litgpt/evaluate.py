@@ -117,7 +117,7 @@ def hf_harness_model(checkpoint_dir: Path, hf_dir: Path, precision, device: str,
 
     from litgpt.config import Config
     from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
-    from litgpt.generate import resolve_device, resolve_precision
+    from litgpt.generate import announce_precision, resolve_device, resolve_precision
 
     max_length = checked_max_length(max_length, Config.from_checkpoint(checkpoint_dir).block_size)
     target = resolve_device(device)
@@ -126,8 +126,10 @@ def hf_harness_model(checkpoint_dir: Path, hf_dir: Path, precision, device: str,
         print(f"Using the Hugging Face copy in {str(hf_dir)!r} (delete it to convert again).", file=sys.stderr)
     else:
         convert_lit_checkpoint(checkpoint_dir, hf_dir)
-    return HFLM(pretrained=str(hf_dir), backend="causal", batch_size=batch_size, max_length=max_length,
-                device=str(target), dtype=str(dtype).removeprefix("torch."))
+    model = HFLM(pretrained=str(hf_dir), backend="causal", batch_size=batch_size, max_length=max_length,
+                 device=str(target), dtype=str(dtype).removeprefix("torch."))
+    announce_precision(precision, dtype, target)
+    return model
 
 
 def check_arguments(tasks, perplexity, batch_size, limit, num_fewshot, stride, include_path) -> list[str]:

@@ -282,11 +282,9 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_precision(precision: Optional[str], device: torch.device) -> torch.dtype:
     """The weights' dtype: the named precision, or the device's default (`default_inference_dtype`: bf16 on GPUs
-    and on CPUs with native bf16, else fp16 on GPUs and fp32 on CPUs), said on stderr."""
+    and on CPUs with native bf16, else fp16 on GPUs and fp32 on CPUs; `announce_precision` says which)."""
     if precision is None:
-        dtype = default_inference_dtype(device)
-        print(f"Precision: {dtype} (the default on this {device.type}; --precision to choose)", file=sys.stderr)
-        return dtype
+        return default_inference_dtype(device)
     if precision not in PRECISION_DTYPES:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISION_DTYPES)}.")
     return PRECISION_DTYPES[precision]
@@ -345,7 +343,15 @@ def load_model_and_tokenizer(
         mode = "reduce-overhead" if target.type == "cuda" else None
         step = decode_step_with_math_attention if target.type == "cpu" else decode_step
         model.compiled_decode_step = torch.compile(functools.partial(step, model), dynamic=False, mode=mode)
+    announce_precision(precision, dtype, target)
     return model, tokenizer
+
+
+def announce_precision(precision: Optional[str], dtype: torch.dtype, device: torch.device) -> None:
+    """Say on stderr which dtype the device's default gave, once the inputs are known to be good (bad input stays
+    one line); nothing when --precision chose it."""
+    if precision is None:
+        print(f"Precision: {dtype} (the default on this {device.type}; --precision to choose)", file=sys.stderr)
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:

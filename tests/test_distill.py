@@ -171,7 +171,8 @@ def test_a_router_aux_loss_is_added_and_reported(distill):
 def child_environment(**extra: str) -> dict:
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LITGPT_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k == "LITGPT_CPUINFO" or not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LITGPT_"))}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 

@@ -150,7 +150,8 @@ def test_stop_signals_are_recorded_instead_of_ending_the_process():
 
 # ---- runs of the real CLI --------------------------------------------------------------------------------------------------
 def child_environment(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LITGPT_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k == "LITGPT_CPUINFO" or not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LITGPT_"))}
     env.update(OMP_NUM_THREADS="1", **extra)
     if "LITGPT_FAILPOINT" in extra:
         env["LITGPT_FAILPOINTS_ARMED"] = "1"  # failpoints act only when armed too (litgpt/failpoints.py)

@@ -33,7 +33,7 @@ LITGPT_CASES = {
     "llama3": dict(_BASE, name="Llama-3-tiny", hf_config={"org": "meta-llama", "name": "Llama-3-tiny"},
                    rope_base=500000, rope_adjustments=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                            original_max_seq_len=16)),
-    "qwen3": dict(_BASE, name="Qwen3-tiny", head_size=16, norm_qk=True, norm_eps=1e-6, rope_base=1000000),
+    "qwen3": dict(_BASE, name="tiny-qwen3", head_size=16, norm_qk=True, norm_eps=1e-6, rope_base=1000000),
     "gemma2": dict(_BASE, name="Gemma-2-tiny", mlp_class_name="GemmaMLP", gelu_approximate="tanh", head_size=16,
                    post_attention_norm=True, post_mlp_norm=True, scale_embeddings=True, attention_scores_scalar=24,
                    attention_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window_size=10,

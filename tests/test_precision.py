@@ -46,10 +46,11 @@ def test_default_precision_per_cpu(tmp_path):
 @cpu_only
 @pytest.mark.parametrize(("cpuinfo", "dtype"), [(WITH_BF16, torch.bfloat16), (WITHOUT_BF16, torch.float32)])
 def test_generation_dtype_follows_the_cpu(monkeypatch, capsys, cpuinfo, dtype):
-    from litgpt.generate import resolve_precision
+    from litgpt.generate import announce_precision, resolve_precision
 
     monkeypatch.setenv("LITGPT_CPUINFO", cpuinfo)
     assert resolve_precision(None, torch.device("cpu")) == dtype
+    announce_precision(None, dtype, torch.device("cpu"))
     assert f"Precision: {dtype}" in capsys.readouterr().err
     assert resolve_precision("32-true", torch.device("cpu")) == torch.float32  # --precision wins
 

@@ -189,7 +189,7 @@ def test_compiler_torch_compiles_each_block_in_place_after_activation_checkpoint
                           compile_blocks=True)
     for block in model.transformer.h:
         assert block._compiled_call_impl is not None  # nn.Module.compile(): compiled on the first call
-        assert block.forward.func.__name__ == "checkpoint"  # what the compiled call runs: the checkpointed block
+        assert block.forward.__name__ == "forward_with_checkpoint"  # what the compiled call runs: the checkpointed block
     assert model.state_dict().keys() == tiny_model().state_dict().keys()
 
 

@@ -6,6 +6,7 @@ Entry points ask `build_fabric` for their Fabric; a strategy other than FSDP2 (a
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -70,6 +71,7 @@ def build_fabric(
         topology = Topology(devices, num_nodes, fsdp.sharding_strategy)
         check_precision(precision, on_cpu, fsdp=True)
         strategy = FSDPStrategy(topology, fsdp, precision)
+    silence_lightning_precision_line()
     try:
         return Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, loggers=loggers,
@@ -78,6 +80,19 @@ def build_fabric(
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as error:
         # Lightning's own checks (e.g. more devices than exist) come as exceptions with a readable message.
         raise UserError(f"Cannot set up the devices: {' '.join(str(error).split())}") from None
+
+
+class _LightningPrecisionLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Automatic Mixed Precision (AMP)" not in record.getMessage()
+
+
+def silence_lightning_precision_line() -> None:
+    """Drop Lightning's "Using bfloat16 Automatic Mixed Precision (AMP)" from stderr: a run's first lines already say
+    its precision (and a bad input found after Fabric is built stays one line)."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _LightningPrecisionLine) for f in logger.filters):
+        logger.addFilter(_LightningPrecisionLine())
 
 
 def resolve_devices(devices: Union[int, str], on_cpu: bool) -> int:
