@@ -472,20 +472,24 @@ def test_bad_distributed_flags(flags, message, tmp_path):
 @pytest.mark.parametrize(
     "base, flags, message",
     [
+        # the first case by default; the others (a Python process each) with the whole suite (CI)
         ("qlora", ["--quantize", "bnb.int8", "--devices", "2"],
          "--quantize bnb.int8 cannot be sharded by FSDP (bitsandbytes keeps its quantization state outside the weight "
          "tensor): on several devices use one of ao.nf4, bnb.nf4, bnb.nf4-dq (stored as torchao NF4), or --devices 1."),
-        ("qlora", ["--quantize", "ao.nf4", "--devices", "2", "--fsdp.sharding_strategy", "NO_SHARD",
+        pytest.param("qlora", ["--quantize", "ao.nf4", "--devices", "2", "--fsdp.sharding_strategy", "NO_SHARD",
                    "--fsdp.cpu_offload", "true"],
          "--fsdp.cpu_offload with --quantize offloads a sharded base, but NO_SHARD keeps the whole 4-bit base on every "
-         "device: use FULL_SHARD, or leave out --fsdp.cpu_offload."),
-        ("qlora", ["--quantize", "ao.nf4", "--devices", "1", "--precision", "bf16-true"],
-         "--precision bf16-true would dequantize torchao's NF4 weights where FSDP does not shard them"),
-        ("qlora", ["--devices", "1", "--fsdp.cpu_offload", "true"],
-         "--fsdp.cpu_offload true moves FSDP's sharded state to CPU memory, but one device runs without FSDP"),
+         "device: use FULL_SHARD, or leave out --fsdp.cpu_offload.", marks=pytest.mark.slow),
+        pytest.param("qlora", ["--quantize", "ao.nf4", "--devices", "1", "--precision", "bf16-true"],
+         "--precision bf16-true would dequantize torchao's NF4 weights where FSDP does not shard them",
+                     marks=pytest.mark.slow),
+        pytest.param("qlora", ["--devices", "1", "--fsdp.cpu_offload", "true"],
+         "--fsdp.cpu_offload true moves FSDP's sharded state to CPU memory, but one device runs without FSDP",
+                     marks=pytest.mark.slow),
         # n_embd 64: the qkv weight is one group of NF4 scales, which two ranks cannot split
-        ("base", ["--quantize", "bnb.nf4", "--devices", "2"],
-         "--quantize ao.nf4 cannot split transformer.h.0.attn.qkv.weight (128, 64) over 2 devices"),
+        pytest.param("base", ["--quantize", "bnb.nf4", "--devices", "2"],
+         "--quantize ao.nf4 cannot split transformer.h.0.attn.qkv.weight (128, 64) over 2 devices",
+                     marks=pytest.mark.slow),
     ],
 )
 def test_bad_qlora_and_offload_flags(base, flags, message, inputs, qlora_base, tmp_path):

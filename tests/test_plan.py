@@ -405,6 +405,7 @@ def cpu_cases(precisions=("32-true",), sizes=((1, 128), (2, 256)), accumulations
     ]
 
 
+@pytest.mark.slow  # a real training run measured (20 s): with the whole suite (CI)
 def test_planned_peak_matches_measured_on_cpu():
     """Full finetuning and LoRA, with and without activation checkpointing (every block; and every:2 and ops), at two
     sizes, FSDP2 over one rank (its gathered copies, gradient buffers and accumulation), and a loss over chunks of 64

@@ -189,7 +189,9 @@ def plant_in_sharded(sharded: Path, marker: Path, place: str, tensor: str = "mod
     return ".metadata" if place == "outside" else target.name
 
 
-@pytest.mark.parametrize("place", [".metadata", "bytes item", "pointed file", "outside"])
+# One planted file by default; the other places (a resumed run each) with the whole suite (CI).
+@pytest.mark.parametrize("place", [".metadata", *(pytest.param(place, marks=pytest.mark.slow)
+                                                  for place in ("bytes item", "pointed file", "outside"))])
 def test_planted_sharded_checkpoint_is_refused_at_resume(place, tmp_path, sharded_step, finetune_run):
     """Every file DCP reads at `--resume` of a sharded checkpoint is read weights-only, with the manifest rewritten
     to match the planted files."""
