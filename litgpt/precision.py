@@ -1,8 +1,12 @@
-"""Precision names and dtypes: light to import (generation needs them without the training stack)."""
+"""Precision: a training run's precision, resolved once by its entry point (the per-machine default included) and
+handed as one value to Fabric, the recipe, the trainer, the planner and the metrics; nothing else parses a precision
+string. Also the precision names and dtypes of inference, light to import (generation needs them without the training
+stack)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +30,74 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a training run stores and computes: one of `PRECISIONS`, and why it was chosen (printed at start).
+
+    "-mixed" keeps float32 weights (the optimizer's master copies) and computes in 16 bits under autocast; "-true"
+    stores and computes in the one dtype.
+    """
+
+    name: str
+    reason: str = "--precision"
+
+    @classmethod
+    def resolve(cls, requested: "Optional[str | Precision]", cpuinfo: Optional[str] = None) -> "Precision":
+        """--precision as given (UserError for an unknown name), or this machine's default with its reason."""
+        if isinstance(requested, Precision):
+            return requested
+        if requested is None:
+            name, reason = default_precision_and_reason(cpuinfo)
+            return cls(name, f"the default here: {reason}; --precision to choose")
+        if requested not in PRECISIONS:
+            raise UserError(f"--precision {requested!r} is not one of {', '.join(PRECISIONS)}.")
+        return cls(requested)
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ValueError(f"{self.name!r} is not one of {PRECISIONS}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_default(self) -> bool:
+        return self.reason != "--precision"
+
+    @property
+    def mixed(self) -> bool:
+        """Float32 weights, 16-bit compute under autocast."""
+        return self.name.endswith("-mixed")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matrix multiplies run in (and a frozen model, which needs no master weights, is stored in)."""
+        return PRECISION_DTYPES[self.name]
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype trained weights are stored in: float32 under -mixed (master copies), else the compute dtype."""
+        return torch.float32 if self.mixed else self.compute_dtype
+
+    @property
+    def scales_gradients(self) -> bool:
+        """16-mixed: a gradient scaler skips the steps whose gradients overflow and lowers its scale by itself."""
+        return self.name == "16-mixed"
+
+    @property
+    def sharded_compute_dtype(self) -> Optional[torch.dtype]:
+        """FSDP2's all-gather and compute dtype (its `MixedPrecisionPolicy.param_dtype`): bf16 under bf16-mixed, None
+        (the stored dtype) otherwise; gradients are then reduced in float32."""
+        return torch.bfloat16 if self.name == "bf16-mixed" else None
+
+    def check_devices(self, on_cpu: bool, sharded: bool) -> None:
+        """UserError for a precision these devices cannot train in: 16-mixed on a CPU or under FSDP."""
+        if on_cpu and self.name == "16-mixed":
+            raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
+        if sharded and self.name == "16-mixed":
+            raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
 
 
 def check_precision(precision: str, on_cpu: bool, fsdp: bool = False) -> None:

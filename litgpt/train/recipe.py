@@ -83,6 +83,11 @@ class Recipe:
     def weights_file(self) -> str:
         return WEIGHTS_FILE if self.lora is None else LORA_WEIGHTS_FILE
 
+    def frozen_configs(self) -> dict[str, Config]:
+        """The frozen models this kind of training holds beside the trained one, by name (a teacher, a reference
+        model): never trained nor saved."""
+        return {} if self.teacher is None else {"teacher": self.teacher.config}
+
     @property
     def merges_adapters(self) -> bool:
         """Whether final/ gets the adapters merged into the base, for `litgpt generate`."""
