@@ -1,4 +1,6 @@
-"""Arguments shared by the training entry points (LitGPT's names, so commands and YAML files carry over)."""
+"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --kd.*, --log.*) and their checks, in
+one place (LitGPT's names, so commands and YAML files carry over). What a run records of its arguments is
+`litgpt.train.run_record`."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from litgpt.config import Config
 from litgpt.errors import UserError
 
 
@@ -64,6 +67,36 @@ class TrainArgs:
     tie_embeddings: Optional[bool] = None
     lr_warmup_fraction: Optional[float] = None
     max_time: Optional[float] = None
+
+    def check(self) -> None:
+        """UserError for a limit, interval or checkpointing setting that cannot work (before Lightning loads)."""
+        for name in ("max_steps", "max_tokens", "epochs", "save_interval", "keep_last", "loss_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--train.{name} must be at least 1, got {value}.")
+        if self.log_interval < 1:
+            raise UserError(f"--train.log_interval must be at least 1, got {self.log_interval}.")
+        ActivationCheckpointing.parse(self.activation_checkpointing)
+
+    def seq_length(self, config: Config) -> int:
+        """The sample length in tokens (--train.max_seq_length, default the block size), checked against `config`."""
+        length = self.max_seq_length or config.block_size
+        if length > config.block_size:
+            raise UserError(
+                f"--train.max_seq_length {length} is longer than the model's block size {config.block_size}: "
+                f"use at most {config.block_size}."
+            )
+        if length < 1:
+            raise UserError(f"--train.max_seq_length must be at least 1, got {length}.")
+        return length
+
+    def planned_steps(self, seq_length: int) -> Optional[int]:
+        """The optimizer steps --train.max_steps and --train.max_tokens allow (samples of `seq_length` tokens)
+        before the data is known; None when only --train.epochs limits the run."""
+        limits = [self.max_steps] if self.max_steps is not None else []
+        if self.max_tokens is not None:
+            limits.append(-(-self.max_tokens // (self.global_batch_size * seq_length)))
+        return min(limits) if limits else None
 
     def gradient_accumulation_iters(self, world_size: int) -> int:
         """global = world_size x micro x accumulation; raise UserError when that does not divide."""

@@ -1,8 +1,8 @@
 """`litgpt distill`: train a student to match a frozen teacher's next-token distributions (knowledge distillation).
 
-The run is pretraining's job with a teacher in its recipe (`litgpt.train.recipe.TeacherSettings`): the loss is
-`litgpt.train.loss.distillation_loss`, everything else (data, sharding, checkpoints, resume, signals, metrics) is
-what every training command has.
+The run is pretraining's job with `litgpt.train.recipes.distill.DistillRecipe` as its recipe (the teacher, frozen,
+beside the student; the loss `litgpt.train.loss.distillation_loss`); everything else (data, sharding, checkpoints,
+resume, signals, metrics) is what every training command has.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
-from litgpt.pretrain import fsdp_for_strategy, set_compilation
+from litgpt.pretrain import fsdp_for_strategy
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
@@ -49,7 +49,7 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 42,
     profile: bool = False,
-    compiler: Literal["auto", "none", "torch"] = "auto",
+    compiler: str = "auto",
     strategy: Literal["auto", "fsdp", "ddp"] = "auto",
     kd: KDArgs = KDArgs(),
 ) -> None:
@@ -82,22 +82,22 @@ def setup(
         seed: Seed of a random student's initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: auto (as `litgpt pretrain`'s: torch on CUDA GPUs, and on CPUs for runs of at least 100 steps),
-            none (eager), or torch (torch.compile of each transformer block of the student and the teacher).
+            none (eager), torch (torch.compile of each transformer block of the student and the teacher), or the
+            name of a compiler extension registered under the `litgpt.compilers` entry points (thunder).
         strategy: How several devices train: auto or fsdp shard the models with FSDP (--fsdp.*); ddp replicates
             them (FSDP's NO_SHARD).
         kd: The distillation loss: --kd.loss forward_kl|reverse_kl|js, --kd.temperature, --kd.alpha.
     """
-    fsdp = fsdp_for_strategy(strategy, fsdp)
     job = distill_job(dict(locals()))
+    fsdp = fsdp_for_strategy(strategy, fsdp)
 
-    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
-    from litgpt.train.arguments import load_logger
     from litgpt.train.job import launch
+    from litgpt.train.launch import run_fabric
 
-    logger = load_logger(logger_name, job.out_dir, run_name=f"distill-{job.recipe.config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss=False)  # the teacher's blocks too
-    launch(fabric, job)
+    # whole_loss False: torch compiles the teacher's blocks too, as the student's.
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+                      run_name=f"distill-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy,
+                      whole_loss=False), job)
 
 
 def distill_job(arguments: dict) -> "Job":
@@ -105,7 +105,7 @@ def distill_job(arguments: dict) -> "Job":
     every input checked before anything heavy is imported."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE
     from litgpt.pretrain import pretrain_job
-    from litgpt.train.recipe import TeacherSettings
+    from litgpt.train.recipes.distill import DistillRecipe, TeacherSettings
 
     kd, student_dir = arguments["kd"], arguments["student_dir"]
     kd.check()
@@ -126,7 +126,8 @@ def distill_job(arguments: dict) -> "Job":
     teacher = TeacherSettings(config=teacher_config, weights=teacher_dir / WEIGHTS_FILE, kd=kd)
     # The student's weights come from its checkpoint whole: nothing to draw first.
     initialization = "random" if student_dir is None else "checkpoint"
-    recipe = dataclasses.replace(job.recipe, name="distill", initialization=initialization, teacher=teacher)
+    recipe = DistillRecipe(**{**vars(job.recipe), "name": "distill", "initialization": initialization},
+                           teacher=teacher)
     return dataclasses.replace(job, recipe=recipe)
 
 

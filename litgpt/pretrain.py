@@ -16,9 +16,7 @@ from litgpt.loggers import LoggerName
 if TYPE_CHECKING:
     from litgpt.train.job import Job
 
-CORE_COMPILERS = ("auto", "none", "torch")
-
-# Pretraining's schedule defaults, shared with extensions/thunder/pretrain.py (the same command with another compiler).
+# Pretraining's schedule defaults.
 TRAIN_DEFAULTS = TrainArgs(
     save_interval=1000,
     log_interval=1,
@@ -86,65 +84,31 @@ def setup(
             (FSDP's NO_SHARD). With --compiler thunder: Thunder's own FSDP (ZeRO-3, bucketed per block) or DDP.
         log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
     """
-    arguments = dict(locals())
-    if compiler not in CORE_COMPILERS:  # an extension, found by name (litgpt.registry) and imported only now
-        from litgpt.registry import load_compiler
-
-        return load_compiler(compiler)(**arguments)
-
+    job = pretrain_job(dict(locals()), record_arguments_of=setup)
     fsdp = fsdp_for_strategy(strategy, fsdp)
-    job = pretrain_job(arguments, record_arguments_of=setup)
 
-    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
-    from litgpt.train.arguments import load_logger
     from litgpt.train.job import launch
+    from litgpt.train.launch import run_fabric
 
-    logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
-    set_compilation(job, compiler, fabric.device, fabric.world_size)
-    launch(fabric, job)
-
-
-def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
-    """What --compiler torch, none or auto (`auto_compiles`: this device and run length) compiles, said in one line:
-    one CPU process compiles the whole loss (`Job.compile_loss`: forward, chunked head and loss in one graph,
-    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block."""
-    from litgpt.distributed.parallelize import auto_compiles
-    from litgpt.distributed.runtime import print_once
-
-    steps = planned_steps(job.train, job.train.max_seq_length or job.recipe.config.block_size)
-    compiles = compiler == "torch" or (compiler == "auto" and auto_compiles(device, job.recipe.config, steps))
-    job.compile_loss = compiles and whole_loss and device.type == "cpu" and world_size == 1
-    job.compile_blocks = compiles and not job.compile_loss
-    what = ("torch.compile of the whole loss (model, head and loss)" if job.compile_loss
-            else "torch.compile of each transformer block" if job.compile_blocks else "none (eager)")
-    why = f"--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}"
-    print_once(f"Compiler: {what} ({why if compiler == 'auto' else f'--compiler {compiler}'})")
-
-
-def planned_steps(train: TrainArgs, seq_length: int) -> Optional[int]:
-    """The optimizer steps --train.max_steps and --train.max_tokens allow (samples of `seq_length` tokens) before
-    the data is known; None when only --train.epochs limits the run."""
-    limits = [train.max_steps] if train.max_steps is not None else []
-    if train.max_tokens is not None:
-        limits.append(-(-train.max_tokens // (train.global_batch_size * seq_length)))
-    return min(limits) if limits else None
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+                      run_name=f"pretrain-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy),
+           job)
 
 
 def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
-    """The pretraining job of `setup`'s arguments (also `--compiler thunder`'s, which records its own signature),
-    checked before anything heavy is imported."""
+    """The pretraining job of `setup`'s arguments (also distillation's, whose recipe adds a teacher), checked before
+    anything heavy is imported."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE
     from litgpt.compat import check_litgpt_arguments, tie_embeddings
-    from litgpt.precision import default_precision
-    from litgpt.train.arguments import check_limits, record_arguments
+    from litgpt.precision import Precision
     from litgpt.train.job import Job
     from litgpt.train.recipe import Recipe
+    from litgpt.train.run_record import record_arguments
 
     arguments = check_litgpt_arguments(arguments)
     a = SimpleNamespace(**arguments)
     hyperparameters = record_arguments(record_arguments_of, arguments)
-    check_limits(a.train)
+    a.train.check()
     config, data, tokenizer_dir = resolve_inputs(a.model_name, a.model_config, a.initial_checkpoint_dir, a.data,
                                                  a.tokenizer_dir)
     config = tie_embeddings(config, a.train, finetuning=False)
@@ -152,7 +116,7 @@ def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     recipe = Recipe(name="pretrain", config=config, initialization="random", initial_weights=initial_weights)
     return Job(
         recipe=recipe, out_dir=Path(a.out_dir), data=data, tokenizer_dir=tokenizer_dir, train=a.train, eval=a.eval,
-        hyperparameters=hyperparameters, precision=a.precision or default_precision(), resume=a.resume,
+        hyperparameters=hyperparameters, precision=Precision.resolve(a.precision), resume=a.resume,
         optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout,
     )
 
@@ -172,7 +136,6 @@ def fsdp_for_strategy(strategy: str, fsdp: FSDPArgs) -> FSDPArgs:
 def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, tokenizer_dir):
     """The model config, the data module and the tokenizer folder a pretraining run uses, from its arguments."""
     from litgpt.distributed.runtime import print_once
-    from litgpt.train.arguments import default_tokenizer_dir
 
     if model_config is not None and model_name is not None:
         # LitGPT's recipes give both (its pretrain needs a name); as in LitGPT, the config wins.
@@ -194,3 +157,15 @@ def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, token
 
         data = Tiny()
     return config, data, default_tokenizer_dir(tokenizer_dir, data, initial_checkpoint_dir)
+
+
+def default_tokenizer_dir(tokenizer_dir: Optional[Path], data, checkpoint_dir: Optional[Path]) -> Path:
+    """--tokenizer_dir, else the checkpoint's folder, else the data's bundled tokenizer."""
+    if tokenizer_dir is not None:
+        return Path(tokenizer_dir)
+    if checkpoint_dir is not None:
+        return Path(checkpoint_dir)
+    bundled = getattr(data, "tokenizer_dir", None)
+    if bundled is not None:
+        return Path(bundled)
+    raise UserError("Pretraining needs a tokenizer: pass --tokenizer_dir (a folder with tokenizer.json).")

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from litgpt.errors import UserError
+from litgpt.precision import Precision
 from litgpt.lora import LoRALinear, is_lora_key
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4")
@@ -91,11 +92,11 @@ def check_quantized_offload(option: str, cpu_offload: bool, shard: int, sharding
         )
 
 
-def check_nf4_precision(precision: str, sharded: bool) -> None:
-    """UserError for torchao NF4 weights that Fabric would dequantize: a 16-bit -true precision casts the whole
-    module (`module.to(dtype)`), and `.to(dtype)` of an NF4Tensor returns a dequantized copy, which `nn.Module`
-    keeps beside the 4-bit data. A sharded NF4 weight (a DTensor in that dtype already) is left as it is."""
-    if precision in ("bf16-true", "16-true") and not sharded:
+def check_nf4_precision(precision: "Precision", sharded: bool) -> None:
+    """UserError for torchao NF4 weights that the model's cast would dequantize: a 16-bit -true precision casts the
+    whole module (`module.to(dtype)`), and `.to(dtype)` of an NF4Tensor returns a dequantized copy, which
+    `nn.Module` keeps beside the 4-bit data. A sharded NF4 weight (a DTensor in that dtype already) is left as it is."""
+    if precision.weights_dtype != torch.float32 and not sharded:
         raise UserError(
             f"--precision {precision} would dequantize torchao's NF4 weights where FSDP does not shard them (one "
             "device, or NO_SHARD): use --precision bf16-mixed, bnb.nf4 on one device, or FULL_SHARD on several."

@@ -175,7 +175,8 @@ def test_the_recipe_loss_on_whole_logits_is_the_mean_cross_entropy_over_labelled
     logits = torch.randn(2, 5, 7)
     labels = torch.tensor([[1, 2, -100, 3, 4], [-100, -100, 6, 0, 1]])
     model = lambda input_ids: logits  # noqa: E731 - the loss only calls the model
-    loss = Recipe(name="pretrain", config=Config()).loss_function(chunked=False)(model, None, labels)["loss"]
+    objective = Recipe(name="pretrain", config=Config()).objective({}, chunked=False)
+    loss = objective.train_loss(model, {"input_ids": None, "labels": labels})["loss"]
     log_probs = torch.log_softmax(logits.double(), dim=-1)
     picked = [-log_probs[b, t, labels[b, t]] for b in range(2) for t in range(5) if labels[b, t] != -100]
     assert torch.allclose(loss.double(), torch.stack(picked).mean(), atol=1e-6)

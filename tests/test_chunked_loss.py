@@ -239,7 +239,7 @@ def test_a_training_step_through_the_recipe_equals_the_whole_logits_path(variant
     recipe = Recipe(name="pretrain", config=config, lora=LoRASettings(head=True) if lora_head else None)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    loss = recipe.loss_function(chunk_size=10)(model, x, y)["loss"]
+    loss = recipe.objective({}, chunk_size=10).train_loss(model, {"input_ids": x, "labels": y})["loss"]
     chunked_grads = torch.autograd.grad(loss, params)
     expected = cross_entropy(model(x), y)
     expected_grads = torch.autograd.grad(expected, params)

@@ -15,7 +15,8 @@ from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.distributed.parallelize import apply_activation_checkpointing, compile_each_block, cpp_compiler_found
 from litgpt.model import GPT
-from litgpt.pretrain import planned_steps, set_compilation
+from litgpt.precision import Precision
+from litgpt.train.launch import set_compilation
 from litgpt.train.job import Job
 from litgpt.train.loss import loss_function
 from litgpt.train.recipe import Recipe
@@ -83,7 +84,7 @@ def test_compiled_loss_trains_like_eager():
 def job_of(config: Config, max_steps) -> Job:
     return Job(recipe=Recipe(name="pretrain", config=config), out_dir=Path("out"), data=None,
                tokenizer_dir=Path("tokenizer"), train=TrainArgs(max_steps=max_steps, max_tokens=None),
-               eval=EvalArgs(), hyperparameters={}, precision="32-true")
+               eval=EvalArgs(), hyperparameters={}, precision=Precision("32-true"))
 
 
 @pytest.mark.parametrize(("compiler", "device", "world_size", "steps", "moe", "expected"), [
@@ -106,7 +107,7 @@ def test_what_each_compiler_setting_compiles(compiler, device, world_size, steps
 
 
 def test_planned_steps_from_the_limits():
-    assert planned_steps(TrainArgs(max_steps=7, max_tokens=None), 256) == 7
+    assert TrainArgs(max_steps=7, max_tokens=None).planned_steps(256) == 7
     # max_tokens 10,000 at 4 x 256 tokens a step: 10 steps (the last one partial), the smaller limit wins
-    assert planned_steps(TrainArgs(global_batch_size=4, micro_batch_size=4, max_steps=50, max_tokens=10_000), 256) == 10
-    assert planned_steps(TrainArgs(epochs=3, max_tokens=None), 256) is None
+    assert TrainArgs(global_batch_size=4, micro_batch_size=4, max_steps=50, max_tokens=10_000).planned_steps(256) == 10
+    assert TrainArgs(epochs=3, max_tokens=None).planned_steps(256) is None

@@ -23,7 +23,6 @@ from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.configs import configs_by_name
 from litgpt.data.base import DataModule
-from litgpt.train.arguments import check_limits, check_seq_length
 from litgpt.train.optimizer import build_optimizer
 from litgpt.precision import PRECISIONS
 from litgpt.quantize import QUANTIZE_MODES
@@ -117,7 +116,7 @@ def test_recipe_parses_and_builds_its_arguments(recipe):
     for key, value in ((data.get("init_args") or {}) if isinstance(data, dict) else {}).items():
         assert str(getattr(args.data, key)) == str(value), (recipe_id(recipe), key)
     assert isinstance(args.train, TrainArgs) and isinstance(args.eval, EvalArgs)
-    check_limits(args.train)  # the entry point's own check: positive limits and intervals
+    args.train.check()  # the entry point's own check: positive limits and intervals
     assert any(getattr(args.train, k) is not None for k in ("epochs", "max_steps", "max_tokens")), "no run length"
     assert args.eval.interval >= 1 and args.eval.max_iters >= 1
     assert args.precision is None or args.precision in PRECISIONS
@@ -209,7 +208,7 @@ def test_batch_arithmetic_divides(recipe):
 def test_sequence_length_fits_the_model(recipe):
     args = parsed(recipe)[1]
     config = model_of(recipe)
-    length = check_seq_length(args.train, config)  # the run's own check
+    length = args.train.seq_length(config)  # the run's own check
     assert length <= config.block_size
     if command_for(recipe) != "pretrain":
         assert args.train.max_seq_length == 512  # set explicitly: the default (the block size) can be 131,072
@@ -219,7 +218,7 @@ def test_sequence_length_fits_the_model(recipe):
 def test_warmup_is_a_small_part_of_the_run(recipe):
     args = parsed(recipe)[1]
     train = args.train
-    length = check_seq_length(train, model_of(recipe))
+    length = train.seq_length(model_of(recipe))
     limits = []
     if train.max_steps is not None:
         limits.append(train.max_steps)

@@ -431,19 +431,23 @@ def distill_error(*args, capsys) -> list[str]:
                                               ("bf16-true", torch.bfloat16)])
 def test_the_teacher_is_frozen_in_eval_mode_in_the_compute_dtype_with_its_weights(tmp_path, precision, dtype):
     from litgpt.distributed.fabric import build_fabric
-    from litgpt.train.recipe import Recipe, TeacherSettings
+    from litgpt.precision import Precision
+    from litgpt.train.recipe import Recipe
+    from litgpt.train.recipes.distill import DistillRecipe, TeacherSettings
 
     folder = write_random_checkpoint(tmp_path / "teacher", Config(**TEACHER), seed=3)
     teacher_settings = TeacherSettings(Config(**TEACHER), folder / "lit_model.pth", KDArgs())
-    recipe = Recipe(name="distill", config=Config(**STUDENT), teacher=teacher_settings)
-    teacher = recipe.materialize_teacher(build_fabric(1, 1, precision), precision, compile_blocks=False)
+    recipe = DistillRecipe(name="distill", config=Config(**STUDENT), teacher=teacher_settings)
+    precision = Precision(precision)
+    (name, teacher), = recipe.materialize_frozen(build_fabric(1, 1, precision), precision, False).items()
+    assert name == "teacher"
     assert not teacher.training
     assert all(not p.requires_grad and p.dtype == dtype for p in teacher.parameters())
     saved = load_state_dict(folder / "lit_model.pth")
     assert teacher.state_dict().keys() == saved.keys()
     for key, value in teacher.state_dict().items():
         assert torch.equal(value, saved[key].to(dtype)), key
-    assert Recipe(name="pretrain", config=Config(**STUDENT)).materialize_teacher(None, precision, False) is None
+    assert Recipe(name="pretrain", config=Config(**STUDENT)).materialize_frozen(None, precision, False) == {}
 
 
 @pytest.mark.slow

@@ -591,6 +591,7 @@ from torch import nn
 from litgpt.config import Config
 from litgpt.distributed.fabric import build_fabric
 from litgpt.lora import LoRASettings
+from litgpt.precision import Precision
 from litgpt.quantize import is_nf4, weight_bytes
 from litgpt.train.recipe import Recipe
 
@@ -599,7 +600,7 @@ recipe = Recipe("finetune_lora", Config.from_checkpoint(base), "checkpoint", bas
                 lora=LoRASettings(mlp=True), quantize="ao.nf4")
 fabric = build_fabric(devices, precision="32-true")
 fabric.launch()
-model = recipe.materialize(fabric, recipe.build_model(), "32-true", False, False, True)
+model = recipe.materialize(fabric, recipe.build_model(), Precision("32-true"), False, False, True)
 nf4 = [param for param in model.parameters() if is_nf4(param)]
 print(json.dumps({"rank": fabric.global_rank, "weights": len(nf4), "bytes": weight_bytes(nn.ParameterList(nf4))}))
 """

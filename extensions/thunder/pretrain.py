@@ -1,23 +1,21 @@
-"""Pretraining with the Thunder compiler: `python extensions/thunder/pretrain.py` (or `litgpt pretrain --compiler thunder`).
+"""Thunder as a litgpt compiler extension (`ThunderCompiler`, registered under `litgpt.compilers` as `thunder`), and
+its pretraining entry point: `python extensions/thunder/pretrain.py` takes `litgpt pretrain`'s arguments plus
+`--thunder.*`.
 
-The same arguments as `litgpt pretrain`, the same recipe, loop (`litgpt.train.trainer.Trainer`) and checkpoint
-manager; only the Fabric strategy differs: the model is compiled with `thunder.jit` and, on several
-devices, sharded by Thunder's FSDP or replicated by its DDP. `--compiler torch|none` runs `litgpt pretrain` itself.
+Any training command with `--compiler thunder` (pretrain, finetune_full, finetune_lora, distill) builds its job as
+always and hands it to `ThunderCompiler`: it checks what Thunder cannot run and gives the Fabric strategy, which
+compiles the model with `thunder.jit` and, on several devices, shards it with Thunder's FSDP or replicates it with its
+DDP. The recipe, loop (`litgpt.train.trainer.Trainer`) and checkpoint manager are litgpt's.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Optional, Union
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
-from litgpt.args import ActivationCheckpointing, EvalArgs, FSDPArgs, LogArgs, TrainArgs
-from litgpt.config import Config
-from litgpt.data.base import DataModule
+from litgpt.args import ActivationCheckpointing, FSDPArgs, TrainArgs
 from litgpt.errors import UserError
-from litgpt.loggers import LoggerName
-from litgpt.pretrain import EVAL_DEFAULTS, TRAIN_DEFAULTS
 from litgpt.pretrain import setup as core_setup
 
 
@@ -39,56 +37,34 @@ class ThunderArgs:
     executors: Optional[list[str]] = None
 
 
-def setup(
-    model_name: Optional[str] = None,
-    model_config: Optional[Config] = None,
-    out_dir: Path = Path("out/pretrain"),
-    precision: Optional[str] = None,
-    initial_checkpoint_dir: Optional[Path] = None,
-    resume: Union[bool, Literal["auto"], Path] = False,
-    data: Optional[DataModule] = None,
-    train: TrainArgs = TRAIN_DEFAULTS,
-    eval: EvalArgs = EVAL_DEFAULTS,
-    optimizer: Union[str, dict] = "AdamW",
-    devices: Union[int, str] = "auto",
-    num_nodes: int = 1,
-    fsdp: FSDPArgs = FSDPArgs(),
-    tokenizer_dir: Optional[Path] = None,
-    logger_name: LoggerName = "csv",
-    seed: int = 42,
-    profile: bool = False,
-    compiler: Literal["thunder", "torch", "none"] = "thunder",
-    strategy: Literal["auto", "fsdp", "ddp"] = "auto",
-    thunder: ThunderArgs = ThunderArgs(),
-    log: LogArgs = LogArgs(),
-) -> None:
-    """Pretrain a model compiled with Thunder (the arguments not listed are `litgpt pretrain`'s).
+@dataclass
+class ThunderCompiler:
+    """`litgpt.registry.CompilerExtension` for Thunder, with its options (`--compiler thunder` takes the defaults)."""
+
+    options: ThunderArgs = field(default_factory=ThunderArgs)
+
+    def check(self, job, fsdp: FSDPArgs) -> None:
+        """Refuse what Thunder cannot run, and a missing thunder, before any process starts (one message, not one
+        per process)."""
+        from extensions.thunder.compat import import_thunder
+
+        check_fsdp_args(fsdp)
+        check_activation_checkpointing(job.train)
+        import_thunder()
+
+    def strategy(self, world_size: int, strategy: str, timeout: float):
+        return thunder_strategy(world_size, strategy, self.options, timeout)
+
+
+def setup(compiler: Literal["thunder", "torch", "none"] = "thunder", thunder: ThunderArgs = ThunderArgs(),
+          **pretrain_arguments) -> None:
+    """Pretrain a model compiled with Thunder: `litgpt pretrain`'s arguments, plus Thunder's FSDP options.
 
     Args:
         compiler: thunder; torch or none run `litgpt pretrain --compiler torch|none` (the --thunder.* options unused).
-        strategy: On several devices: fsdp or auto shard with Thunder's FSDP (--thunder.*), ddp replicates with its
-            DDP. On one device the model is compiled, nothing more.
         thunder: Thunder's FSDP options; --fsdp.timeout also applies, the other --fsdp.* options are FSDP2's.
     """
-    if compiler != "thunder":
-        arguments = {name: value for name, value in locals().items() if name != "thunder"}
-        return core_setup(**arguments)
-
-    from extensions.thunder.compat import import_thunder
-    from litgpt.distributed.fabric import build_fabric
-    from litgpt.pretrain import pretrain_job
-    from litgpt.train.arguments import load_logger
-    from litgpt.train.job import launch
-
-    arguments = dict(locals())
-    check_fsdp_args(fsdp)
-    check_activation_checkpointing(train)
-    import_thunder()  # here, before any process starts: a missing thunder is one message, not one per process
-    job = pretrain_job(arguments, record_arguments_of=setup)
-    logger = load_logger(logger_name, job.out_dir, run_name=f"pretrain-{job.recipe.config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger],
-                          strategy_for_world=lambda world: thunder_strategy(world, strategy, thunder, fsdp.timeout))
-    launch(fabric, job)
+    core_setup(compiler=ThunderCompiler(thunder) if compiler == "thunder" else compiler, **pretrain_arguments)
 
 
 def check_fsdp_args(fsdp: FSDPArgs) -> None:

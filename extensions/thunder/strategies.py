@@ -6,6 +6,8 @@ does not, see the README); `ThunderDDPStrategy` replicates the model with
 `thunder.distributed.ddp`. Both start and connect the processes as Lightning's DDP strategy does (NCCL on GPUs, gloo
 on CPUs) and compile the module in `setup_module` (`thunder.jit`, then the distributed transform), so they plug into
 `fabric.setup` and litgpt's shared training loop unchanged. `ThunderSingleDeviceStrategy` compiles for one device.
+Each implements `litgpt.registry.ExtensionStrategy`: its checkpoint IO, the loss on whole logits, an eager model to
+sample text with.
 
 Thunder is imported only when a strategy sets up a module, so building one (and checking its options) needs no
 thunder.
@@ -22,6 +24,7 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
 from extensions.thunder.eager import clean_before_every_trace, eager_copy, full_weights
+from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
 from litgpt.errors import UserError
 from litgpt.distributed.fsdp import ReduceEveryMicroBatch
 
@@ -87,6 +90,8 @@ class ThunderSingleDeviceStrategy(SingleDeviceStrategy):
         self.jit = jit
         self.executors = list(executors) if executors is not None else None
         self.compiled: Optional[nn.Module] = None  # set up by setup_module
+        # The compiled module keeps the plain module's parameter names: one device's checkpoints as without Thunder.
+        self.litgpt_checkpoint_io = FSDPCheckpointIO()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         compiled = compile_module(module, self.jit, self.executors, self.root_device, type(self).__name__)

@@ -22,6 +22,7 @@ from litgpt.args import TrainArgs
 from litgpt.checkpoint.interface import CheckpointIO, KeySelector
 from litgpt.checkpoint.model_files import copy_tokenizer_files
 from litgpt.checkpoint.store import (
+    FINAL_DIR,
     MANIFEST_FILE,
     SHARDED_DIR,
     TRAINING_STATE_FILE,
@@ -34,6 +35,8 @@ from litgpt.checkpoint.store import (
     read_manifest,
     resolve_resume,
     staging_dir,
+    step_checkpoints,
+    step_dir,
     write_manifest,
 )
 from litgpt.config import Config
@@ -41,6 +44,7 @@ from litgpt.distributed.runtime import every_rank, print_once, rank_zero_alone
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.io import file_sha256, load_state_dict, save_state_dict, write_yaml
+from litgpt.precision import Precision
 
 # torch.save reports a failed write as a RuntimeError from its zip writer, not as an OSError with an errno.
 # The errors of a write that more room would fix: no space, no quota left, a file past `ulimit -f`.
@@ -80,11 +84,14 @@ class CheckpointManager:
         config, hyperparameters, tokenizer_dir: written beside the weights of every checkpoint.
         keep_last: keep only this many newest complete checkpoints (None: all).
         precision: recorded in the manifest.
+
+    It is the one place that names a run's folders (`step_dir`, `final_dir`) and finds the one to resume
+    (`find_resume`, before the run's model exists).
     """
 
     def __init__(self, fabric, out_dir: Path, io: CheckpointIO, *, keys: KeySelector, weights_file: str,
                  config: Config, hyperparameters: dict, tokenizer_dir: Optional[Path], keep_last: Optional[int],
-                 precision: str) -> None:
+                 precision: Precision) -> None:
         self.fabric = fabric
         self.out_dir = Path(out_dir)
         self.io = io
@@ -97,10 +104,24 @@ class CheckpointManager:
         self.precision = precision
         self.last_saved_step = -1
 
-    # ---- resume ----------------------------------------------------------------------------------------------------
-    def find_resume(self, resume: Any) -> Optional[Path]:
-        """The folder `--resume` names (auto: the newest that verifies), or None to start fresh (collective)."""
-        return resolve_resume(self.out_dir, resume)
+    # ---- the run's folders -----------------------------------------------------------------------------------------
+    @staticmethod
+    def find_resume(out_dir: Path, resume: Any) -> Optional[Path]:
+        """The folder `--resume` names in `out_dir` (auto: the newest that verifies), or None to start fresh;
+        refuses to train over an existing run (collective). Called before the run's model is built."""
+        return resolve_resume(Path(out_dir), resume)
+
+    def step_dir(self, step: int) -> Path:
+        """The checkpoint folder of optimizer step `step`."""
+        return step_dir(self.out_dir, step)
+
+    @property
+    def final_dir(self) -> Path:
+        return self.out_dir / FINAL_DIR
+
+    def saved(self) -> list[Path]:
+        """The run's step folders on disk, oldest first (complete or not)."""
+        return step_checkpoints(self.out_dir)
 
     def restore(self, folder: Path, model, optimizer, state) -> None:
         """Load a checkpoint folder's weights, optimizer state, loop position and RNG into the run.
@@ -138,7 +159,7 @@ class CheckpointManager:
             "num_nodes": getattr(self.fabric.strategy, "num_nodes", 1),
             "sharding_strategy": self.io.sharding_strategy,
             "state_dict_type": self.io.state_dict_type,
-            "precision": self.precision,
+            "precision": self.precision.name,
             "weights_file": self.weights_file,
         }
 
@@ -151,7 +172,7 @@ class CheckpointManager:
         """
         fabric, rank_zero = self.fabric, self.fabric.global_rank == 0
         model, optimizer = unwrap(model), unwrap_optimizer(optimizer)
-        path = self.out_dir / f"step-{state.step:06d}"
+        path = self.step_dir(state.step)
         staging = staging_dir(path)
         failpoint("save:begin")
         if rank_zero:
@@ -232,7 +253,7 @@ class CheckpointManager:
         Files are hard-linked rather than written twice; a sharded checkpoint's weights are consolidated into one
         file. Every rank calls this.
         """
-        last_step, final = self.out_dir / f"step-{state.step:06d}", self.out_dir / "final"
+        last_step, final = self.step_dir(state.step), self.final_dir
         with rank_zero_alone("publishing final/") as worker:  # consolidating a sharded checkpoint takes its time
             if worker:
                 self._write_final(last_step, final, state)

@@ -26,6 +26,8 @@ from litgpt.io import atomic_write_text, file_sha256, fsync_dir, read_sharded_me
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
+FINAL_DIR = "final"  # the last step's weights and files, without the training state: what a run publishes
+
 TRAINING_STATE_FILE = "training_state.pth"
 
 MANIFEST_FILE = "manifest.json"
@@ -162,6 +164,11 @@ def verify_checkpoint(folder: Path, checksums: bool = True, part: tuple[int, int
     return None
 
 
+def step_dir(out_dir: Path, step: int) -> Path:
+    """The folder of the checkpoint after optimizer step `step`: out_dir/step-XXXXXX."""
+    return Path(out_dir) / f"step-{step:06d}"
+
+
 def step_checkpoints(out_dir: Path) -> list[Path]:
     """The run's step-XXXXXX folders, oldest first (complete or not: `verify_checkpoint` tells)."""
     if not Path(out_dir).is_dir():
@@ -196,8 +203,8 @@ def resolve_resume(out_dir: Path, resume) -> "Path | None":
     out_dir = Path(out_dir)
     existing = step_checkpoints(out_dir)
     if resume is False or resume is None:
-        if existing or (out_dir / "final").exists():
-            newest = existing[-1].name if existing else "final"
+        if existing or (out_dir / FINAL_DIR).exists():
+            newest = existing[-1].name if existing else FINAL_DIR
             raise UserError(
                 f"--out_dir {str(out_dir)!r} already holds a run ({newest}). Pass --resume auto to continue it, "
                 "or choose another --out_dir; nothing was overwritten."

@@ -6,26 +6,27 @@ Entry points ask `build_fabric` for their Fabric; a strategy other than FSDP2 (a
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
 from typing import Callable, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+from lightning.fabric.plugins.precision import Precision as FullPrecision
 
 from litgpt.args import FSDPArgs
 from litgpt.distributed.fsdp import FSDPStrategy
 from litgpt.distributed.topology import Topology
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
-from litgpt.precision import check_precision, cpu_has_fast_bf16, default_precision_and_reason
+from litgpt.precision import Precision, cpu_has_fast_bf16
 
 
 def build_fabric(
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
-    precision: Optional[str] = None,
+    precision: Union[Precision, str, None] = None,
     loggers: Optional[list] = None,
     accelerator: str = "auto",
     fsdp: Optional[FSDPArgs] = None,
@@ -33,66 +34,69 @@ def build_fabric(
 ):
     """Fabric for a run: one device, or FSDP2 (`FSDPStrategy`) when devices x num_nodes > 1.
 
-    `strategy_for_world(world_size)`, when given, returns the Fabric strategy instead (extensions/thunder's).
+    `precision` is the run's `Precision` (a name or None is resolved here, for callers outside training);
+    `strategy_for_world(world_size)`, when given, returns the Fabric strategy instead (a compiler extension's).
     """
     from lightning.fabric import Fabric
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    if precision is None:
-        precision, reason = default_precision_and_reason()
-        print_once(f"Precision: {precision} (the default here: {reason}; --precision to choose)")
+    precision = Precision.resolve(precision)
+    if precision.is_default:
+        print_once(f"Precision: {precision} ({precision.reason})")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    check_precision(precision, on_cpu)
     if num_nodes < 1:
         raise UserError(f"--num_nodes must be at least 1, got {num_nodes}.")
     devices = resolve_devices(devices, on_cpu)
+    world_size = devices * num_nodes
+    precision.check_devices(on_cpu, sharded=world_size > 1 and strategy_for_world is None)
     if on_cpu and devices > (os.cpu_count() or 1):
         raise UserError(
             f"--devices {devices} asks for more CPU processes than this machine has cores ({os.cpu_count()}): "
             "use at most that many."
         )
-    if precision.startswith("bf16") and on_cpu and not cpu_has_fast_bf16():
+    if precision.compute_dtype == torch.bfloat16 and on_cpu and not cpu_has_fast_bf16():
         print_once(
             f"Warning: --precision {precision} on a CPU without native bf16 matrix multiply (AVX512-BF16 or AMX) "
             "runs many times slower than 32-true.",
             file=sys.stderr,
         )
     check_launcher(devices, num_nodes, os.environ)
-    if fsdp is not None and fsdp.cpu_offload and strategy_for_world is None and devices * num_nodes == 1:
+    if fsdp is not None and fsdp.cpu_offload and strategy_for_world is None and world_size == 1:
         raise UserError(
             "--fsdp.cpu_offload true moves FSDP's sharded state to CPU memory, but one device runs without FSDP: "
             "use it with devices x num_nodes > 1, or leave it out."
         )
     strategy = "auto"
     if strategy_for_world is not None:
-        strategy = strategy_for_world(devices * num_nodes)
-    elif devices * num_nodes > 1:
+        strategy = strategy_for_world(world_size)
+    elif world_size > 1:
         fsdp = fsdp or FSDPArgs()
-        topology = Topology(devices, num_nodes, fsdp.sharding_strategy)
-        check_precision(precision, on_cpu, fsdp=True)
-        strategy = FSDPStrategy(topology, fsdp, precision)
-    silence_lightning_precision_line()
+        strategy = FSDPStrategy(Topology(devices, num_nodes, fsdp.sharding_strategy), fsdp)
     try:
         return Fabric(
-            accelerator=accelerator, devices=devices, num_nodes=num_nodes, precision=precision, loggers=loggers,
-            strategy=strategy,
+            accelerator=accelerator, devices=devices, num_nodes=num_nodes, loggers=loggers, strategy=strategy,
+            plugins=[fabric_precision_plugin(precision, on_cpu)],
         )
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as error:
         # Lightning's own checks (e.g. more devices than exist) come as exceptions with a readable message.
         raise UserError(f"Cannot set up the devices: {' '.join(str(error).split())}") from None
 
 
-class _LightningPrecisionLine(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Automatic Mixed Precision (AMP)" not in record.getMessage()
+class HalfPrecisionAsBuilt(HalfPrecision):
+    """Lightning's -true plugin without its cast of the whole module in `fabric.setup`: the model is cast once,
+    where `litgpt.distributed.parallelize` builds it (a QLoRA base keeps its quantized weights as they are)."""
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
 
 
-def silence_lightning_precision_line() -> None:
-    """Drop Lightning's "Using bfloat16 Automatic Mixed Precision (AMP)" from stderr: a run's first lines already say
-    its precision (and a bad input found after Fabric is built stays one line)."""
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _LightningPrecisionLine) for f in logger.filters):
-        logger.addFilter(_LightningPrecisionLine())
+def fabric_precision_plugin(precision: Precision, on_cpu: bool):
+    """Lightning's precision plugin for `precision` (autocast and a gradient scaler under -mixed)."""
+    if precision.mixed:
+        return MixedPrecision(precision.name, device="cpu" if on_cpu else "cuda")
+    if precision.name == "32-true":
+        return FullPrecision()
+    return HalfPrecisionAsBuilt(precision.name)
 
 
 def resolve_devices(devices: Union[int, str], on_cpu: bool) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from litgpt.args import FSDPArgs
 from litgpt.distributed.launcher import RankLauncher
 from litgpt.distributed.topology import Topology
+from litgpt.precision import Precision
 
 
 
@@ -32,12 +33,11 @@ class FSDPStrategy(ModelParallelStrategy):
     well as on CUDA with NCCL.
     """
 
-    def __init__(self, topology: Topology, fsdp: FSDPArgs, precision: str) -> None:
+    def __init__(self, topology: Topology, fsdp: FSDPArgs) -> None:
         # Checkpoints are written by litgpt.checkpoint (full or sharded), not through Fabric's save/load.
         super().__init__(parallelize_fn=self._parallelize, timeout=timedelta(seconds=fsdp.timeout))
         self.topology = topology
         self.fsdp = fsdp
-        self.training_precision = precision
         if topology.mesh_shape[1] > 1:
             # Skipping the gradient sync during accumulation would hold every gradient unsharded until the last
             # micro-batch: the memory FSDP exists to save. Sharded strategies reduce-scatter after every micro-batch.
@@ -57,9 +57,9 @@ class FSDPStrategy(ModelParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
-        # `parallelize` shards before materializing; a model handed to `fabric.setup` unsharded is sharded here.
+        # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing.
         if not is_sharded(module):
-            shard_model(module, mesh, self.fsdp, self.training_precision, self.root_device)
+            raise RuntimeError("FSDPStrategy sets up models that litgpt.distributed.parallelize has sharded.")
         return module
 
 
@@ -72,7 +72,7 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: torch.device,
+def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
                 prepare_block: Optional[Callable[[int, nn.Module], None]] = None) -> None:
     """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
 
@@ -81,9 +81,9 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: str, device: 
     are not on the meta device must be on `device`; FSDP keeps this rank's piece of them (in CPU memory with
     `cpu_offload`) and frees the rest.
     """
-    mixed = {"bf16-mixed": torch.bfloat16}.get(precision)
+    compute = precision.sharded_compute_dtype
     # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
-    mp_policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward.
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"

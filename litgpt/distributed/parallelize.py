@@ -16,17 +16,18 @@ from litgpt.args import ActivationCheckpointing
 from litgpt.distributed.activation_checkpointing import selective_checkpoint_contexts
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
-from litgpt.precision import PRECISION_DTYPES
+from litgpt.precision import Precision
 
 
 def parallelize(
     fabric,
     model: nn.Module,
-    precision: str,
+    precision: Precision,
     initialize: Callable[[nn.Module], None],
     activation_checkpointing: Union[bool, int, str, ActivationCheckpointing],
     compile_blocks: bool = False,
     prepare_block: Optional[Callable[[int, nn.Module], None]] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, activation checkpointing,
     compilation (`compile_blocks`), sharding, then materialization and initialization (`initialize`), so no process
@@ -36,9 +37,12 @@ def parallelize(
     Initialization is rank-aware: a sharded model gets the same weights as a single-process model from the same seed.
     `prepare_block(index, block)` (FSDP only) gives a block weights of its own just before it is sharded (QLoRA's
     NF4 base, see `litgpt.distributed.fsdp.shard_model`); materialization and initialization leave those as they are.
+    The model is stored in `dtype` (default: `precision.weights_dtype`; a frozen model takes the compute dtype): the
+    one cast it gets, on the meta device.
     """
-    if precision in ("bf16-true", "16-true"):
-        model.to(PRECISION_DTYPES[precision])
+    dtype = dtype or precision.weights_dtype
+    if dtype != torch.float32:
+        model.to(dtype)
     checkpointing = ActivationCheckpointing.parse(activation_checkpointing)
     if checkpointing:
         apply_activation_checkpointing(model, checkpointing)

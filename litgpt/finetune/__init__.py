@@ -17,15 +17,15 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
     from litgpt.compat import check_litgpt_arguments, tie_embeddings, untie_for_lora_head
     from litgpt.config import Config
-    from litgpt.precision import default_precision
+    from litgpt.precision import Precision
     from litgpt.prompts import PromptStyle
-    from litgpt.train.arguments import check_limits, record_arguments
     from litgpt.train.job import Job
     from litgpt.train.recipe import Recipe
+    from litgpt.train.run_record import record_arguments
 
     arguments = check_litgpt_arguments(arguments)
     hyperparameters = record_arguments(setup, arguments)
-    check_limits(arguments["train"])
+    arguments["train"].check()
     checkpoint_dir = find_checkpoint_dir(Path(arguments["checkpoint_dir"]))
     config = tie_embeddings(Config.from_checkpoint(checkpoint_dir), arguments["train"], finetuning=True)
     config = untie_for_lora_head(config, lora)
@@ -39,7 +39,7 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     return Job(
         recipe=recipe, out_dir=Path(arguments["out_dir"]), data=data, tokenizer_dir=checkpoint_dir,
         train=arguments["train"], eval=arguments["eval"], hyperparameters=hyperparameters,
-        precision=arguments["precision"] or default_precision(), resume=arguments["resume"],
+        precision=Precision.resolve(arguments["precision"]), resume=arguments["resume"],
         optimizer=arguments["optimizer"], seed=arguments["seed"], profile=arguments["profile"],
         timeout=arguments["fsdp"].timeout,
         # Instruction data takes a chat model's own style; on a base model, the data's default (alpaca).

@@ -43,6 +43,7 @@ def setup(
     logger_name: LoggerName = "csv",
     seed: int = 1337,
     profile: bool = False,
+    compiler: str = "none",
     log: LogArgs = LogArgs(),
     access_token: Optional[str] = None,
 ) -> None:
@@ -79,6 +80,9 @@ def setup(
         logger_name: csv, tensorboard or wandb (offline).
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
+        compiler: none (eager; the default), auto or torch (as `litgpt pretrain`'s), or the name of a compiler
+            extension registered under the `litgpt.compilers` entry points, which runs the job with its own Fabric
+            strategy: thunder (extensions/thunder, `pip install -e '.[thunder]'`).
         log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
         access_token: LitGPT's token for downloading checkpoint_dir; no effect here (`litgpt download` takes it).
     """
@@ -91,13 +95,12 @@ def setup(
     )
     job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=settings, quantize=quantize)
 
-    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
-    from litgpt.train.arguments import load_logger
     from litgpt.distributed.fsdp import FSDPStrategy
     from litgpt.train.job import launch
+    from litgpt.train.launch import run_fabric
 
-    logger = load_logger(logger_name, job.out_dir, run_name=f"finetune-lora-{job.recipe.config.name or 'model'}")
-    fabric = build_fabric(devices, num_nodes, precision, loggers=[logger], fsdp=fsdp)
+    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+                        run_name=f"finetune-lora-{job.recipe.config.name or 'model'}", compiler=compiler)
     if quantize is not None:
         job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
     launch(fabric, job)

@@ -13,16 +13,21 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
-from litgpt.checkpoint.manager import CheckpointManager, check_disk_space
+from litgpt.checkpoint.manager import CheckpointManager, check_disk_space, unwrap
 from litgpt.checkpoint.run_lock import out_dir_claimed
-from litgpt.checkpoint.store import check_writable, resolve_resume
+from litgpt.checkpoint.store import check_writable
 from litgpt.data.base import MicroBatches
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
+from litgpt.precision import Precision
+from litgpt.preemption import slurm_job_id
+from litgpt.registry import ExtensionStrategy
 from litgpt.tokenizer import Tokenizer, check_vocab_fits
-from litgpt.train.arguments import check_requeue, check_seq_length, write_run_args
+from litgpt.train.objective import Objective
 from litgpt.train.optimizer import base_learning_rate, build_optimizer
 from litgpt.train.recipe import Recipe
-from litgpt.train.trainer import Trainer, TrainState
+from litgpt.train.run_record import write_run_args
+from litgpt.train.state import TrainState
+from litgpt.train.trainer import Trainer, TrainerSettings
 
 
 @dataclass
@@ -36,7 +41,7 @@ class Job:
     train: TrainArgs
     eval: EvalArgs
     hyperparameters: dict  # the command's arguments, written to hyperparameters.yaml and run_args.json
-    precision: str
+    precision: Precision
     resume: Union[bool, str, Path] = False
     optimizer: Union[str, dict] = "AdamW"
     seed: int = 42
@@ -59,9 +64,10 @@ def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
-        resume_dir = resolve_resume(job.out_dir, job.resume)
-        check_requeue(job.train)
-        max_seq_length = check_seq_length(job.train, job.recipe.config)
+        resume_dir = CheckpointManager.find_resume(job.out_dir, job.resume)
+        if job.train.requeue and slurm_job_id() is None:
+            print_once("Note: --train.requeue acts only in a Slurm job; here a stop signal saves and stops the run.")
+        max_seq_length = job.train.seq_length(job.recipe.config)
         tokenizer = Tokenizer(job.tokenizer_dir)
         check_vocab_fits(tokenizer, job.recipe.config, job.tokenizer_dir)
         job.train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
@@ -86,8 +92,8 @@ def prepare_data(fabric, job: Job, tokenizer, max_seq_length: int):
 
 
 def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: Optional[Path]) -> dict:
-    """Build the recipe's model (and teacher, if it has one) on the devices, its optimizer and checkpoint manager,
-    restore `resume_dir`, train, and finish final/ as the recipe asks."""
+    """Build the recipe's model (and its frozen models) on the devices, its objective, optimizer and checkpoint
+    manager, restore `resume_dir`, train, and finish final/ as the recipe asks."""
     recipe, train = job.recipe, job.train
     model = recipe.build_model()
     check_disk_space(job.out_dir, model, recipe.trains, train)
@@ -95,8 +101,9 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     checkpointing = ActivationCheckpointing.parse(train.activation_checkpointing)
     model = recipe.materialize(fabric, model, job.precision, checkpointing, job.compile_blocks, load_initial)
     model = fabric.setup(model)
-    # The teacher (distillation) is the loss's alone: it never reaches the optimizer or the checkpoint manager.
-    teacher = recipe.materialize_teacher(fabric, job.precision, job.compile_blocks)
+    # Frozen models (a teacher, a reference) are the objective's alone: never in the optimizer or the checkpoints.
+    frozen = recipe.materialize_frozen(fabric, job.precision, job.compile_blocks)
+    objective = build_objective(fabric, job, model, frozen)
     io = checkpoint_io(fabric.strategy)  # after setup: a strategy that compiles the model knows its layout only now
     checkpoints = CheckpointManager(
         fabric, job.out_dir, io, keys=recipe.trains, weights_file=recipe.weights_file, config=recipe.config,
@@ -111,31 +118,48 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     if fabric.global_rank == 0:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         write_run_args(job.out_dir, job.hyperparameters)
+    settings = TrainerSettings(train=train, eval=job.eval, out_dir=job.out_dir, precision=job.precision,
+                               profile=job.profile, timeout=job.timeout, compiles_blocks=job.compile_blocks)
     trainer = Trainer(
-        fabric, model, optimizer, job, tokenizer, checkpoints, state, base_lr,
+        fabric, model, optimizer, objective, settings, tokenizer, checkpoints, state, base_lr,
         train_data=MicroBatches(train_data, train.micro_batch_size, job.seed, fabric.global_rank, fabric.world_size),
-        val_data=val_data, teacher=teacher,
+        val_data=val_data,
     )
     metrics = trainer.fit()
     if trainer.stopped_by is None:
         with rank_zero_alone("finishing final/") as worker:  # a LoRA merge of a large model outlasts any timeout
             if worker:
-                recipe.finish(job.out_dir / "final")
-                print_once(f"Saved the final checkpoint to {job.out_dir / 'final'}")
-                print_once(f"Try it: litgpt generate {job.out_dir / 'final'} --prompt \"Once upon a time\"")
+                recipe.finish(checkpoints.final_dir)
+                print_once(f"Saved the final checkpoint to {checkpoints.final_dir}")
+                print_once(f"Try it: litgpt generate {checkpoints.final_dir} --prompt \"Once upon a time\"")
     return metrics
 
 
+def build_objective(fabric, job: Job, model, frozen: dict) -> Objective:
+    """The recipe's objective for this strategy (whole logits where the strategy's module is opaque), its training
+    loss compiled whole with `job.compile_loss`."""
+    chunked = not (isinstance(fabric.strategy, ExtensionStrategy) and fabric.strategy.litgpt_loss_on_logits)
+    objective = job.recipe.objective(frozen, job.train.loss_chunk_size, chunked)
+    if not job.compile_loss:
+        return objective
+    gpt = unwrap(model)
+
+    def build_rope_tables() -> None:  # before tracing: a table built inside the graph would recompile
+        for local in {False, gpt.config.rope_local_base is not None}:
+            gpt.rope_tables(fabric.device, local)
+
+    return objective.compiled(prepare=build_rope_tables)
+
+
 def checkpoint_io(strategy):
-    """The strategy's `CheckpointIO`: its own (`strategy.litgpt_checkpoint_io`, e.g. Thunder's; Lightning's
-    `checkpoint_io` is another thing), else FSDP2's."""
+    """The strategy's `CheckpointIO`: an extension strategy's own (`ExtensionStrategy.litgpt_checkpoint_io`, e.g.
+    Thunder's), else FSDP2's."""
     # Imported here: they load Lightning, which the entry points import only after checking their arguments.
     from litgpt.checkpoint.fsdp_io import FSDPCheckpointIO
     from litgpt.distributed.fsdp import FSDPStrategy
 
-    own = getattr(strategy, "litgpt_checkpoint_io", None)
-    if own is not None:
-        return own
+    if isinstance(strategy, ExtensionStrategy):
+        return strategy.litgpt_checkpoint_io
     if isinstance(strategy, FSDPStrategy):
         options = dataclasses.asdict(strategy.fsdp)
         return FSDPCheckpointIO(strategy.topology.sharding_strategy, strategy.fsdp.state_dict_type, options)

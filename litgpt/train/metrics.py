@@ -13,6 +13,7 @@ from litgpt.checkpoint.model_files import meta_device
 from litgpt.config import Config
 from litgpt.distributed.runtime import every_rank
 from litgpt.model import GPT
+from litgpt.precision import Precision
 
 
 class LogWindow:
@@ -130,18 +131,18 @@ def cpu_name() -> str:
     return "cpu"
 
 
-def run_metrics(fabric, state, job, io, val_loss, seq_length: int, trainable_fraction: float,
-                loss_parts: Optional[dict] = None) -> dict:
+def run_metrics(fabric, state, config: Config, precision: Precision, io, val_loss, seq_length: int,
+                trainable_fraction: float, loss_parts: Optional[dict] = None) -> dict:
     """metrics.json: the run's totals, throughput, MFU against the device's peak, where it ran, and the parts of the
     training loss (kd_loss, ce_loss, aux_loss) as the last log line gave them: means over its window of steps."""
     tokens_per_sec = state.tokens / state.train_seconds if state.train_seconds else 0.0
-    flops = flops_per_token(job.recipe.config, seq_length, trainable_fraction) * tokens_per_sec
+    flops = flops_per_token(config, seq_length, trainable_fraction) * tokens_per_sec
     device = fabric.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     if device_name in GPU_PEAK_FLOPS:
         peak, source = GPU_PEAK_FLOPS[device_name], "datasheet, dense bf16"
     else:
-        dtype = torch.float32 if job.precision.startswith("32") else torch.bfloat16
+        dtype = torch.float32 if precision.compute_dtype == torch.float32 else torch.bfloat16  # 16 bits: bf16's peak
         peak, side = measured_matmul_flops(device, dtype)
         source = f"measured: {side}^3 {dtype} matmul on this device"
     return {
@@ -162,7 +163,7 @@ def run_metrics(fabric, state, job, io, val_loss, seq_length: int, trainable_fra
         "sharding_strategy": io.sharding_strategy,
         "state_dict_type": io.state_dict_type,
         "fsdp": io.options,
-        "precision": job.precision,
+        "precision": precision.name,
         "device": device_name,
         "peak_memory_mb": round(peak_memory_bytes(device) / 2**20, 1),
         "peak_memory_mb_per_rank": per_rank_peak_memory_mb(fabric),

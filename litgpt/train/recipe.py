@@ -1,9 +1,10 @@
 """What one kind of training is, as data: the model, its initial weights, what trains, what a checkpoint holds, the
-loss.
+frozen models it holds beside it and the objective.
 
-pretrain, finetune_full, finetune_lora (with QLoRA as an option of the last) and distill are `Recipe` values; the job
-(`litgpt.train.job`), the trainer and the checkpoint manager read them and never ask which command runs. A new kind of
-training adds fields here and a case to the methods that read them, not a branch in the loop.
+pretrain, finetune_full and finetune_lora (with QLoRA as an option of the last) are `Recipe` values; distillation is
+`litgpt.train.recipes.distill.DistillRecipe`, a subclass with a teacher. The job (`litgpt.train.job`), the trainer and
+the checkpoint manager read them and never ask which command runs: a new kind of training is a new recipe (its frozen
+models in `materialize_frozen`, its loss in `objective`), not a branch in the loop.
 """
 
 from __future__ import annotations
@@ -15,28 +16,14 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from litgpt.args import ActivationCheckpointing, KDArgs
+from litgpt.args import ActivationCheckpointing
 from litgpt.checkpoint.model_files import WEIGHTS_FILE, assign_weights, copy_weights, meta_device, read_model_weights
 from litgpt.config import Config
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, is_lora_key, mark_only_lora_as_trainable
 from litgpt.merge_lora import LORA_WEIGHTS_FILE
-from litgpt.precision import PRECISION_DTYPES
-from litgpt.train.loss import LossFunction, distillation_loss_function, loss_function
-
-
-@dataclass(frozen=True)
-class TeacherSettings:
-    """The frozen teacher a student is distilled from (`litgpt distill`).
-
-    Args:
-        config: the teacher's config.
-        weights: its lit_model.pth, read again by every run and every resume: nothing of the teacher is saved.
-        kd: the distillation loss (`litgpt.train.loss.distillation_loss`).
-    """
-
-    config: Config
-    weights: Path
-    kd: KDArgs
+from litgpt.precision import Precision
+from litgpt.train.loss import LossFunction, loss_function
+from litgpt.train.objective import Batch, BatchLoss, Objective
 
 
 @dataclass(frozen=True)
@@ -53,8 +40,6 @@ class Recipe:
         quantize: QLoRA: the frozen base is stored quantized (`litgpt.quantize.QUANTIZE_MODES`; under FSDP only
             ao.nf4, torchao's NF4, which FSDP2 shards and all-gathers in 4 bits).
         loss: the name of the loss in `litgpt.train.loss.LOSSES`.
-        teacher: distillation: the loss is the KD loss against this frozen teacher (never trained nor saved), built
-            by `materialize_teacher`.
     """
 
     name: str
@@ -64,7 +49,6 @@ class Recipe:
     lora: Optional[LoRASettings] = None
     quantize: Optional[str] = None
     loss: str = "cross_entropy"
-    teacher: Optional[TeacherSettings] = None
 
     # ---- what trains and what a checkpoint holds --------------------------------------------------------------------
     def trains(self, key: str) -> bool:
@@ -86,22 +70,22 @@ class Recipe:
     def frozen_configs(self) -> dict[str, Config]:
         """The frozen models this kind of training holds beside the trained one, by name (a teacher, a reference
         model): never trained nor saved."""
-        return {} if self.teacher is None else {"teacher": self.teacher.config}
+        return {}
 
     @property
     def merges_adapters(self) -> bool:
         """Whether final/ gets the adapters merged into the base, for `litgpt generate`."""
         return self.lora is not None
 
-    def loss_function(self, chunk_size: Optional[int] = None, chunked: bool = True,
-                      teacher: Optional[nn.Module] = None) -> LossFunction:
-        """loss(model, input_ids, labels, positions=None) -> Losses: the training objective of one micro-batch
-        (`positions`: packed samples', `litgpt.data.packing`), its logits built `chunk_size` positions at a time
-        (None: automatic), or whole with `chunked=False` (see `litgpt.train.loss`); with a teacher, against `teacher`
-        as `materialize_teacher` made it."""
-        if self.teacher is not None:
-            return distillation_loss_function(teacher, self.teacher.kd, chunk_size, chunked)
-        return loss_function(self.loss, chunk_size, chunked)
+    def objective(self, frozen: dict[str, nn.Module], chunk_size: Optional[int] = None,
+                  chunked: bool = True) -> Objective:
+        """The training objective (the loss of `self.loss`) and the validation loss (the cross-entropy; a router's
+        auxiliary loss is not part of it), the logits built `chunk_size` positions at a time (None: automatic), or
+        whole with `chunked=False` (see `litgpt.train.loss`). `frozen`: what `materialize_frozen` made."""
+        return Objective(
+            train_loss=batch_loss(loss_function(self.loss, chunk_size, chunked)),
+            validation_loss=validation_parts(batch_loss(loss_function("cross_entropy", chunk_size, chunked))),
+        )
 
     # ---- the model --------------------------------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -122,7 +106,8 @@ class Recipe:
         elif self.lora is not None:
             init_lora_weights(model)
 
-    def materialize(self, fabric, model: nn.Module, precision: str, activation_checkpointing: ActivationCheckpointing,
+    def materialize(self, fabric, model: nn.Module, precision: Precision,
+                    activation_checkpointing: ActivationCheckpointing,
                     compile_blocks: bool, load_initial: bool) -> nn.Module:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
         `load_initial` is False because a resumed checkpoint replaces every weight)."""
@@ -140,23 +125,24 @@ class Recipe:
             copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
         return model
 
-    def _materialize_quantized(self, fabric, model: nn.Module, precision: str,
+    def _materialize_quantized(self, fabric, model: nn.Module, precision: Precision,
                                activation_checkpointing: ActivationCheckpointing) -> nn.Module:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
-        from litgpt.quantize import check_nf4_precision, is_nf4, quantize_frozen_base
+        from litgpt.quantize import is_nf4, quantize_frozen_base
 
-        if self.quantize == "ao.nf4":
-            check_nf4_precision(precision, sharded=False)
         path = Path(self.initial_weights)
         assign_weights(model, read_model_weights(path), str(path), self.is_initial_key)
         with torch.no_grad():
             self.initialize(model)
-        # ao.nf4 dequantizes in the compute dtype (the dtype a -true precision's Fabric casts the module to, which
-        # then leaves the NF4 weights alone); bitsandbytes computes in the dtype the weights were stored in.
-        quantize_frozen_base(model, self.quantize, fabric.device, PRECISION_DTYPES[precision])
-        if precision in ("32-true", "bf16-mixed"):  # float32 master copies of what stays unquantized
+        # ao.nf4 dequantizes in the compute dtype; bitsandbytes computes in the dtype the weights were stored in.
+        quantize_frozen_base(model, self.quantize, fabric.device, precision.compute_dtype)
+        # The one cast the model gets: what stays unquantized in 16 bits under a 16-bit -true precision (quantized
+        # weights keep their layout), float32 master copies otherwise.
+        if precision.weights_dtype != torch.float32:
+            model.to(precision.weights_dtype)
+        else:
             for param in model.parameters():
                 if param.dtype in (torch.float16, torch.bfloat16) and not is_nf4(param):
                     param.data = param.data.float()
@@ -164,7 +150,7 @@ class Recipe:
             apply_activation_checkpointing(model, activation_checkpointing)
         return model
 
-    def _materialize_quantized_sharded(self, fabric, model: nn.Module, precision: str,
+    def _materialize_quantized_sharded(self, fabric, model: nn.Module, precision: Precision,
                                        activation_checkpointing: ActivationCheckpointing,
                                        compile_blocks: bool) -> nn.Module:
         """QLoRA under FSDP2 (`ao.nf4`): `parallelize` with each block's base linears quantized from the
@@ -178,18 +164,15 @@ class Recipe:
         """
         from litgpt.checkpoint.model_files import check_weights_match
         from litgpt.distributed.parallelize import parallelize
-        from litgpt.quantize import block_targets, check_nf4_precision, check_nf4_shapes, frozen_nf4
+        from litgpt.quantize import block_targets, frozen_nf4
 
         if self.quantize != "ao.nf4":
             raise RuntimeError(f"FSDP stores a quantized base as ao.nf4, not {self.quantize}")
-        shard = fabric.strategy.topology.mesh_shape[1]
-        check_nf4_shapes(model, shard)
-        check_nf4_precision(precision, sharded=shard > 1)
         path = Path(self.initial_weights)
         state_dict = read_model_weights(path)
         expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
         check_weights_match(expected, state_dict, str(path))
-        dtype = PRECISION_DTYPES[precision]
+        dtype = precision.compute_dtype
         quantized = set()
 
         def quantize_block(index: int, block: nn.Module) -> None:
@@ -204,34 +187,36 @@ class Recipe:
         copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized)
         return model
 
-    def materialize_teacher(self, fabric, precision: str, compile_blocks: bool) -> Optional[nn.Module]:
-        """The frozen teacher on the devices (None without one): built on the meta device, without gradients, in the
-        run's compute dtype (bf16 under bf16-mixed too: it keeps no master weights), set up by the student's
-        `parallelize` (sharded over the same mesh), its weights copied in shard by shard from `teacher.weights`, and
-        in eval mode. It never reaches the optimizer or the checkpoints.
+    def materialize_frozen(self, fabric, precision: Precision, compile_blocks: bool) -> dict[str, nn.Module]:
+        """The frozen models of `frozen_configs` on the devices, by name (`frozen_model`): none here."""
+        return {}
+
+    @staticmethod
+    def frozen_model(fabric, config: Config, weights: Path, precision: Precision, compile_blocks: bool,
+                     subject: str) -> nn.Module:
+        """A frozen model on the devices: built on the meta device, without gradients, stored in the compute dtype
+        (it keeps no master weights), set up by `parallelize` like the trained model (sharded over the same mesh),
+        its weights copied in shard by shard from `weights`, in eval mode. It never reaches the optimizer or the
+        checkpoints.
 
         Sharded, every block frees its gathered weights after its forward (no backward will come to do it, whatever
         the sharding strategy); the root (embeddings, final norm, head) stays gathered after the first forward, as
-        the student's does from forward to backward, so the loss reads the teacher's head without another gather
-        (and with --fsdp.cpu_offload, from the device)."""
-        if self.teacher is None:
-            return None
+        the trained model's does from forward to backward, so a loss reads its head without another gather (and
+        with --fsdp.cpu_offload, from the device)."""
         from litgpt.distributed.fsdp import is_sharded
         from litgpt.distributed.parallelize import parallelize
         from litgpt.model import GPT
 
         with meta_device():
-            teacher = GPT(self.teacher.config)
-        teacher.requires_grad_(False)
-        teacher.to(PRECISION_DTYPES[precision])
-        teacher = parallelize(fabric, teacher, precision, initialize=lambda model: None,
-                              activation_checkpointing=False, compile_blocks=compile_blocks)
-        if is_sharded(teacher):
-            for block in teacher.transformer.h:
+            model = GPT(config)
+        model.requires_grad_(False)
+        model = parallelize(fabric, model, precision, initialize=lambda model: None, activation_checkpointing=False,
+                            compile_blocks=compile_blocks, dtype=precision.compute_dtype)
+        if is_sharded(model):
+            for block in model.transformer.h:
                 block.set_reshard_after_forward(True)
-        path = Path(self.teacher.weights)
-        copy_weights(teacher, read_model_weights(path), str(path), subject="The teacher's weights")
-        return teacher.eval()
+        copy_weights(model, read_model_weights(weights), str(weights), subject=subject)
+        return model.eval()
 
     def finish(self, final_dir: Path) -> None:
         """After the run published final/ (rank 0 only): what this kind of training adds to it."""
@@ -239,3 +224,23 @@ class Recipe:
             from litgpt.merge_lora import merge_lora
 
             merge_lora(final_dir)
+
+
+def batch_loss(loss: LossFunction) -> BatchLoss:
+    """A loss of (model, input_ids, labels, positions) as a loss of (model, batch) (`positions`: packed samples')."""
+
+    def of_batch(model: nn.Module, batch: Batch):
+        return loss(model, batch["input_ids"], batch["labels"], batch.get("positions"))
+
+    return of_batch
+
+
+def validation_parts(loss: BatchLoss, logged: tuple[str, ...] = ()) -> BatchLoss:
+    """`loss` as validation reports it: "loss" is its cross-entropy part (`ce_loss` where the loss has parts, e.g. a
+    router's auxiliary loss or a distillation's KD term), plus the parts named in `logged`."""
+
+    def validation(model: nn.Module, batch: Batch):
+        parts = loss(model, batch)
+        return {"loss": parts.get("ce_loss", parts["loss"]), **{name: parts[name] for name in logged if name in parts}}
+
+    return validation

@@ -1,7 +1,8 @@
 """The training loop every recipe shares: accumulation, clipping, schedule, validation, logging, preemption.
 
-The `Trainer` holds the set-up model and optimizer, the data, the recipe's loss and the checkpoint manager; it knows
-nothing of which command runs or how the model is sharded.
+The `Trainer` holds the set-up model and optimizer, the data, the recipe's `Objective` and the checkpoint manager,
+and takes its own small `TrainerSettings`; it knows nothing of which command runs, which kind of training the
+objective is, or how the model is sharded.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Optional
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from litgpt.args import EvalArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
-from litgpt.checkpoint.store import step_checkpoints
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.data.packing import PackedDataset
 from litgpt.distributed.runtime import print_once
@@ -28,61 +29,50 @@ from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.generate import generate
 from litgpt.io import write_json
+from litgpt.precision import Precision
 from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
-from litgpt.train.loss import loss_function
+from litgpt.registry import ExtensionStrategy
 from litgpt.train.metrics import LogWindow, run_metrics
+from litgpt.train.objective import Objective
 from litgpt.train.optimizer import lr_at
 from litgpt.train.profiler import start_profiler, stop_profiler
-
-if TYPE_CHECKING:
-    from litgpt.train.job import Job
+from litgpt.train.state import TrainState
 
 
-@runtime_checkable
-class SamplesWithOwnModel(Protocol):
-    """A Fabric strategy whose set-up module cannot decode with a KV cache (extensions/thunder: compiled, perhaps
-    sharded) implements this to give the text sample an eager model with the current weights."""
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What the loop reads of a run's settings.
 
-    def sampling_model(self, module: nn.Module) -> nn.Module:
-        """An eager model with the current full weights (collective: every rank calls it, e.g. to gather them)."""
+    Args:
+        train, eval: the schedule, batch sizes, intervals and validation settings (--train.*, --eval.*).
+        out_dir: where metrics.json and a --profile trace go.
+        precision: the run's precision (a gradient scaler's steps are not counted as non-finite).
+        profile: record a torch.profiler trace of a few steps.
+        timeout: seconds a collective may wait for the other ranks.
+        compiles_blocks: the model's blocks are compiled (the first step's time is said to include it).
+    """
 
-
-@dataclass
-class TrainState:
-    """Where the run is; saved with every checkpoint so a resumed run continues exactly."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    epoch_samples: int = 0  # samples of the current epoch consumed, all ranks together (any world size resumes)
-    tokens: int = 0  # tokens trained on, all ranks together
-    train_seconds: float = 0.0  # time spent in steps, over every session of the run
-    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient (--train.on_nonfinite skip)
+    train: TrainArgs
+    eval: EvalArgs
+    out_dir: Path
+    precision: Precision
+    profile: bool = False
+    timeout: float = 600.0
+    compiles_blocks: bool = False
 
 
 class Trainer:
-    def __init__(self, fabric, model, optimizer, job: "Job", tokenizer, checkpoints: CheckpointManager,
-                 state: TrainState, base_lr: float, train_data: MicroBatches, val_data: SampleDataset,
-                 teacher: Optional[nn.Module] = None) -> None:
-        self.fabric, self.model, self.optimizer = fabric, model, optimizer
-        self.job, self.train, self.eval = job, job.train, job.eval
+    def __init__(self, fabric, model, optimizer, objective: Objective, settings: TrainerSettings, tokenizer,
+                 checkpoints: CheckpointManager, state: TrainState, base_lr: float, train_data: MicroBatches,
+                 val_data: SampleDataset) -> None:
+        self.fabric, self.model, self.optimizer, self.objective = fabric, model, optimizer, objective
+        self.settings, self.train, self.eval = settings, settings.train, settings.eval
         self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
         self.train_data, self.val_data = train_data, val_data
-        # A strategy whose compiled module is opaque (extensions/thunder) says so: its loss takes whole logits.
-        chunked = not getattr(fabric.strategy, "litgpt_loss_on_logits", False)
-        self.loss = job.recipe.loss_function(self.train.loss_chunk_size, chunked, teacher)
-        if job.compile_loss:
-            gpt = unwrap(model)
-            for local in {False, gpt.config.rope_local_base is not None}:
-                gpt.rope_tables(fabric.device, local)  # built before tracing: a table built inside would recompile
-            self.loss = torch.compile(self.loss)
-        # A distillation validates with its own loss: its cross-entropy part is the validation loss, and its KD term
-        # against the teacher is measured too.
-        self.validation_loss = (self.loss if teacher is not None
-                                else loss_function("cross_entropy", self.train.loss_chunk_size, chunked))
-        self.val_kd_loss: Optional[float] = None  # distillation: the KD term of the latest validation
+        self.val_parts: dict[str, float] = {}  # the validation loss's other parts of the latest validation
         self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
-        self.seq_length = train_data.dataset[0]["input_ids"].numel()
+        self.seq_length = self.objective.tokens(train_data.dataset[0])
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
         self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
         self.logged_loss_parts: dict[str, float] = {}  # the parts of the loss on the last log line (kd_loss, ...)
@@ -105,10 +95,10 @@ class Trainer:
         if self.eval.initial_validation and state.step == 0:
             print_once(f"step 0 | val loss {self.validate():.4f}")
         fit_start, fit_tokens, fit_seconds = time.perf_counter(), state.tokens, state.train_seconds
-        profiler = start_profiler() if self.job.profile else None
+        profiler = start_profiler() if self.settings.profile else None
         progress = progress_bar(fabric.global_rank, self.total_steps, state.step)
         window = LogWindow(fabric.device, state.tokens)
-        control = StepControl(self.job.timeout)
+        control = StepControl(self.settings.timeout)
         val_loss, stop_signal = None, 0
         with StopSignals() as signals:
             while state.step < self.total_steps and not stop_signal:
@@ -123,17 +113,17 @@ class Trainer:
                     val_loss = self.after_step(progress, val_loss)
         progress.close()
         if profiler is not None:
-            stop_profiler(profiler, self.job.out_dir, fabric.global_rank)
+            stop_profiler(profiler, self.settings.out_dir, fabric.global_rank)
         if self.checkpoints.last_saved_step != state.step:
             self.checkpoints.save(self.model, self.optimizer, state)
         if stop_signal:
             self.stopped_by = signal.Signals(stop_signal).name
             return self.stop_for_signal()
         self.checkpoints.publish_final(state)
-        metrics = run_metrics(fabric, state, self.job, self.checkpoints.io, val_loss, self.seq_length,
-                              trainable_fraction, self.logged_loss_parts)
-        if self.val_kd_loss is not None:
-            metrics["val_kd_loss"] = self.val_kd_loss
+        metrics = run_metrics(fabric, state, unwrap(self.model).config, self.settings.precision,
+                              self.checkpoints.io, val_loss, self.seq_length, trainable_fraction,
+                              self.logged_loss_parts)
+        metrics.update({f"val_{name}": value for name, value in self.val_parts.items()})
         metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
         metrics.update(steady_state_metrics(self.first_step, state.tokens - fit_tokens,
                                             state.train_seconds - fit_seconds))
@@ -141,7 +131,7 @@ class Trainer:
         for logger in fabric.loggers:
             logger.finalize("success")  # flush what the logger buffers
         if fabric.global_rank == 0:
-            write_json(self.job.out_dir / "metrics.json", metrics)
+            write_json(self.settings.out_dir / "metrics.json", metrics)
         return metrics
 
     def check_data(self) -> None:
@@ -175,19 +165,18 @@ class Trainer:
         step_losses: dict[str, torch.Tensor] = {}  # the loss and its parts, means over the micro-batches
         for micro in range(self.accumulation):
             epoch, index, batch = next(batches)
-            input_ids, labels = fabric.to_device(batch["input_ids"]), fabric.to_device(batch["labels"])
-            positions = fabric.to_device(batch["positions"]) if "positions" in batch else None  # packed samples
+            batch = {name: fabric.to_device(value) for name, value in batch.items()}
             with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
                 with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
-                    losses = self.loss(model, input_ids, labels, positions)
+                    losses = self.objective.train_loss(model, batch)
                 fabric.backward(losses["loss"] / self.accumulation)
             for name, value in losses.items():
                 step_losses[name] = step_losses.get(name, 0.0) + value.detach().float() / self.accumulation
-            window.label_tokens += (labels != IGNORE_INDEX).sum()
+            window.label_tokens += self.objective.labelled_tokens(batch)
             last_of_epoch = index + 1 == self.train_data.per_epoch
             state.epoch, state.epoch_samples = (
                 (epoch + 1, 0) if last_of_epoch else (epoch, (index + 1) * self.samples_per_micro_step))
-            state.tokens += input_ids.numel() * fabric.world_size
+            state.tokens += self.objective.tokens(batch) * fabric.world_size
         failpoint("step:backward")
         loss_value, grad_norm = self.step_values(step_losses["loss"])  # the loop's one host-device sync per step
         nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
@@ -207,8 +196,8 @@ class Trainer:
         state.train_seconds += seconds
         window.add_step(seconds)
         if self.first_step is None:
-            self.first_step = (seconds, input_ids.numel() * fabric.world_size * self.accumulation)
-            if self.job.compile_blocks or self.job.compile_loss:
+            self.first_step = (seconds, self.objective.tokens(batch) * fabric.world_size * self.accumulation)
+            if self.settings.compiles_blocks or self.objective.compiles_train_loss:
                 self.say(progress, f"The first step took {seconds:.1f} s with torch.compile's compilation (cached for "
                                    f"later runs of the same shapes in {inductor_cache_dir()})")
         return stop_signal
@@ -222,13 +211,13 @@ class Trainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        if self.job.precision == "16-mixed":
+        if self.settings.precision.scales_gradients:
             norm = torch.zeros_like(norm)  # the grad scaler skips overflowing steps and lowers its scale by itself
         return tuple(torch.stack([step_loss.float(), norm.float().to(step_loss.device)]).tolist())
 
     def nonfinite_message(self, grad_norm: float) -> str:
         """The same text on every rank (the gradient norm is global), so a run of many ranks prints it once."""
-        saved = step_checkpoints(self.job.out_dir)
+        saved = self.checkpoints.saved()
         kept = f"the newest checkpoint, {saved[-1]}, is as it was" if saved else "no checkpoint had been saved yet"
         return (
             f"Step {self.state.step + 1}: the loss or the gradient norm (here {grad_norm}) is not finite (NaN or "
@@ -259,11 +248,10 @@ class Trainer:
         if (step % self.eval.interval == 0 and not last) or (last and self.eval.final_validation):
             val_loss = self.validate()
             self.fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
-            kd = ""
-            if self.val_kd_loss is not None:
-                self.fabric.log_dict({"val_kd_loss": self.val_kd_loss}, step=step)
-                kd = f" | val kd_loss {self.val_kd_loss:.4f}"
-            self.say(progress, f"step {step} | val loss {val_loss:.4f}{kd}")
+            if self.val_parts:
+                self.fabric.log_dict({f"val_{name}": value for name, value in self.val_parts.items()}, step=step)
+            parts = "".join(f" | val {name} {value:.4f}" for name, value in self.val_parts.items())
+            self.say(progress, f"step {step} | val loss {val_loss:.4f}{parts}")
             if self.eval.max_new_tokens:
                 prompt, continuation = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample prompt: {prompt!r}")
@@ -280,7 +268,7 @@ class Trainer:
     def stop_for_signal(self) -> dict:
         """After the checkpoint a stop signal asked for: say where it is and, with --train.requeue under Slurm,
         requeue."""
-        folder = self.job.out_dir / f"step-{self.state.step:06d}"
+        folder = self.checkpoints.step_dir(self.state.step)
         for logger in self.fabric.loggers:
             logger.finalize("success")
         if self.fabric.global_rank == 0:
@@ -301,36 +289,33 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """The mean cross-entropy over up to --eval.max_iters validation micro-batches, averaged over the ranks: the
-        cross-entropy alone where the training loss has other parts (a distillation's KD term against its teacher,
-        kept in `val_kd_loss`; a mixture-of-experts router's auxiliary loss)."""
+        """The objective's validation loss over up to --eval.max_iters validation micro-batches, averaged over the
+        ranks; its other parts (a distillation's KD term, say) are kept in `val_parts`."""
         model = self.model
         model.eval()
         batches = self.validation_batches()
-        losses = []  # per micro-batch: the cross-entropy, and a distillation's KD term
+        losses, names = [], None  # per micro-batch: the validation loss and its other parts, in `names`' order
         for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
-            input_ids, labels = self.fabric.to_device(batch["input_ids"]), self.fabric.to_device(batch["labels"])
+            batch = {name: self.fabric.to_device(value) for name, value in batch.items()}
             with self.fabric.autocast():
-                parts = self.validation_loss(model, input_ids, labels)
-            values = [parts.get("ce_loss", parts["loss"])]
-            if "kd_loss" in parts:
-                values.append(parts["kd_loss"])
-            losses.append(torch.stack(values))
+                parts = self.objective.validation_loss(model, batch)
+            names = names or list(parts)
+            losses.append(torch.stack([parts[name].float() for name in names]))
         means = self.fabric.all_reduce(torch.stack(losses).mean(0), reduce_op="mean").tolist()
         model.train()
-        self.val_kd_loss = means[1] if len(means) > 1 else None
-        return means[0]
+        self.val_parts = {name: value for name, value in zip(names, means) if name != "loss"}
+        return means[names.index("loss")]
 
     def sample_text(self) -> tuple[str, str]:
         """The prompt part of the first validation sample and the model's greedy continuation of it, to watch the
         model learn; the prompt stops where the sample's labels begin, so its reference answer is never shown."""
         model = unwrap(self.model)
-        if isinstance(self.fabric.strategy, SamplesWithOwnModel):
+        if isinstance(self.fabric.strategy, ExtensionStrategy):  # its set-up module may not decode with a KV cache
             model = self.fabric.strategy.sampling_model(model)
         sample = self.val_data[0]
         prompt = sample_prompt(sample["input_ids"], sample["labels"])
         # A prompt too long for a reply keeps its end, where the reply starts.
-        prompt = prompt[-max(1, self.job.recipe.config.block_size - self.eval.max_new_tokens):]
+        prompt = prompt[-max(1, model.config.block_size - self.eval.max_new_tokens):]
         model.eval()
         tokens = list(generate(model, prompt, self.eval.max_new_tokens, temperature=0.0,
                                stop_ids=self.tokenizer.stop_ids))

@@ -1,0 +1,55 @@
+"""How every training command starts its job: the logger, the compiler (the core's, or an extension found by name
+that brings its own Fabric strategy), Fabric itself; then `litgpt.train.job.launch` runs the job in every process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+from litgpt.args import FSDPArgs
+from litgpt.registry import CORE_COMPILERS, CompilerExtension, load_compiler
+
+if TYPE_CHECKING:
+    from litgpt.train.job import Job
+
+
+def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, logger_name: str, run_name: str,
+               compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True):
+    """The job's Fabric. `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
+    an extension itself (its own entry point passes one with its options); the extension checks the job first and
+    gives the Fabric strategy (`strategy`: --strategy auto|fsdp|ddp). `whole_loss`: torch.compile may compile the
+    whole loss on one CPU process (a recipe with frozen models compiles their blocks instead)."""
+    extension = None
+    if not isinstance(compiler, str):
+        extension = compiler
+    elif compiler not in CORE_COMPILERS:
+        extension = load_compiler(compiler)
+    if extension is not None:
+        extension.check(job, fsdp)
+
+    from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
+    from litgpt.loggers import build_logger
+
+    loggers = [build_logger(logger_name, job.out_dir, run_name)]
+    if extension is not None:
+        return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
+                            strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
+    fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp)
+    set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
+    return fabric
+
+
+def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
+    """What --compiler torch, none or auto (`auto_compiles`: this device and run length) compiles, said in one line:
+    one CPU process compiles the whole loss (`Job.compile_loss`: forward, chunked head and loss in one graph,
+    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block."""
+    from litgpt.distributed.parallelize import auto_compiles
+    from litgpt.distributed.runtime import print_once
+
+    steps = job.train.planned_steps(job.train.max_seq_length or job.recipe.config.block_size)
+    compiles = compiler == "torch" or (compiler == "auto" and auto_compiles(device, job.recipe.config, steps))
+    job.compile_loss = compiles and whole_loss and device.type == "cpu" and world_size == 1
+    job.compile_blocks = compiles and not job.compile_loss
+    what = ("torch.compile of the whole loss (model, head and loss)" if job.compile_loss
+            else "torch.compile of each transformer block" if job.compile_blocks else "none (eager)")
+    why = f"--compiler auto on {device.type}{f' for {steps} steps' if steps is not None else ''}"
+    print_once(f"Compiler: {what} ({why if compiler == 'auto' else f'--compiler {compiler}'})")

@@ -1,0 +1,53 @@
+"""What the trainer optimizes and measures, as a recipe defines it: the loss of a batch and its logged parts.
+
+The trainer knows batches only as dicts of tensors and losses only as `Losses` ("loss", what the backward pass runs
+on, and the parts it is made of for the logs); a recipe builds its `Objective` from whatever models and settings its
+kind of training needs (a teacher, a reference model, a reward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from litgpt.data.base import IGNORE_INDEX
+
+Batch = dict[str, torch.Tensor]
+Losses = dict[str, torch.Tensor]
+BatchLoss = Callable[[nn.Module, Batch], Losses]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A recipe's objective.
+
+    Args:
+        train_loss: the loss of one training micro-batch: "loss" is backpropagated, the other entries are logged
+            beside it (means over the steps of a log window).
+        validation_loss: the loss of one validation micro-batch: "loss" is the validation loss (logged as val_loss),
+            the other entries are logged as val_<name>.
+        compiles_train_loss: whether `train_loss` is compiled (the trainer says what the first step paid for it).
+    """
+
+    train_loss: BatchLoss
+    validation_loss: BatchLoss
+    compiles_train_loss: bool = False
+
+    def compiled(self, prepare: Callable[[], None] = lambda: None) -> "Objective":
+        """This objective with `torch.compile` of its training loss, after `prepare()` (e.g. building the tables a
+        traced graph must not build)."""
+        prepare()
+        return replace(self, train_loss=torch.compile(self.train_loss), compiles_train_loss=True)
+
+    @staticmethod
+    def tokens(batch: Batch) -> int:
+        """The tokens a micro-batch trains on (per rank)."""
+        return batch["input_ids"].numel()
+
+    @staticmethod
+    def labelled_tokens(batch: Batch) -> torch.Tensor:
+        """The positions of a micro-batch that have a label (a tensor: counted on the device, without a sync)."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
