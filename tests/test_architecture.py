@@ -57,10 +57,11 @@ def test_the_training_modules_load_without_the_extension_or_torch_for_the_config
 
 
 def test_a_compiler_is_found_by_name_and_a_missing_one_says_how_to_install_it():
-    from extensions.thunder.pretrain import setup as thunder_setup
-    from litgpt.registry import load_compiler
+    from extensions.thunder.pretrain import ThunderCompiler
+    from litgpt.registry import CompilerExtension, load_compiler
 
-    assert load_compiler("thunder") is thunder_setup
+    thunder = load_compiler("thunder")
+    assert isinstance(thunder, ThunderCompiler) and isinstance(thunder, CompilerExtension)
     with pytest.raises(UserError, match=r"pip install 'litgpt\[tvm\]'"):
         load_compiler("tvm")
 

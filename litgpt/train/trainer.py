@@ -75,7 +75,7 @@ class Trainer:
         self.seq_length = self.objective.tokens(train_data.dataset[0])
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
         self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
-        self.logged_loss_parts: dict[str, float] = {}  # the parts of the loss on the last log line (kd_loss, ...)
+        self.logged_loss_parts: dict[str, float] = {}  # the parts of the loss on the last log line (ce_loss, ...)
         # This session's first step (seconds, tokens): it pays torch.compile's compilation, reported on its own.
         self.first_step: Optional[tuple[float, int]] = None
 
@@ -290,7 +290,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """The objective's validation loss over up to --eval.max_iters validation micro-batches, averaged over the
-        ranks; its other parts (a distillation's KD term, say) are kept in `val_parts`."""
+        ranks; its other parts are kept in `val_parts`."""
         model = self.model
         model.eval()
         batches = self.validation_batches()
