@@ -1,11 +1,13 @@
-"""The layering the training core promises: the core never imports an extension, which it finds by name; the config
-stays light; the distributed runtime reads every launcher's ranks and orders work on node-local disks; the three
-training commands are three recipes of one job."""
+"""The layering the training core promises: every import (deferred ones included) goes down the layers that
+docs/architecture.md draws, no modules import each other round a circle, every module is in its table; the core never
+imports an extension, which it finds by name; the config stays light; the distributed runtime reads every launcher's
+ranks and orders work on node-local disks; the training commands are recipes of one job."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,13 +28,118 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at its top or inside a function (a deferred import is an import too), except
+    imports for type checking only."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for branch in ast.walk(tree)
+                   if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+                   for node in ast.walk(branch)}
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from litgpt import model`
     return names
+
+
+def litgpt_modules() -> dict[str, Path]:
+    """Each module of the package by its path below litgpt/ ("train/job.py"; a package's __init__ as "train/")."""
+    modules = {}
+    for path in (ROOT / "litgpt").rglob("*.py"):
+        relative = path.relative_to(ROOT / "litgpt").as_posix()
+        if relative != "__init__.py":
+            modules[relative.removesuffix("__init__.py")] = path
+    return modules
+
+
+def module_name(relative: str) -> str:
+    return "litgpt." + relative.removesuffix(".py").removesuffix("/").replace("/", ".")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the litgpt modules it imports (both as paths below litgpt/), a package's own modules aside."""
+    modules = litgpt_modules()
+    by_name = {module_name(relative): relative for relative in modules}
+    graph = {}
+    for relative, path in modules.items():
+        targets = set()
+        for name in imported_modules(path):
+            while name and name not in by_name:  # `from litgpt.x import y` names y: its module is litgpt.x
+                name = name.rpartition(".")[0]
+            if name and by_name[name] != relative and not relative.startswith(by_name[name]):
+                targets.add(by_name[name])
+        graph[relative] = targets
+    return graph
+
+
+def documented_layers() -> list[list[str]]:
+    """The layer table of docs/architecture.md: per layer, the module paths and folders (with a trailing /)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+ ", line)]
+    return [re.findall(r"`([^`]+)`", row.split("|")[2]) for row in rows]
+
+
+def layer_of(relative: str, layers: list[list[str]]) -> int:
+    """The layer of a module: the layer naming it, else the lowest layer naming a folder it is in."""
+    for index, names in enumerate(layers):
+        if relative in names:
+            return index
+    for index, names in enumerate(layers):
+        if any(name.endswith("/") and relative.startswith(name) for name in names):
+            return index
+    raise AssertionError(f"litgpt/{relative} is in no layer of docs/architecture.md")
+
+
+def test_every_import_goes_down_the_documented_layers():
+    layers = documented_layers()
+    assert len(layers) >= 5
+    upward = [f"{source} (layer {layer_of(source, layers) + 1}) imports {target} (layer {layer_of(target, layers) + 1})"
+              for source, targets in import_graph().items() for target in sorted(targets)
+              if layer_of(target, layers) > layer_of(source, layers)]
+    assert upward == []
+
+
+def test_no_modules_import_each_other_round_a_circle():
+    graph = import_graph()
+    circles, state = [], {}  # state: 1 while a module's imports are being walked, 2 when done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                walk(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert circles == []
+
+
+def test_the_import_reader_sees_deferred_imports_and_circles(tmp_path):
+    """The reader the two tests above rely on: an import inside a function counts; one for type checking does not."""
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import litgpt.train.job\n"
+                    "def f():\n    from litgpt.model import GPT\n")
+    assert imported_modules(path) == {"typing", "typing.TYPE_CHECKING", "litgpt.model", "litgpt.model.GPT"}
+
+
+def test_every_module_is_in_the_module_table_of_the_architecture_doc():
+    """docs/architecture.md's module table names each module, or the folder of a family of them (configs/, data/,
+    train/recipes/, plan/, serving/, ...)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([^`]+\.py|[^`]+/)`", table))
+    missing = [relative for relative in litgpt_modules()
+               if relative not in named and not any(name.endswith("/") and relative.startswith(name) for name in named)]
+    assert missing == []
 
 
 def test_no_module_of_the_core_imports_an_extension():

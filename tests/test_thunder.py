@@ -570,5 +570,39 @@ def test_litgpt_pretrain_compiler_thunder_equals_eager_and_resumes_in_the_plain_
     assert generated.returncode == 0, generated.stderr
 
 
+# ---- every training command hands its job to the extension ----------------------------------------------------------
+FINETUNE = [
+    "--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.max_steps", "2",
+    "--train.lr_warmup_steps", "1", "--train.save_interval", "2", "--train.max_seq_length", "32",
+    "--eval.final_validation", "false", "--eval.max_new_tokens", "0", "--optimizer.class_path", "torch.optim.AdamW",
+    "--optimizer.init_args.lr", "0.003", "--seed", "5", "--devices", "2",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["finetune_lora", "distill"])
+def test_other_training_commands_hand_their_job_to_thunder_and_train_as_eager(command, tmp_path):
+    """--compiler thunder on finetune_lora and distill (two processes: Thunder's FSDP) takes the steps the eager run
+    takes, within float32 roundings (see `check_evaluated_run`)."""
+    from checkpoint_helpers import write_random_checkpoint
+
+    config = Config(**{**TINY, "vocab_size": 4096, "padded_vocab_size": 4096})
+    base = write_random_checkpoint(tmp_path / "base", config, seed=2)
+    data = ["--data", "Tiny", "--data.cache_dir", tmp_path / "cache"]
+    if command == "distill":
+        teacher = write_random_checkpoint(tmp_path / "teacher", config, seed=3)
+        inputs = [base, "--teacher_dir", teacher]
+    else:
+        inputs = [base, "--lora_mlp", "true"]
+    runs = {}
+    for compiler in ("none", "thunder"):
+        runs[compiler] = tmp_path / compiler
+        result = litgpt(command, *inputs, *data, *FINETUNE, "--compiler", compiler, "--out_dir", runs[compiler])
+        assert result.returncode == 0, result.stderr[-5000:]
+    metrics = json.loads((runs["thunder"] / "metrics.json").read_text())
+    assert metrics["sharding_strategy"] == "ZERO3"  # Thunder's FSDP ran it, not FSDP2
+    assert losses(runs["thunder"]) == pytest.approx(losses(runs["none"]), abs=1e-5)
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
