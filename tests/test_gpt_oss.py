@@ -17,7 +17,8 @@ from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint, dequantize_mxfp4
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError
 from litgpt.io import load_state_dict
-from litgpt.model import GPT, GatedProduct
+from litgpt.mlp import GatedProduct
+from litgpt.model import GPT
 
 # A gpt-oss-shaped model: every feature of the family, windows shorter than the test sequences.
 TINY = dict(

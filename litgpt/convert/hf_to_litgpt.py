@@ -312,7 +312,7 @@ def convert_weights(
                     f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
                     f"but config.json implies {tuple(reference[name].shape)} for {name}."
                 )
-            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.model.Router`).
+            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.moe.Router`).
             keep = dtype is None or name.endswith(".e_score_correction_bias")
             yield name, tensor if keep else tensor.to(dtype)
         used.update(rule.hf)

@@ -140,7 +140,8 @@ class Recipe:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
-        from litgpt.quantize import check_nf4_precision, is_nf4, quantize_frozen_base
+        from litgpt.nf4 import is_nf4
+        from litgpt.quantize import check_nf4_precision, quantize_frozen_base
 
         if self.quantize == "ao.nf4":
             check_nf4_precision(precision, sharded=False)
