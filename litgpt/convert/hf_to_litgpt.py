@@ -12,7 +12,8 @@ import torch
 from litgpt.checkpoint.model_files import CONFIG_FILE, meta_device, WEIGHTS_FILE
 from litgpt.io import load_state_dict, save_state_dict
 from litgpt.config import Config
-from litgpt.convert.families import config_from_hf, weight_rules
+from litgpt.convert.families.configs import config_from_hf
+from litgpt.convert.families.weights import weight_rules
 from litgpt.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
