@@ -4,7 +4,7 @@ transformers.
 Each shape is a `Config` of a few million parameters with every feature of its family switched on. Ours trains it for
 `--steps` steps with `litgpt pretrain --model_config FILE` on the bundled story corpus; transformers trains the same
 shape -- its class (GptOssForCausalLM, DeepseekV3ForCausalLM) built from the config.json that
-`litgpt.convert.families.config_to_hf` writes for the Config -- with a plain loop: random token ids of the same
+`litgpt.convert.families.configs.config_to_hf` writes for the Config -- with a plain loop: random token ids of the same
 shape (micro batch x seq, targets shifted by one), the same AdamW (torch's fused one, which ours uses on the CPU, so
 the ratio compares the models), the same dtype and thread count, transformers' default attention and experts
 implementations. Both are child processes of this script, measured the way benchmarks/train.py measures (its
@@ -102,7 +102,7 @@ def train_transformers(hf_dir: Path, steps: int, micro_batch: int, seq: int, pre
 def build_case(shape: str, work: Path, args: argparse.Namespace) -> Case:
     """Our `litgpt pretrain` command and the transformers child's for `shape`, with their input files."""
     from litgpt.config import Config
-    from litgpt.convert.families import config_to_hf
+    from litgpt.convert.families.configs import config_to_hf
 
     config = Config(**SHAPES[shape])
     config_file = work / f"{shape}.yaml"

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from litgpt.config import Config
-from litgpt.model import LLaMAMoE
+from litgpt.moe import LLaMAMoE
 
 
 def loop_moe(moe: LLaMAMoE, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from litgpt.checkpoint.model_files import assign_weights, check_weights_match
 from litgpt.errors import UserError
+from litgpt.nf4 import is_nf4
 
 if TYPE_CHECKING:
     from litgpt.model import GPT
@@ -109,7 +110,8 @@ class LoRALinear(nn.Linear):
 
     The base weight and bias are the very parameters of the layer it replaces (ties are kept). After bitsandbytes
     quantization (`litgpt.quantize`) they live in a child module `base_layer` instead and `weight`/`bias` are None;
-    after ao.nf4 `weight` is a frozen torchao NF4Tensor.
+    after ao.nf4 `weight` is a frozen torchao NF4Tensor. A one-part layer is a `litgpt.moe.AdaptedLinear`, what the
+    mixture-of-experts kernels read from an adapted expert.
     """
 
     def __init__(
@@ -255,8 +257,6 @@ class LoRALinear(nn.Linear):
         self.merged = True
 
     def _check_mergeable(self) -> None:
-        from litgpt.quantize import is_nf4
-
         if self.weight is None or is_nf4(self.weight):
             raise UserError("LoRA adapters cannot be merged into a quantized base weight; merge with the float base.")
         if self.weight.is_meta:

@@ -36,7 +36,6 @@ import contextlib
 import functools
 import logging
 import math
-import sys
 from typing import Iterator, Optional, Union
 
 import torch
@@ -45,6 +44,7 @@ import torch.nn as nn
 from litgpt.errors import UserError
 from litgpt.precision import Precision
 from litgpt.lora import LoRALinear, is_lora_key
+from litgpt.nf4 import is_nf4
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4")
 # What FSDP2 can shard: torchao's NF4, and bitsandbytes' NF4 modes, which a sharded run stores as torchao NF4.
@@ -209,13 +209,6 @@ def block_targets(block: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 # ---- torchao NF4 -----------------------------------------------------------------------------------------------------
-def is_nf4(tensor: Optional[torch.Tensor]) -> bool:
-    """Whether `tensor` (or this rank's piece of a sharded one) is a torchao NF4Tensor (torchao is not imported)."""
-    torchao = sys.modules.get("torchao.quantization")
-    local = getattr(tensor, "_local_tensor", tensor)
-    return torchao is not None and isinstance(local, torchao.NF4Tensor)
-
-
 def nf4_scaler_block(numel: int) -> int:
     """Scalers per scale for a weight of `numel` elements: torchao's 256, or the largest power of two that divides
     its number of 64-blocks (small layers), so that whole scaler blocks cover the weight."""

@@ -15,7 +15,7 @@ from hf_models import FAMILY_CASES, build_hf_model, save_hf_model
 from litgpt.checkpoint.model_files import load_model_weights
 from litgpt.io import load_state_dict
 from litgpt.config import Config
-from litgpt.convert.families import config_from_hf
+from litgpt.convert.families.configs import config_from_hf
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.convert.litgpt_to_hf import convert_lit_checkpoint
 from litgpt.errors import UserError
@@ -189,7 +189,7 @@ def test_existing_output_folder_is_untouched(tmp_path):
 
 
 def test_config_that_hf_cannot_express(tmp_path):
-    from litgpt.convert.families import config_to_hf
+    from litgpt.convert.families.configs import config_to_hf
 
     config = Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, norm_qk=True, hf_model_type="llama")
     with pytest.raises(UserError, match="norm_qk=True"):

@@ -8,7 +8,7 @@ import torch
 
 from litgpt.config import Config
 from litgpt.configs import configs_by_name
-from litgpt.convert.families import config_from_hf
+from litgpt.convert.families.configs import config_from_hf
 from litgpt.convert.hf_to_litgpt import architecture_differences
 from litgpt.model import GPT
 

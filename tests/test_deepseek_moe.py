@@ -12,10 +12,12 @@ from hf_models import build_hf_model, save_hf_model
 from test_moe import outputs_and_grads
 
 from litgpt.config import Config
-from litgpt.convert.families import config_from_hf, config_to_hf
+from litgpt.convert.families.configs import config_from_hf, config_to_hf
 from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint
 from litgpt.errors import UserError
-from litgpt.model import GPT, LLaMAMLP, LLaMAMoE
+from litgpt.mlp import LLaMAMLP
+from litgpt.model import GPT
+from litgpt.moe import LLaMAMoE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -591,8 +591,9 @@ from torch import nn
 from litgpt.config import Config
 from litgpt.distributed.fabric import build_fabric
 from litgpt.lora import LoRASettings
+from litgpt.nf4 import is_nf4
 from litgpt.precision import Precision
-from litgpt.quantize import is_nf4, weight_bytes
+from litgpt.quantize import weight_bytes
 from litgpt.train.recipe import Recipe
 
 base, devices = Path(sys.argv[1]), int(sys.argv[2])

@@ -17,7 +17,8 @@ from litgpt.convert.hf_to_litgpt import convert_hf_checkpoint, dequantize_mxfp4
 from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
 from litgpt.errors import UserError
 from litgpt.io import load_state_dict
-from litgpt.model import GPT, GatedProduct
+from litgpt.mlp import GatedProduct
+from litgpt.model import GPT
 
 # A gpt-oss-shaped model: every feature of the family, windows shorter than the test sequences.
 TINY = dict(
@@ -218,7 +219,7 @@ PUBLISHED_20B = {
 
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
 def test_the_published_config_json_converts_to_the_named_config(name):
-    from litgpt.convert.families import config_from_hf
+    from litgpt.convert.families.configs import config_from_hf
 
     published = dict(PUBLISHED_20B)
     if name == "gpt-oss-120b":
@@ -241,7 +242,7 @@ def test_the_published_config_json_converts_to_the_named_config(name):
     ],
 )
 def test_bad_gpt_oss_config_json_is_one_line(change, message):
-    from litgpt.convert.families import config_from_hf
+    from litgpt.convert.families.configs import config_from_hf
 
     with pytest.raises(UserError) as error:
         config_from_hf({**PUBLISHED_20B, **change})

@@ -47,7 +47,7 @@ def test_every_litgpt_name_resolves():
 def test_every_litgpt_name_converts():
     """Each config writes a Hugging Face config.json that reads back as itself: what `litgpt convert_to_litgpt
     --model_name NAME` checks a downloaded checkpoint against (the layout of its family's transformers class)."""
-    from litgpt.convert.families import config_from_hf, config_to_hf
+    from litgpt.convert.families.configs import config_from_hf, config_to_hf
 
     for name in RESOLVING:
         config = Config.from_name(name)

@@ -25,7 +25,8 @@ from litgpt.lora import (
     merge_lora_weights,
     plain_state_dict,
 )
-from litgpt.model import GPT, Router
+from litgpt.model import GPT
+from litgpt.moe import AdaptedLinear, Router
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -420,6 +421,18 @@ def test_scaling_is_alpha_over_r(r, alpha):
     add_lora(model, settings)
     for layer in (model.transformer.h[0].attn.qkv, model.transformer.h[1].mlp.proj):
         assert layer.r == r and layer.scaling == alpha / r
+
+
+def test_a_single_part_adapter_is_what_the_experts_kernels_read():
+    """The MoE kernels read an expert's adapter through `litgpt.moe.AdaptedLinear`: a plain adapter provides it, a
+    plain linear layer and the fused q/k/v adapter (one factor pair per part) do not."""
+    layer = LoRALinear(nn.Linear(24, 40), r=4, alpha=8, dropout=0.1)
+    assert isinstance(layer, AdaptedLinear)
+    assert (layer.r, layer.scaling, layer.merged) == (4, 2.0, False)
+    assert layer.lora_A.shape == (4, 24) and layer.lora_B.shape == (40, 4)
+    assert isinstance(layer.lora_dropout, nn.Dropout)
+    assert not isinstance(nn.Linear(24, 40), AdaptedLinear)
+    assert not isinstance(LoRALinear(nn.Linear(24, 40), r=4, alpha=8, parts={"_q": (0, 8)}), AdaptedLinear)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from litgpt.config import Config
-from litgpt.model import GPT, attention_mask, rope_frequencies
+from litgpt.model import GPT, attention_mask
+from litgpt.rope import rope_frequencies
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, vocab_size=100, block_size=32, padding_multiple=64)
 

@@ -12,10 +12,11 @@ from test_model import _hf_moe_block
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from litgpt.config import Config
-from litgpt.convert.families import config_from_hf, config_to_hf
+from litgpt.convert.families.configs import config_from_hf, config_to_hf
 from litgpt.distributed.parallelize import apply_activation_checkpointing
 from litgpt.lora import LoRASettings, add_lora
-from litgpt.model import GPT, LLaMAMoE
+from litgpt.model import GPT
+from litgpt.moe import LLaMAMoE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -166,7 +166,7 @@ def _falcon_config(tmp_path: Path, **changes) -> Path:
     (dict(activation="relu"), "activation 'relu'"),
 ])
 def test_unsupported_falcon_switches_are_named(tmp_path, changes, named):
-    from litgpt.convert.families import config_from_hf
+    from litgpt.convert.families.configs import config_from_hf
     from litgpt.convert.hf_to_litgpt import read_hf_config
 
     folder = _falcon_config(tmp_path, **changes)
@@ -194,7 +194,7 @@ def test_contradicting_fields_are_named(changes, named):
     ("OLMo-1B-hf", dict(norm_affine=True), "norm_affine=True (needs False)"),
 ])
 def test_configs_hugging_face_cannot_hold_are_named(name, changes, named):
-    from litgpt.convert.families import config_to_hf
+    from litgpt.convert.families.configs import config_to_hf
 
     with pytest.raises(UserError, match=re.escape(named)) as error:
         config_to_hf(Config.from_name(name, **dict(TINY, **changes)))
@@ -244,7 +244,7 @@ PUBLISHED_JSON = {
 
 @pytest.mark.parametrize("name", list(PUBLISHED_JSON))
 def test_published_config_json_derives_the_named_config(name):
-    from litgpt.convert.families import config_from_hf
+    from litgpt.convert.families.configs import config_from_hf
     from litgpt.convert.hf_to_litgpt import architecture_differences
 
     derived = config_from_hf(PUBLISHED_JSON[name], f"{name}/config.json")

@@ -166,7 +166,7 @@ def test_the_plan_follows_a_change_to_the_model_code(monkeypatch):
     """No description of the model to keep in step: patch the MLP's gate to plain ops (autograd then keeps
     activation(gate) too: one more saved tensor per block) and the plan changes by what autograd then saves."""
     import litgpt.plan as plan
-    from litgpt.model import LLaMAMLP
+    from litgpt.mlp import LLaMAMLP
 
     before = planned_layers(BASE)
     monkeypatch.setattr(plan, "_MEASURED", {})  # the cache assumes the code does not change in a process

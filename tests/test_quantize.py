@@ -16,11 +16,13 @@ import torch.nn as nn
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRALinear, LoRASettings, add_lora, lora_state_dict, mark_only_lora_as_trainable, merge_lora_weights
-from litgpt.model import GPT, Router
+from litgpt.model import GPT
+from litgpt.moe import Router
+from litgpt.nf4 import is_nf4
 from litgpt import quantize
 from litgpt.quantize import (
-    QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, is_nf4, quantize_frozen_base,
-    storage_mode, weight_bytes,
+    QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, quantize_frozen_base, storage_mode,
+    weight_bytes,
 )
 
 HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None

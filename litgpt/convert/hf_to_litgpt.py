@@ -12,7 +12,8 @@ import torch
 from litgpt.checkpoint.model_files import CONFIG_FILE, meta_device, WEIGHTS_FILE
 from litgpt.io import load_state_dict, save_state_dict
 from litgpt.config import Config
-from litgpt.convert.families import config_from_hf, weight_rules
+from litgpt.convert.families.configs import config_from_hf
+from litgpt.convert.families.weights import weight_rules
 from litgpt.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -312,7 +313,7 @@ def convert_weights(
                     f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
                     f"but config.json implies {tuple(reference[name].shape)} for {name}."
                 )
-            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.model.Router`).
+            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.moe.Router`).
             keep = dtype is None or name.endswith(".e_score_correction_bias")
             yield name, tensor if keep else tensor.to(dtype)
         used.update(rule.hf)

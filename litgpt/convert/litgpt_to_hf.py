@@ -15,7 +15,8 @@ from litgpt.checkpoint.model_files import (
     find_checkpoint_dir, meta_device, read_model_weights, TOKENIZER_FILES, WEIGHTS_FILE,
 )
 from litgpt.config import Config
-from litgpt.convert.families import config_to_hf, weight_rules
+from litgpt.convert.families.configs import config_to_hf
+from litgpt.convert.families.weights import weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES
 from litgpt.errors import UserError
 

@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from litgpt.config import Config
-from litgpt.convert.families import Rule, weight_rules
+from litgpt.convert.families.weights import Rule, weight_rules
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
 

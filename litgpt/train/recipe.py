@@ -130,7 +130,8 @@ class Recipe:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
         from litgpt.distributed.parallelize import apply_activation_checkpointing
-        from litgpt.quantize import is_nf4, quantize_frozen_base
+        from litgpt.nf4 import is_nf4
+        from litgpt.quantize import quantize_frozen_base
 
         path = Path(self.initial_weights)
         assign_weights(model, read_model_weights(path), str(path), self.is_initial_key)
