@@ -137,8 +137,10 @@ def test_every_module_is_in_the_module_table_of_the_architecture_doc():
     text = (ROOT / "docs" / "architecture.md").read_text()
     table = text.split("## Modules", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([^`]+\.py|[^`]+/)`", table))
+    # A package's __init__ ("train/") is its folder: named with the modules in it.
     missing = [relative for relative in litgpt_modules()
-               if relative not in named and not any(name.endswith("/") and relative.startswith(name) for name in named)]
+               if relative not in named and not any(name.endswith("/") and relative.startswith(name) for name in named)
+               and not (relative.endswith("/") and any(name.startswith(relative) for name in named))]
     assert missing == []
 
 
