@@ -92,13 +92,14 @@ def sharded_tiny_gpt(strategy: str, forward: int, backward: int, checkpointing: 
     from litgpt.distributed.parallelize import apply_activation_checkpointing
     from litgpt.distributed.topology import Topology
     from litgpt.model import GPT
+    from litgpt.precision import Precision
 
     torch.manual_seed(0)
     model = GPT(Config(**TINY))
     model.init_weights()
     apply_activation_checkpointing(model, checkpointing)
     fsdp = FSDPArgs(sharding_strategy=strategy, forward_prefetch=forward, backward_prefetch=backward)
-    shard_model(model, Topology(2, 1, strategy).device_mesh("cpu"), fsdp, "32-true", torch.device("cpu"))
+    shard_model(model, Topology(2, 1, strategy).device_mesh("cpu"), fsdp, Precision("32-true"), torch.device("cpu"))
     return model
 
 

@@ -20,6 +20,7 @@ from litgpt.model import GPT
 from litgpt.moe import Router
 from litgpt.nf4 import is_nf4
 from litgpt import quantize
+from litgpt.precision import Precision
 from litgpt.quantize import (
     QUANTIZE_MODES, check_nf4_precision, check_nf4_shapes, check_quantize_mode, quantize_frozen_base, storage_mode,
     weight_bytes,
@@ -296,7 +297,7 @@ def test_a_true_16_bit_precision_would_dequantize_nf4_outside_fsdp():
     assert is_nf4(layer.weight) and layer.weight.untyped_storage().data_ptr()  # now it holds a real bf16 copy too
     assert layer.weight.untyped_storage().nbytes() == 512 * 512 * 2
     with pytest.raises(UserError, match="--precision bf16-true would dequantize torchao's NF4 weights"):
-        check_nf4_precision("bf16-true", sharded=False)
+        check_nf4_precision(Precision("bf16-true"), sharded=False)
     for precision in ("32-true", "bf16-mixed"):
-        check_nf4_precision(precision, sharded=False)
-    check_nf4_precision("bf16-true", sharded=True)
+        check_nf4_precision(Precision(precision), sharded=False)
+    check_nf4_precision(Precision("bf16-true"), sharded=True)

@@ -72,7 +72,7 @@ def compile_module(module: nn.Module, jit: bool, executors, device: torch.device
 
 
 def sampling_model(compiled: nn.Module, gather: Callable[[str, torch.Tensor], torch.Tensor]) -> nn.Module:
-    """What litgpt's loop samples text with (`strategy.sampling_model`, see `litgpt.train.trainer.SamplesWithOwnModel`): an eager
+    """What litgpt's loop samples text with (`strategy.sampling_model`, see `litgpt.registry.ExtensionStrategy`): an eager
     module of the original's class holding the compiled module's current weights, `gather(name, local)` making each
     full. The compiled module cannot decode (it is traced for whole sequences, not for KV-cache steps) and, under
     FSDP, the original module holds meta tensors."""

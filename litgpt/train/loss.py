@@ -356,7 +356,7 @@ class _OnWholeLogits(torch.autograd.Function):
 
 def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
     """The teacher's output head as whole tensors in `head_dtype(hidden)`, after the teacher's forward: a sharded
-    teacher's root keeps them gathered (`Recipe.materialize_teacher`); one still sharded is gathered here (a
+    teacher's root keeps them gathered (`Recipe.frozen_model`); one still sharded is gathered here (a
     collective) for this micro-batch's loss."""
     from litgpt.distributed.dtensor import gather_full
 
