@@ -223,8 +223,8 @@ def test_qlora_with_prefetching_trains_as_without(inputs, qlora_base, tmp_path):
 
 
 def test_the_plan_counts_the_blocks_backward_prefetch_gathers():
-    """`litgpt plan --fsdp.backward_prefetch N`: N blocks gathered ahead of the one running, so each block beyond FSDP2's
-    own one adds a Llama block's parameters in bf16 (counted here from the config by hand)."""
+    """`litgpt plan --fsdp.backward_prefetch N`: N blocks gathered ahead of the one running, so each block beyond
+    FSDP2's own one adds a Llama block's parameters in bf16 (counted here from the config by hand)."""
     from litgpt.args import TrainArgs
     from litgpt.config import Config
     from litgpt.plan import plan_for

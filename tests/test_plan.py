@@ -765,7 +765,8 @@ def test_the_litgpt_command_prints_one_line_and_exits_1(monkeypatch, capsys):
 
     monkeypatch.setitem(cli.COMMANDS, "plan", ("litgpt.plan.command:main", "Plan the memory of a training run."))
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "8", "--train.max_seq_length", "99999"])
+        cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "8", "--train.max_seq_length",
+                                 "99999"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("litgpt plan: error: --train.max_seq_length 99999") and "\n" not in err

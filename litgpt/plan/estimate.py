@@ -27,11 +27,12 @@ What is counted, per device:
   On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
   autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
   instead of the activations.
-- activations: what `litgpt.plan.measure` saw autograd save, per block and for the rest of the model (the embedding's indices, the final norm,
-  the head's input). With activation checkpointing a checkpointed block keeps only its input (as the hooks saw it)
-  and, with `ops`, the outputs of its matmuls and attention kernels (`litgpt.distributed.activation_checkpointing`'s
-  list of operations, recorded in the same fake run); the others (every:N) keep everything. In the backward pass
-  one checkpointed block at a time recomputes the rest (a work buffer).
+- activations: what `litgpt.plan.measure` saw autograd save, per block and for the rest of the model (the
+  embedding's indices, the final norm, the head's input). With activation checkpointing a checkpointed block keeps
+  only its input (as the hooks saw it) and, with `ops`, the outputs of its matmuls and attention kernels
+  (`litgpt.distributed.activation_checkpointing`'s list of operations, recorded in the same fake run); the others
+  (every:N) keep everything. In the backward pass one checkpointed block at a time recomputes the rest (a work
+  buffer).
 - logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
   loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
   training uses), and the backward pass recomputes each chunk. At the start of the backward pass one chunk is alive:
@@ -321,7 +322,9 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
     if recipe.quantize is not None:
         _check_quantize_mode(recipe, world)
     if fsdp.cpu_offload and world == 1:
-        raise UserError("--fsdp.cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1).")
+        raise UserError(
+            "--fsdp.cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1)."
+        )
     shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy)
     if recipe.quantize is not None:
         _check_quantized_layout(recipe, precision, fsdp, world, shard)

@@ -62,5 +62,6 @@ def quantize_work_bytes(numel: int, mode: str, compute_itemsize: int, master_ite
     """The work of quantizing one weight of `numel` elements on the device: torchao's temporaries, or the weight in
     the master dtype that bitsandbytes quantizes there."""
     if mode == "ao.nf4":
-        return numel * (NF4_QUANTIZE_FIXED + NF4_QUANTIZE_COPIES * compute_itemsize) + NF4_QUANTIZE_CHUNK * compute_itemsize
+        per_weight = NF4_QUANTIZE_FIXED + NF4_QUANTIZE_COPIES * compute_itemsize
+        return numel * per_weight + NF4_QUANTIZE_CHUNK * compute_itemsize
     return numel * master_itemsize
