@@ -52,14 +52,15 @@ def child(mode: str, args: argparse.Namespace) -> dict:
     from litgpt.config import Config
     from litgpt.distributed.parallelize import apply_activation_checkpointing
     from litgpt.model import GPT
-    from litgpt.plan import estimate
+    from litgpt.args import TrainArgs
+    from litgpt.plan import plan_for
     from litgpt.train.loss import cross_entropy
     from litgpt.train.optimizer import build_optimizer
 
     torch.set_num_threads(args.threads)
     config = Config(**model_config(args))
-    plan = estimate(config, precision="32-true", micro_batch_size=args.batch, seq_length=args.seq, device="cpu",
-                    activation_checkpointing=mode, accumulate_gradients=False)
+    train = TrainArgs(micro_batch_size=args.batch, max_seq_length=args.seq, activation_checkpointing=mode)
+    plan = plan_for(config, precision="32-true", train=train, device="cpu", accumulate_gradients=False)
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()

@@ -37,7 +37,7 @@ class PeerRun:
     peer_gib: float
     measure: str  # "allocated" or "reserved"
     model: str
-    plan: dict = field(default_factory=dict)  # litgpt.plan.estimate keyword arguments
+    plan: dict = field(default_factory=dict)  # litgpt.plan.plan_for keyword arguments, --train/--fsdp as dicts
     lora: dict | None = None  # LoRASettings fields
     differs: str = ""  # what the peer used that litgpt does not have
 
@@ -59,78 +59,84 @@ TORCHTUNE_LORA = flags(query=True, value=True, projection=True, mlp=True)
 RUNS = (
     PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B full, bf16, batch 2 x 4096 packed, compile, chunked CE", 42.9,
             "allocated", "Llama-3.2-3B",
-            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
-                 accumulate_gradients=False)),
+            flags(method="full", train=flags(micro_batch_size=2, max_seq_length=4096), precision="bf16-true",
+                  accumulate_gradients=False)),
     PeerRun("torchtune", TORCHTUNE, "... + activation checkpointing", 24.9, "allocated", "Llama-3.2-3B",
-            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
-                 activation_checkpointing=True, accumulate_gradients=False)),
+            flags(method="full", train=flags(micro_batch_size=2, max_seq_length=4096, activation_checkpointing=True),
+                  precision="bf16-true", accumulate_gradients=False)),
     PeerRun("torchtune", TORCHTUNE, "... + optimizer step fused into the backward pass", 23.1, "allocated",
             "Llama-3.2-3B",
-            flags(method="full", precision="bf16-true", micro_batch_size=2, seq_length=4096,
-                 activation_checkpointing=True, accumulate_gradients=False),
+            flags(method="full", train=flags(micro_batch_size=2, max_seq_length=4096, activation_checkpointing=True),
+                  precision="bf16-true", accumulate_gradients=False),
             differs="optimizer step in the backward pass (gradients freed per parameter)"),
     PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B LoRA r64 (q, v, out, MLP), same run, activation offloading", 8.5,
             "allocated", "Llama-3.2-3B",
-            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=4096,
-                 activation_checkpointing=True, accumulate_gradients=False),
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=4096, activation_checkpointing=True),
+                  precision="bf16-true", accumulate_gradients=False),
             lora=flags(r=64, alpha=128, dropout=0.0, **TORCHTUNE_LORA), differs="activation offloading to the CPU"),
     PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B QLoRA r64, same run, activation offloading", 4.6, "allocated",
             "Llama-3.2-3B",
-            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=4096, quantize="bnb.nf4",
-                 activation_checkpointing=True, accumulate_gradients=False),
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=4096, activation_checkpointing=True),
+                  precision="bf16-true", quantize="bnb.nf4", accumulate_gradients=False),
             lora=flags(r=64, alpha=128, dropout=0.0, **TORCHTUNE_LORA), differs="activation offloading to the CPU"),
     PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B LoRA r8 (q, v, out, MLP), 1x 4090, batch 2 x 2048 packed", 16.2,
             "allocated", "Llama-3.1-8B",
-            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048,
-                 activation_checkpointing=True, accumulate_gradients=False),
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
+                  precision="bf16-true", accumulate_gradients=False),
             lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
     PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B QLoRA r8, 1x 4090, batch 2 x 2048 packed", 7.4, "allocated",
             "Llama-3.1-8B",
-            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048, quantize="bnb.nf4",
-                 activation_checkpointing=True, accumulate_gradients=False),
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
+                  precision="bf16-true", quantize="bnb.nf4", accumulate_gradients=False),
             lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
     PeerRun("LitGPT", LITGPT, "Llama 2 7B LoRA r8 (q, v), micro batch 1, Alpaca (longest 1,304 tokens)",
             _gb(21.30), "allocated", "Llama-2-7b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304),
+            flags(method="lora", train=flags(micro_batch_size=1, max_seq_length=1304), precision="bf16-true"),
             lora=flags(r=8, **QV)),
     PeerRun("LitGPT", LITGPT, "... with bnb.nf4", _gb(14.14), "allocated", "Llama-2-7b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304, quantize="bnb.nf4"),
+            flags(method="lora", train=flags(micro_batch_size=1, max_seq_length=1304), precision="bf16-true",
+                  quantize="bnb.nf4"),
             lora=flags(r=8, **QV)),
     PeerRun("LitGPT", LITGPT, "Llama 2 13B LoRA r8 (q, v), micro batch 1", _gb(38.12), "allocated", "Llama-2-13b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304),
+            flags(method="lora", train=flags(micro_batch_size=1, max_seq_length=1304), precision="bf16-true"),
             lora=flags(r=8, **QV)),
     PeerRun("LitGPT", LITGPT, "... with bnb.nf4", _gb(23.14), "allocated", "Llama-2-13b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=1, seq_length=1304, quantize="bnb.nf4"),
+            flags(method="lora", train=flags(micro_batch_size=1, max_seq_length=1304), precision="bf16-true",
+                  quantize="bnb.nf4"),
             lora=flags(r=8, **QV)),
     PeerRun("Answer.AI", ANSWERAI, "Llama-2 7B QLoRA r64 (all linear), FSDP on 2 GPUs, batch 10 x 2048", 20.97,
             "reserved", "Llama-2-7b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=10, seq_length=2048, quantize="bnb.nf4",
-                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD"),
+            flags(method="lora", train=flags(micro_batch_size=10, max_seq_length=2048, activation_checkpointing=True),
+                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", quantize="bnb.nf4", devices=2),
             lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
     PeerRun("Answer.AI", ANSWERAI, "Llama-2 7B LoRA r64 (all linear), FSDP on 2 GPUs, batch 6 x 2048", 21.35,
             "reserved", "Llama-2-7b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=6, seq_length=2048,
-                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD"),
+            flags(method="lora", train=flags(micro_batch_size=6, max_seq_length=2048, activation_checkpointing=True),
+                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", devices=2),
             lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
     PeerRun("Answer.AI", ANSWERAI, "Llama-2 70B QLoRA r64 (all linear), 2 GPUs, CPU offload, batch 2 x 2048", 14.92,
             "reserved", "Llama-2-70b-hf",
-            flags(method="lora", precision="bf16-true", micro_batch_size=2, seq_length=2048, quantize="bnb.nf4",
-                 activation_checkpointing=True, devices=2, sharding_strategy="FULL_SHARD", cpu_offload=True),
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
+                  fsdp=flags(sharding_strategy="FULL_SHARD", cpu_offload=True), precision="bf16-true",
+                  quantize="bnb.nf4", devices=2),
             lora=flags(r=64, alpha=16, dropout=0.1, **ALL_LINEAR)),
 )
 
 
 def plan_row(run: PeerRun) -> dict:
+    from litgpt.args import FSDPArgs, TrainArgs
     from litgpt.config import Config
     from litgpt.errors import UserError
     from litgpt.lora import LoRASettings
-    from litgpt.plan import estimate
+    from litgpt.plan import plan_for
 
     row = {"peer": run.peer, "source": run.source, "run": run.run, "measure": run.measure, "model": run.model,
            "peer_gib": round(run.peer_gib, 2), "differs": run.differs, "plan_arguments": run.plan, "lora": run.lora}
     lora = LoRASettings(**run.lora) if run.lora else None
     try:
-        plan = estimate(Config.from_name(run.model), lora=lora, device="cuda", **run.plan)
+        train, fsdp = TrainArgs(**run.plan["train"]), FSDPArgs(**run.plan.get("fsdp", {}))
+        arguments = {key: value for key, value in run.plan.items() if key not in ("train", "fsdp")}
+        plan = plan_for(Config.from_name(run.model), lora=lora, device="cuda", train=train, fsdp=fsdp, **arguments)
     except UserError as error:  # a run litgpt cannot do: shown as such
         return {**row, "ours_gib": None, "ratio": None, "at_or_below": False, "refused": str(error)}
     ours = (plan.peak if run.measure == "allocated" else plan.total) / GiB

@@ -21,7 +21,7 @@ from pathlib import Path
 from litgpt.data.tiny import TOKENIZER_DIR  # the bundled tiny tokenizer
 
 MiB = 2**20
-SETTINGS = {  # name -> (training flags, planner keyword arguments)
+SETTINGS = {  # name -> (training flags, the --train fields they set, for the planner)
     "no checkpointing": ([], {}),
     "activation checkpointing": (["--train.activation_checkpointing", "true"], {"activation_checkpointing": True}),
 }
@@ -38,12 +38,14 @@ def measure(model: str, flags: list[str], args, out_dir: Path) -> float:
     return json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb"] * MiB
 
 
-def planned(model: str, kwargs: dict, args) -> float:
+def planned(model: str, train_fields: dict, args) -> float:
+    from litgpt.args import TrainArgs
     from litgpt.config import Config
-    from litgpt.plan import estimate
+    from litgpt.plan import plan_for
 
-    plan = estimate(Config.from_name(model), method="full", precision=args.precision, device=args.device,
-                    micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, **kwargs)
+    train = TrainArgs(micro_batch_size=args.micro_batch_size, max_seq_length=args.seq_length, **train_fields)
+    plan = plan_for(Config.from_name(model), method="full", precision=args.precision, device=args.device,
+                    train=train)
     return plan.peak
 
 
@@ -61,9 +63,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for index, name in enumerate(args.settings):
-            flags, kwargs = SETTINGS[name]
+            flags, train_fields = SETTINGS[name]
             measured = measure(args.model, flags, args, Path(work) / f"run-{index}")
-            plan = planned(args.model, kwargs, args)
+            plan = planned(args.model, train_fields, args)
             rows.append({"setting": name, "flags": flags, "planned_mib": round(plan / MiB), "measured_mib":
                          round(measured / MiB), "planned_over_measured": round(plan / measured, 4)})
             print(f"{name:<34} planned {plan / MiB:>9,.0f} MiB   measured {measured / MiB:>9,.0f} MiB   "

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compress_moe": ("litgpt.compress_moe:main", "Keep the most-routed experts of a mixture-of-experts model."),
     "consolidate": ("litgpt.consolidate:main", "Turn a sharded checkpoint into one lit_model.pth."),
     "evaluate": ("litgpt.evaluate:main", "Evaluate a model on lm-evaluation-harness tasks or a text file's perplexity."),
-    "plan": ("litgpt.plan:main", "Estimate the memory per device of a training run before starting it."),
+    "plan": ("litgpt.plan.command:main", "Estimate the memory per device of a training run before starting it."),
 }
 
 # ---- LitGPT 0.5.13's command names that are not ours (tests/fixtures/litgpt-0.5.13/commands.txt) ----------------

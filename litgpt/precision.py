@@ -100,16 +100,6 @@ class Precision:
             raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
 
 
-def check_precision(precision: str, on_cpu: bool, fsdp: bool = False) -> None:
-    """UserError for a training --precision that cannot run: unknown, 16-mixed on a CPU or (`fsdp`) sharded."""
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
-    if on_cpu and precision == "16-mixed":
-        raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
-    if fsdp and precision == "16-mixed":
-        raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
-
-
 # Where the CPU's flags are read from; LITGPT_CPUINFO names another file of the same format (tests feed fixtures).
 CPUINFO = "/proc/cpuinfo"
 # CPU flags of native bf16 matrix multiply: AVX512-BF16 (dot products) or AMX (tiles).

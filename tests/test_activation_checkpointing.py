@@ -22,7 +22,7 @@ from litgpt.distributed.parallelize import apply_activation_checkpointing
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings, add_lora, init_lora_weights, mark_only_lora_as_trainable
 from litgpt.model import GPT
-from litgpt.plan import estimate
+from litgpt.plan import plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(n_layer=4, n_embd=64, n_head=4, n_query_groups=2, vocab_size=512, padded_vocab_size=512, block_size=64,
@@ -222,16 +222,17 @@ def test_the_plan_counts_what_training_keeps(mode):
     """`litgpt plan` (fake tensors) plans the activations the real forward pass leaves alive, to the byte; the plan
     also counts the token indices the embedding saves (made before the forward pass here)."""
     config, batch, seq = Config(**LLAMA), 2, 32
-    plan = estimate(config, precision="32-true", micro_batch_size=batch, seq_length=seq, device="cpu",
-                    activation_checkpointing=mode)
+    train = TrainArgs(micro_batch_size=batch, max_seq_length=seq, activation_checkpointing=mode)
+    plan = plan_for(config, precision="32-true", train=train, device="cpu")
     assert plan.activation_checkpointing == mode
     assert plan.activations == held_after_forward(config, mode, batch, seq) + batch * seq * 8
 
 
 def test_the_plan_orders_the_settings_and_names_what_each_keeps():
     config = Config(**{**LLAMA, "n_layer": 6})
-    plans = {mode: estimate(config, precision="bf16-true", micro_batch_size=2, seq_length=64, device="cpu",
-                            activation_checkpointing=mode) for mode in ("none", "every:3", "every:2", "full", "ops")}
+    plans = {mode: plan_for(config, precision="bf16-true", device="cpu",
+                            train=TrainArgs(micro_batch_size=2, max_seq_length=64, activation_checkpointing=mode))
+             for mode in ("none", "every:3", "every:2", "full", "ops")}
     activations = [plans[mode].activations for mode in ("none", "every:3", "every:2", "full")]
     assert activations == sorted(activations, reverse=True) and len(set(activations)) == 4
     assert plans["none"].activations > plans["ops"].activations > plans["full"].activations

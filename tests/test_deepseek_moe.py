@@ -270,7 +270,8 @@ def test_compress_moe_refuses_a_group_limited_router_in_one_line():
 def test_plan_counts_the_dense_layer_and_the_shared_experts():
     """`litgpt plan`'s parameter count against one written out by hand: embeddings and head, attention with q/k/v
     biases and QK-norm, the dense first layer, then per MoE layer the router, 8 routed and 2 shared experts' width."""
-    from litgpt.plan import estimate
+    from litgpt.args import TrainArgs
+    from litgpt.plan import plan_for
 
     config = Config(**BASE, **NOAUX_TC, attn_bias=True, norm_qk=True, head_size=16)
     attention = 64 * (4 + 2 * 2) * 16 + (4 + 2 * 2) * 16 + 4 * 16 * 64 + 2 * 16
@@ -278,7 +279,7 @@ def test_plan_counts_the_dense_layer_and_the_shared_experts():
     dense = 3 * 64 * 96
     moe = 8 * 64 + 8 * 3 * 64 * 32 + 3 * 64 * (2 * 32)
     expected = 2 * 128 * 64 + 64 + 3 * (attention + norms) + dense + 2 * moe
-    plan = estimate(config, precision="32-true", seq_length=32, device="cpu")
+    plan = plan_for(config, precision="32-true", train=TrainArgs(micro_batch_size=1, max_seq_length=32), device="cpu")
     assert plan.total_params == expected == sum(p.numel() for p in GPT(config).parameters())
 
 

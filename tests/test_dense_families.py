@@ -190,14 +190,11 @@ def tiny_named(name: str) -> Config:
 def test_plan_counts_what_autograd_saves(name, tuning):
     """`litgpt plan` runs the real model: its saved activations per block equal autograd's (sequence of 64: past
     the tiny Phi-4-mini's original context, so its long factors run)."""
-    from test_plan import TUNINGS, autograd_saved_bytes
-
-    from litgpt.plan import saved_activation_bytes
+    from test_plan import TUNINGS, autograd_saved_bytes, planned_saved
 
     config, lora = tiny_named(name), TUNINGS[tuning]
     measured_layers, measured_root = autograd_saved_bytes(config, "32-true", lora, "cpu")
-    planned = saved_activation_bytes(config, micro_batch_size=2, seq_length=64, precision="32-true", device="cpu",
-                                     lora=lora)
+    planned = planned_saved(config, "32-true", "cpu", lora)
     assert planned.per_layer == measured_layers and planned.root == measured_root
 
 
@@ -206,7 +203,7 @@ def test_plan_command_on_the_published_sizes(name, capsys):
     from litgpt.__main__ import main as cli_main
 
     seq_length = min(8192, Config.from_name(name).block_size)  # past Phi-4-mini's original 4096
-    cli_main(["plan", name, "--method", "lora", "--seq_length", str(seq_length), "--json", "true"])
+    cli_main(["plan", name, "--method", "lora", "--train.max_seq_length", str(seq_length), "--json", "true"])
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"], plan
 

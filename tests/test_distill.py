@@ -481,12 +481,13 @@ def test_the_plan_counts_the_teacher():
     """`litgpt plan` with a teacher: its weights in 16 bits (bf16-mixed), each block's sharded over 2 devices and
     the root's shard plus the root gathered, its final hidden states, and its chunk of logits with the KD buffers."""
     from litgpt.checkpoint.model_files import meta_device
-    from litgpt.plan import estimate, format_plan
+    from litgpt.args import FSDPArgs, TrainArgs
+    from litgpt.plan import format_plan, plan_for
 
-    settings = dict(precision="bf16-mixed", sharding_strategy="FULL_SHARD", devices=2, micro_batch_size=2,
-                    seq_length=64, device="cpu")
-    alone = estimate(Config(**STUDENT), **settings)
-    distilling = estimate(Config(**STUDENT), **settings, teacher=Config(**TEACHER))
+    settings = dict(precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=2,
+                    train=TrainArgs(micro_batch_size=2, max_seq_length=64), device="cpu")
+    alone = plan_for(Config(**STUDENT), **settings)
+    distilling = plan_for(Config(**STUDENT), **settings, teacher_config=Config(**TEACHER))
     with meta_device():
         teacher = GPT(Config(**TEACHER))
     shards = sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in teacher.parameters())

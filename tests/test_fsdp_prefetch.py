@@ -224,18 +224,20 @@ def test_qlora_with_prefetching_trains_as_without(inputs, qlora_base, tmp_path):
 
 
 def test_the_plan_counts_the_blocks_backward_prefetch_gathers():
-    """`litgpt plan --backward_prefetch N`: N blocks gathered ahead of the one running, so each block beyond FSDP2's
-    own one adds a Llama block's parameters in bf16 (counted here from the config by hand)."""
+    """`litgpt plan --fsdp.backward_prefetch N`: N blocks gathered ahead of the one running, so each block beyond
+    FSDP2's own one adds a Llama block's parameters in bf16 (counted here from the config by hand)."""
+    from litgpt.args import TrainArgs
     from litgpt.config import Config
-    from litgpt.plan import estimate
+    from litgpt.plan import plan_for
 
     config = Config.from_name("Llama-3.2-1B")
     e, q, kv = config.n_embd, config.n_head * config.head_size, config.n_query_groups * config.head_size
     block_bytes = 2 * (e * (q + 2 * kv) + q * e + 3 * e * config.intermediate_size + 2 * e)
-    settings = dict(precision="bf16-mixed", sharding_strategy="FULL_SHARD", devices=8, seq_length=2048)
-    gathered = [estimate(config, backward_prefetch=n, **settings).gathered_params for n in (0, 1, 2, 3)]
+    settings = dict(precision="bf16-mixed", devices=8, train=TrainArgs(micro_batch_size=1, max_seq_length=2048))
+    gathered = [plan_for(config, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD", backward_prefetch=n), **settings)
+                .gathered_params for n in (0, 1, 2, 3)]
     assert gathered[0] == gathered[1]  # FSDP2 prefetches one block by itself
     assert gathered[2] - gathered[1] == block_bytes
     assert gathered[3] - gathered[2] == block_bytes
-    with pytest.raises(UserError, match="--backward_prefetch 'later' is not a setting"):
-        estimate(config, backward_prefetch="later", **settings)
+    with pytest.raises(UserError, match="--fsdp.backward_prefetch 'later' is not a setting"):
+        plan_for(config, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD", backward_prefetch="later"), **settings)

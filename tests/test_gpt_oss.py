@@ -265,10 +265,11 @@ def test_greedy_generation_equals_transformers(tmp_path):
 
 
 def test_plan_counts_sinks_biases_and_experts():
-    from litgpt.plan import _parameter_layout
+    from litgpt.plan import recipe_for
+    from litgpt.plan.layout import parameter_layout
 
     config = Config(**TINY)
-    layout = _parameter_layout(config, None, None)
+    layout = parameter_layout(recipe_for(config))
     counted = sum(math.prod(p.shape) for p in layout.root) + sum(math.prod(p.shape) for b in layout.blocks for p in b)
     per_expert = 3 * 64 * 32 + 2 * 32 + 64
     attention = 64 * (4 + 2 + 2) * 16 + (4 + 2 + 2) * 16 + 64 * 64 + 64 + 4  # q/k/v, their biases, proj, sinks

@@ -15,7 +15,7 @@ import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
 from hf_models import build_hf_model
-from test_plan import autograd_saved_bytes
+from test_plan import autograd_saved_bytes, planned_saved
 
 from litgpt.__main__ import main as cli_main
 from litgpt.checkpoint.model_files import load_model_weights
@@ -28,7 +28,6 @@ from litgpt.generate import generate
 from litgpt.io import load_state_dict
 from litgpt.lora import LoRASettings, add_lora, load_base_weights
 from litgpt.model import GPT
-from litgpt.plan import saved_activation_bytes
 
 NEW_TOKENS = 20
 
@@ -140,8 +139,7 @@ PLANNED = {
 def test_plan_counts_saved_activations_as_autograd(name, lora):
     config = Config.from_name(name, **PLANNED[name])
     measured_layers, measured_root = autograd_saved_bytes(config, "32-true", lora, "cpu")
-    planned = saved_activation_bytes(config, micro_batch_size=2, seq_length=64, precision="32-true", device="cpu",
-                                     lora=lora)
+    planned = planned_saved(config, "32-true", "cpu", lora)
     assert planned.per_layer == measured_layers and planned.root == measured_root
 
 

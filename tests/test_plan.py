@@ -14,17 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from litgpt.args import FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
-from litgpt.plan import (
-    GiB,
-    _quantized_bytes,
-    estimate,
-    format_plan,
-    main,
-    saved_activation_bytes,
-)
+from litgpt.plan import GiB, format_plan, main, plan_for, recipe_for, saved_activation_bytes
+from litgpt.plan.quantized import bnb_bytes
+from litgpt.precision import Precision
 
 # The Llama-shaped model the CPU measurements train (about 6M parameters, 24 MB in float32).
 SMALL = dict(
@@ -65,6 +61,18 @@ TUNINGS = {
     "lora-no-dropout": LoRASettings(dropout=0.0),
     "lora-everywhere": LoRASettings(key=True, projection=True, mlp=True, head=True, dropout=0.1),
 }
+
+
+def train_args(seq_length: int, micro_batch_size: int = 1, **kwargs) -> TrainArgs:
+    """--train as the plan reads it: samples of `seq_length` tokens, `micro_batch_size` per device."""
+    return TrainArgs(micro_batch_size=micro_batch_size, max_seq_length=seq_length, **kwargs)
+
+
+def planned_saved(config: Config, precision: str, device: str, lora=None, batch: int = 2, seq: int = 64):
+    """The plan's saved activations of the recipe that trains `config` whole, or its `lora` adapters."""
+    recipe = recipe_for(config, "full" if lora is None else "lora", lora)
+    return saved_activation_bytes(recipe, micro_batch_size=batch, seq_length=seq, precision=Precision(precision),
+                                  device=device)
 
 
 # ---- saved activations, tensor for tensor ----------------------------------------------------------------------------
@@ -110,9 +118,7 @@ def check_saved(architecture: str, tuning: str, precision: str, device: str) -> 
     if config.tie_embeddings and lora is not None:
         lora = LoRASettings(**{**lora.__dict__, "head": False})
     measured_layers, measured_root = autograd_saved_bytes(config, precision, lora, device)
-    planned = saved_activation_bytes(
-        config, micro_batch_size=2, seq_length=64, precision=precision, device=device, lora=lora
-    )
+    planned = planned_saved(config, precision, device, lora)
     if precision == "bf16-mixed":
         # Autocast's weight copies are saved inside the blocks too; the plan puts them in their own row.
         assert planned.total == sum(measured_layers) + measured_root
@@ -145,9 +151,7 @@ MODEL_CHANGES = {
 
 
 def planned_layers(config: Config, precision: str = "32-true", device: str = "cpu", lora=None) -> list[int]:
-    return saved_activation_bytes(
-        config, micro_batch_size=2, seq_length=64, precision=precision, device=device, lora=lora
-    ).per_layer
+    return planned_saved(config, precision, device, lora).per_layer
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
@@ -165,11 +169,11 @@ def test_a_config_change_moves_the_plan_as_autograd_does(change, precision):
 def test_the_plan_follows_a_change_to_the_model_code(monkeypatch):
     """No description of the model to keep in step: patch the MLP's gate to plain ops (autograd then keeps
     activation(gate) too: one more saved tensor per block) and the plan changes by what autograd then saves."""
-    import litgpt.plan as plan
+    import litgpt.plan.measure as measure
     from litgpt.mlp import LLaMAMLP
 
     before = planned_layers(BASE)
-    monkeypatch.setattr(plan, "_MEASURED", {})  # the cache assumes the code does not change in a process
+    monkeypatch.setattr(measure, "_MEASURED", {})  # the cache assumes the code does not change in a process
     monkeypatch.setattr(LLaMAMLP, "gate", lambda self, gate, up: torch.nn.functional.silu(gate) * up)
     measured, _ = autograd_saved_bytes(BASE, "32-true", None, "cpu")
     after = planned_layers(BASE)
@@ -184,12 +188,12 @@ def test_cuda_math_attention_is_the_math_backend():
 
     assert BASE.n_query_groups < BASE.n_head
     measured, _ = autograd_saved_bytes(BASE, "32-true", None, "cpu", kernels=lambda: sdpa_kernel(SDPBackend.MATH))
-    cuda = saved_activation_bytes(BASE, micro_batch_size=2, seq_length=64, precision="32-true", device="cuda")
+    cuda = planned_saved(BASE, "32-true", "cuda")
     assert cuda.per_layer == measured
     cpu = planned_layers(BASE)
     softmax = 2 * BASE.n_head * 64 * 64 * 4  # (batch, heads, seq, seq) in float32, per block
     assert all(c - f == pytest.approx(softmax, rel=0.2) for c, f in zip(cuda.per_layer, cpu))
-    assert estimate(BASE, precision="32-true", seq_length=64).attention.startswith("math attention")
+    assert plan_for(BASE, precision="32-true", train=train_args(64)).attention.startswith("math attention")
     # in 16 bits a fused kernel runs: the same as on the CPU
     assert planned_layers(BASE, "bf16-true", "cuda") == planned_layers(BASE, "bf16-true", "cpu")
 
@@ -208,10 +212,10 @@ def test_cuda_dropout_saves_a_one_byte_mask():
 
 def test_checkpointing_keeps_each_block_input():
     config = Config(**SMALL)
-    saved = saved_activation_bytes(config, micro_batch_size=2, seq_length=128, precision="bf16-true", device="cpu")
+    saved = planned_saved(config, "bf16-true", "cpu", batch=2, seq=128)
     assert saved.block_inputs == [2 * 128 * config.n_embd * 2] * config.n_layer
-    plan = estimate(config, precision="bf16-true", micro_batch_size=2, seq_length=128, device="cpu",
-                    activation_checkpointing=True)
+    plan = plan_for(config, precision="bf16-true", train=train_args(128, 2, activation_checkpointing=True),
+                    device="cpu")
     assert plan.activations == saved.root + sum(saved.block_inputs)
     assert plan.at_peak["buffers"] >= max(saved.per_layer) or plan.peak_phase != "backward pass of the last block"
 
@@ -219,52 +223,50 @@ def test_checkpointing_keeps_each_block_input():
 @pytest.mark.parametrize(
     "validator, kwargs",
     [
-        ("litgpt.precision.check_precision", dict(precision="bf16")),
-        ("litgpt.distributed.topology.check_sharding_strategy", dict(sharding_strategy="ZERO3")),
+        ("litgpt.precision.Precision.resolve", dict(precision="bf16")),
+        ("litgpt.precision.Precision.check_devices", dict(precision="16-mixed", device="cpu")),
+        ("litgpt.distributed.topology.check_sharding_strategy", dict(fsdp=FSDPArgs(sharding_strategy="ZERO3"))),
         ("litgpt.quantize.check_quantize_mode", dict(method="lora", quantize="nf4")),
     ],
 )
 def test_options_go_through_the_training_validators(monkeypatch, validator, kwargs):
-    import importlib
-
-    module, name = validator.rsplit(".", 1)
+    name = validator.rsplit(".", 1)[1]
 
     def refuse(*args, **kw):
         raise UserError(f"{name} says no")
 
-    monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    monkeypatch.setattr(validator, refuse)
     with pytest.raises(UserError, match=f"{name} says no"):
-        estimate(BASE, seq_length=16, **kwargs)
+        plan_for(BASE, train=train_args(16), **kwargs)
 
 
 def test_precision_messages_are_the_training_commands():
     from litgpt.distributed.fabric import build_fabric
-    from litgpt.precision import check_precision
 
     with pytest.raises(UserError) as trained:
         build_fabric(devices=1, precision="16-mixed", accelerator="cpu")
     with pytest.raises(UserError) as planned:
-        estimate(BASE, precision="16-mixed", device="cpu", seq_length=16)
+        plan_for(BASE, precision="16-mixed", device="cpu", train=train_args(16))
     assert str(planned.value) == str(trained.value)
     with pytest.raises(UserError) as sharded:
-        check_precision("16-mixed", on_cpu=False, fsdp=True)
+        Precision("16-mixed").check_devices(on_cpu=False, sharded=True)
     with pytest.raises(UserError) as planned:
-        estimate(BASE, precision="16-mixed", devices=2, seq_length=16)
+        plan_for(BASE, precision="16-mixed", devices=2, train=train_args(16))
     assert str(planned.value) == str(sharded.value)
 
 
 def test_a_model_that_cannot_run_is_one_user_error(monkeypatch):
     """A forward pass that fails in the fake run (here: made to) ends as one UserError line, not a traceback."""
-    import litgpt.plan as plan
+    import litgpt.plan.measure as measure
     from litgpt.model import CausalSelfAttention
 
     def broken(self, q, k, v, mask):
         raise RuntimeError("shapes cannot be multiplied\n(details)")
 
-    monkeypatch.setattr(plan, "_MEASURED", {})
+    monkeypatch.setattr(measure, "_MEASURED", {})
     monkeypatch.setattr(CausalSelfAttention, "attend", broken)
     with pytest.raises(UserError, match="cannot run a forward pass") as error:
-        estimate(BASE, seq_length=16)
+        plan_for(BASE, train=train_args(16))
     assert "\n" not in str(error.value) and "shapes cannot be multiplied" in str(error.value)
 
 
@@ -364,13 +366,13 @@ def run_cpu_cases(cases: list[dict]) -> list[int]:
 
 def planned_peak(case: dict, device: str) -> int:
     lora = LoRASettings(**case.get("lora", {})) if case["method"] == "lora" else None
-    plan = estimate(
-        Config(**case["config"]), method=case["method"], precision=case.get("precision", "32-true"),
-        micro_batch_size=case["micro_batch_size"], seq_length=case["seq_length"], lora=lora,
-        activation_checkpointing=case.get("activation_checkpointing", False),
-        accumulate_gradients=case.get("accumulation", 1) > 1, device=device,
-        devices=2 if case.get("fsdp") else 1, sharding_strategy="NO_SHARD",
-        loss_chunk_size=case.get("loss_chunk_size"),
+    train = train_args(case["seq_length"], case["micro_batch_size"],
+                       activation_checkpointing=case.get("activation_checkpointing", False),
+                       loss_chunk_size=case.get("loss_chunk_size"))
+    plan = plan_for(
+        Config(**case["config"]), method=case["method"], precision=case.get("precision", "32-true"), lora=lora,
+        train=train, fsdp=FSDPArgs(sharding_strategy="NO_SHARD"), accumulate_gradients=case.get("accumulation", 1) > 1,
+        device=device, devices=2 if case.get("fsdp") else 1,
     )
     return plan.peak  # without the fixed overhead
 
@@ -450,18 +452,20 @@ def fsdp_wrap(model, precision: str, device: torch.device) -> None:
 # ---- the seed configurations -----------------------------------------------------------------------------------------
 def seed_plans() -> dict[str, object]:
     return {
-        "Llama 2 70B, LoRA, 8 x 80 GB": estimate(
-            Config.from_name("Llama-2-70b-hf"), method="lora", precision="bf16-true", sharding_strategy="HYBRID_SHARD",
-            devices=8, micro_batch_size=1, seq_length=4096, activation_checkpointing=True,
+        "Llama 2 70B, LoRA, 8 x 80 GB": plan_for(
+            Config.from_name("Llama-2-70b-hf"), method="lora", precision="bf16-true",
+            fsdp=FSDPArgs(sharding_strategy="HYBRID_SHARD"), devices=8,
+            train=train_args(4096, 1, activation_checkpointing=True),
         ),
-        "Llama 3.1 405B, LoRA, 8 nodes x 8 x 80 GB": estimate(
-            Config.from_name("Llama-3.1-405B"), method="lora", precision="bf16-true", sharding_strategy="FULL_SHARD",
-            devices=8, num_nodes=8, micro_batch_size=1, seq_length=4096, activation_checkpointing=True,
+        "Llama 3.1 405B, LoRA, 8 nodes x 8 x 80 GB": plan_for(
+            Config.from_name("Llama-3.1-405B"), method="lora", precision="bf16-true",
+            fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=8, num_nodes=8,
+            train=train_args(4096, 1, activation_checkpointing=True),
         ),
         # config_hub/pretrain/tinyllama.yaml on one node of 8 GPUs
-        "TinyLlama 1.1B, pretraining, 8 x 80 GB": estimate(
+        "TinyLlama 1.1B, pretraining, 8 x 80 GB": plan_for(
             Config.from_name("tiny-llama-1.1b"), method="full", precision="bf16-mixed",
-            sharding_strategy="HYBRID_SHARD", devices=8, micro_batch_size=4, seq_length=2048,
+            fsdp=FSDPArgs(sharding_strategy="HYBRID_SHARD"), devices=8, train=train_args(2048, 4),
         ),
     }
 
@@ -496,9 +500,10 @@ def test_seed_parameter_arithmetic():
     # 2 bytes per parameter over 64 devices; the LoRA A factors (8 rows) are padded to one row per device
     assert llama405.parameters == pytest.approx(llama405.total_params * 2 / 64, rel=1e-3)
     # Sharding only within a node keeps a whole 811 GB replica per node of 8: 94.5 GiB per device does not fit.
-    hybrid = estimate(
-        Config.from_name("Llama-3.1-405B"), method="lora", precision="bf16-true", sharding_strategy="HYBRID_SHARD",
-        devices=8, num_nodes=8, micro_batch_size=1, seq_length=4096, activation_checkpointing=True,
+    hybrid = plan_for(
+        Config.from_name("Llama-3.1-405B"), method="lora", precision="bf16-true",
+        fsdp=FSDPArgs(sharding_strategy="HYBRID_SHARD"), devices=8, num_nodes=8,
+        train=train_args(4096, 1, activation_checkpointing=True),
     )
     assert hybrid.shard_group_size == 8 and hybrid.replicate_groups == 8
     assert hybrid.parameters == pytest.approx(llama405.total_params * 2 / 8, rel=1e-6)
@@ -514,8 +519,8 @@ def test_seed_parameter_arithmetic():
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "FULL_SHARD", "SHARD_GRAD_OP"])
 def test_sharded_state_halves_when_devices_double(strategy):
     config = Config.from_name("tiny-llama-1.1b")
-    plans = [estimate(config, precision="bf16-mixed", sharding_strategy=strategy, devices=n, micro_batch_size=1,
-                      seq_length=2048, accumulate_gradients=False) for n in (2, 4, 8)]
+    plans = [plan_for(config, precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy=strategy), devices=n,
+                      train=train_args(2048, 1), accumulate_gradients=False) for n in (2, 4, 8)]
     for smaller, larger in zip(plans, plans[1:]):
         for field in ("parameters", "optimizer_state"):
             assert getattr(larger, field) == pytest.approx(getattr(smaller, field) / 2, rel=1e-4)
@@ -527,8 +532,8 @@ def test_strategies_lay_out_the_world():
     config = Config.from_name("tiny-llama-1.1b")
 
     def plan(strategy, devices=8, num_nodes=1, **kwargs):
-        return estimate(config, precision="bf16-mixed", sharding_strategy=strategy, devices=devices,
-                        num_nodes=num_nodes, micro_batch_size=1, seq_length=2048, **kwargs)
+        return plan_for(config, precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy=strategy), devices=devices,
+                        num_nodes=num_nodes, train=train_args(2048, 1), **kwargs)
 
     hybrid_one_node, full = plan("HYBRID_SHARD"), plan("FULL_SHARD")
     assert hybrid_one_node.parameters == full.parameters and hybrid_one_node.peak == full.peak
@@ -547,13 +552,13 @@ def test_strategies_lay_out_the_world():
 
 
 def config_params(config: Config) -> int:
-    return estimate(config, precision="32-true", seq_length=16).total_params
+    return plan_for(config, precision="32-true", train=train_args(16)).total_params
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host():
     config = Config.from_name("tiny-llama-1.1b")
-    kwargs = dict(precision="bf16-mixed", devices=8, micro_batch_size=1, seq_length=2048, accumulate_gradients=False)
-    on_device, offloaded = estimate(config, **kwargs), estimate(config, cpu_offload=True, **kwargs)
+    kwargs = dict(precision="bf16-mixed", devices=8, train=train_args(2048, 1), accumulate_gradients=False)
+    on_device, offloaded = plan_for(config, **kwargs), plan_for(config, fsdp=FSDPArgs(cpu_offload=True), **kwargs)
     assert offloaded.parameters == offloaded.optimizer_state == 0
     assert offloaded.peak < on_device.peak
     state = on_device.parameters + on_device.optimizer_state + on_device.total_params * 4 // 8
@@ -563,32 +568,32 @@ def test_cpu_offload_moves_the_sharded_state_to_the_host():
 
 def test_activation_checkpointing_and_batch_scale_activations():
     config = Config.from_name("tiny-llama-1.1b")
-    one = estimate(config, micro_batch_size=1, seq_length=1024, devices=8)
-    two = estimate(config, micro_batch_size=2, seq_length=1024, devices=8)
+    one = plan_for(config, train=train_args(1024, 1), devices=8)
+    two = plan_for(config, train=train_args(1024, 2), devices=8)
     assert two.activations == pytest.approx(2 * one.activations, rel=0.01)
     # One chunk of 1024 positions (float32 and 16-bit logits) whatever the batch; the hidden states' gradient grows.
     chunk_and_head = 1024 * 32000 * (4 + 2) + 32000 * 2048 * 2
     assert one.logits_loss - 1024 * 2048 * 2 == two.logits_loss - 2048 * 2048 * 2 == chunk_and_head
-    smaller = estimate(config, micro_batch_size=2, seq_length=1024, devices=8, loss_chunk_size=256)
+    smaller = plan_for(config, train=train_args(1024, 2, loss_chunk_size=256), devices=8)
     assert two.logits_loss - smaller.logits_loss == (1024 - 256) * 32000 * 6 and smaller.loss_chunk_size == 256
-    checkpointed = estimate(config, micro_batch_size=1, seq_length=1024, devices=8, activation_checkpointing=True)
+    checkpointed = plan_for(config, train=train_args(1024, 1, activation_checkpointing=True), devices=8)
     assert checkpointed.activations < one.activations / 5
     assert checkpointed.buffers > one.buffers  # one block recomputed during the backward pass
 
 
 def test_qlora_stores_the_base_in_four_bits():
     config = Config.from_name("Llama-2-7b-hf")
-    plain = estimate(config, method="lora", precision="bf16-true", seq_length=512)
-    qlora = estimate(config, method="lora", precision="bf16-true", seq_length=512, quantize="bnb.nf4")
+    plain = plan_for(config, method="lora", precision="bf16-true", train=train_args(512))
+    qlora = plan_for(config, method="lora", precision="bf16-true", train=train_args(512), quantize="bnb.nf4")
     linear = 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008)
-    assert plain.parameters - qlora.parameters == linear * 2 - _quantized_bytes((linear,), "bnb.nf4")
+    assert plain.parameters - qlora.parameters == linear * 2 - bnb_bytes((linear,), "bnb.nf4")
     assert qlora.parameters < plain.parameters / 3
     # The training commands quantize the memory-mapped base onto the device one weight at a time: the quantized
     # weights so far and the largest one in bf16 (the fused q, k, v projection).
-    assert qlora.loading == _quantized_bytes((linear,), "bnb.nf4") + 3 * 4096 * 4096 * 2 and plain.loading == 0
+    assert qlora.loading == bnb_bytes((linear,), "bnb.nf4") + 3 * 4096 * 4096 * 2 and plain.loading == 0
     assert "loading (quantizing)" in format_plan(qlora)
-    big = estimate(Config.from_name("Llama-2-70b-hf"), method="lora", precision="bf16-true", quantize="bnb.nf4",
-                   seq_length=512, activation_checkpointing=True)
+    big = plan_for(Config.from_name("Llama-2-70b-hf"), method="lora", precision="bf16-true", quantize="bnb.nf4",
+                   train=train_args(512, activation_checkpointing=True))
     assert big.loading < big.total < 80 * GiB and big.fits  # 35 GiB in nf4, loaded weight by weight
 
 
@@ -605,13 +610,12 @@ def test_quantized_bytes_match_bitsandbytes(mode):
             storages += [state.state2.absmax, state.offset]
     if getattr(layer.weight, "SCB", None) is not None:
         storages.append(layer.weight.SCB)
-    assert sum(t.untyped_storage().nbytes() for t in storages) == _quantized_bytes((384, 256), mode)
+    assert sum(t.untyped_storage().nbytes() for t in storages) == bnb_bytes((384, 256), mode)
 
 
 QLORA_70B = dict(
     method="lora", lora=LoRASettings(r=64, query=True, key=True, value=True, projection=True, mlp=True),
-    quantize="bnb.nf4", micro_batch_size=2, seq_length=2048, activation_checkpointing=True, devices=2,
-    device_memory_gb=24,
+    quantize="bnb.nf4", train=train_args(2048, 2, activation_checkpointing=True), devices=2, device_memory_gb=24,
 )
 
 
@@ -625,16 +629,16 @@ def test_qlora_under_fsdp_shards_the_nf4_base():
     """bnb.nf4 on two devices is planned as the training commands store it: torchao NF4, half of it per device,
     all-gathered in 4 bits; with --cpu_offload the sharded state moves to the host row."""
     config = Config.from_name("Llama-2-70b-hf")
-    plan = estimate(config, **QLORA_70B)
+    plan = plan_for(config, **QLORA_70B)
     linears = [(8192 + 2 * 1024) * 8192, 8192 * 8192] + [28672 * 8192] * 3  # qkv, proj, fc_1, fc_2, mlp proj
     nf4 = 80 * sum(nf4_rank_bytes(n, 2) for n in linears)
     floats = plan.total_params - 80 * sum(linears)  # adapters, norms, embeddings, head: float32 master, sharded
     assert plan.parameters == nf4 + floats * 4 // 2
     assert nf4 * 8 / (80 * sum(linears) / 2) == pytest.approx(4.127, abs=0.002)  # bits per weight per rank
-    assert plan.gathered_params < estimate(config, **{**QLORA_70B, "quantize": None}).gathered_params / 2
+    assert plan.gathered_params < plan_for(config, **{**QLORA_70B, "quantize": None}).gathered_params / 2
     assert "planned as torchao NF4 (ao.nf4)" in format_plan(plan)
     # the issue's target: 2 x 24 GiB with CPU offload
-    offloaded = estimate(config, **QLORA_70B, cpu_offload=True)
+    offloaded = plan_for(config, **QLORA_70B, fsdp=FSDPArgs(cpu_offload=True))
     assert offloaded.parameters == offloaded.gradients == offloaded.optimizer_state == 0
     assert offloaded.host_memory_per_node == 2 * (plan.parameters + plan.optimizer_state + plan.trainable_params * 2)
     assert offloaded.fits and offloaded.margin > 5 * GiB and offloaded.loading < offloaded.total
@@ -646,7 +650,7 @@ def test_qlora_under_fsdp_shards_the_nf4_base():
 @pytest.mark.parametrize("shard", [1, 2, 4])
 def test_nf4_bytes_match_torchao(shard):
     """The plan's NF4 bytes against torchao's tensor, split by rows as FSDP2 splits it (`torch.chunk`)."""
-    from litgpt.plan import _nf4_bytes
+    from litgpt.plan.quantized import nf4_bytes
     from litgpt.quantize import frozen_nf4
 
     weight = frozen_nf4(torch.randn(512, 256), torch.bfloat16)
@@ -654,7 +658,7 @@ def test_nf4_bytes_match_torchao(shard):
     names, _ = piece.__tensor_flatten__()
     stored = sum(getattr(piece, name).untyped_storage().nbytes() for name in names) if shard == 1 else sum(
         getattr(piece, name).numel() * getattr(piece, name).element_size() for name in names)
-    assert stored == _nf4_bytes((512, 256), 2, shard) == nf4_rank_bytes(512 * 256, shard)
+    assert stored == nf4_bytes((512, 256), 2, shard) == nf4_rank_bytes(512 * 256, shard)
 
 
 def test_nf4_dequantization_peak_matches_torchao():
@@ -664,7 +668,7 @@ def test_nf4_dequantization_peak_matches_torchao():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from litgpt.plan import NF4_DEQUANTIZE_COPIES, NF4_DEQUANTIZE_INT64
+    from litgpt.plan.quantized import NF4_DEQUANTIZE_COPIES, NF4_DEQUANTIZE_INT64
     from litgpt.quantize import frozen_nf4
 
     class LiveBytes(TorchDispatchMode):
@@ -706,7 +710,7 @@ def run_cli(args: list[str]) -> None:
 
 
 def test_cli_prints_a_table(capsys):
-    run_cli(["--model_name", "tiny-llama-1.1b", "--devices", "8", "--micro_batch_size", "4"])
+    run_cli(["--model_name", "tiny-llama-1.1b", "--devices", "8", "--train.micro_batch_size", "4"])
     out = capsys.readouterr().out
     for row in ("parameters", "gradients", "optimizer state", "gathered parameters", "activations",
                 "logits + loss", "overhead", "total", "device memory"):
@@ -728,24 +732,24 @@ def test_cli_json_and_model_config(capsys):
     [
         (["--model_name", "Llama-2-70b"], "Unknown model name 'Llama-2-70b'"),
         ([], "Name a model"),
-        (["--model_name", "tiny-llama-1.1b", "--sharding_strategy", "ZERO3"], "--sharding_strategy 'ZERO3'"),
         (["--model_name", "tiny-llama-1.1b", "--precision", "bf16"], "--precision 'bf16' is not one of"),
         (["--model_name", "tiny-llama-1.1b", "--method", "qlora"], "--method 'qlora'"),
         (["--model_name", "tiny-llama-1.1b", "--devices", "0"], "--devices must be"),
         (["--model_name", "tiny-llama-1.1b", "--num_nodes", "0"], "--num_nodes must be"),
-        (["--model_name", "tiny-llama-1.1b", "--micro_batch_size", "0"], "--micro_batch_size must be"),
-        (["--model_name", "tiny-llama-1.1b", "--seq_length", "4096"], "longer than the model's block size 2048"),
+        (["--model_name", "tiny-llama-1.1b", "--train.micro_batch_size", "0"], "--train.micro_batch_size must be"),
+        (["--model_name", "tiny-llama-1.1b", "--train.max_seq_length", "4096"],
+         "longer than the model's block size 2048"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "bnb.int8", "--devices", "2"],
          "--quantize bnb.int8 cannot be sharded by FSDP"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "bnb.nf4", "--devices", "2",
-          "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
-         "--cpu_offload with --quantize offloads a sharded base, but NO_SHARD keeps the whole 4-bit base"),
+          "--fsdp.sharding_strategy", "NO_SHARD", "--fsdp.cpu_offload", "true"],
+         "--fsdp.cpu_offload with --quantize offloads a sharded base, but NO_SHARD keeps the whole 4-bit base"),
         (["--model_name", "tiny-llama-1.1b", "--quantize", "bnb.nf4"], "needs --method lora"),
         (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--quantize", "nf4"], "Unknown quantization"),
-        (["--model_name", "tiny-llama-1.1b", "--cpu_offload", "true"], "--cpu_offload is an FSDP option"),
-        (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--lora_r", "0"], "lora_r must be"),
+        (["--model_name", "tiny-llama-1.1b", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload is an FSDP option"),
+        (["--model_name", "tiny-llama-1.1b", "--method", "lora", "--lora.r", "0"], "lora_r must be"),
         (["--model_name", "tiny-llama-1.1b", "--device", "tpu"], "--device 'tpu'"),
-        (["--model_name", "tiny-llama-1.1b", "--loss_chunk_size", "0"], "--loss_chunk_size must be"),
+        (["--model_name", "tiny-llama-1.1b", "--train.loss_chunk_size", "0"], "--train.loss_chunk_size must be"),
     ],
 )
 def test_bad_input_is_one_clear_user_error(args, message):
@@ -759,12 +763,19 @@ def test_the_litgpt_command_prints_one_line_and_exits_1(monkeypatch, capsys):
     """Registered as `litgpt plan`, bad input ends as one `litgpt plan: error: ...` line and exit code 1."""
     import litgpt.__main__ as cli
 
-    monkeypatch.setitem(cli.COMMANDS, "plan", ("litgpt.plan:main", "Plan the memory of a training run."))
+    monkeypatch.setitem(cli.COMMANDS, "plan", ("litgpt.plan.command:main", "Plan the memory of a training run."))
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "8", "--seq_length", "99999"])
+        cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "8", "--train.max_seq_length",
+                                 "99999"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("litgpt plan: error: --seq_length 99999") and "\n" not in err
+    assert err.startswith("litgpt plan: error: --train.max_seq_length 99999") and "\n" not in err
+    with pytest.raises(SystemExit) as exit_info:  # the training commands' --fsdp group: its parser refuses this
+        cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "2", "--fsdp.sharding_strategy",
+                                 "ZERO3"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("litgpt plan: error:") and "ZERO3" in err and "\n" not in err
     cli.run_command("plan", ["--model_name", "tiny-llama-1.1b", "--devices", "8"])
     assert "tiny-llama-1.1b" in capsys.readouterr().out
 
@@ -776,8 +787,8 @@ if __name__ == "__main__":
 def test_generation_kv_cache_per_token_by_hand():
     """The note on generation's KV cache: latent attention's latent + rotary key, else every group's key and value."""
     mla, llama = ARCHITECTURES["deepseek-mla"], ARCHITECTURES["llama"]
-    plan = estimate(mla, precision="bf16-true", device="cpu", seq_length=32)
+    plan = plan_for(mla, precision="bf16-true", device="cpu", train=train_args(32))
     assert plan.kv_cache_bytes_per_token == mla.n_layer * (16 + 8) * 2
     assert f"full keys and values would take {mla.n_layer * 4 * (24 + 12) * 2:,} bytes per position" in plan.notes[-1]
-    plan = estimate(llama, precision="32-true", device="cpu", seq_length=32)
+    plan = plan_for(llama, precision="32-true", device="cpu", train=train_args(32))
     assert plan.kv_cache_bytes_per_token == llama.n_layer * 2 * 2 * 16 * 4

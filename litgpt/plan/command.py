@@ -1,0 +1,145 @@
+"""`litgpt plan`: the memory a training run needs per device, and whether it fits, printed before anything is
+allocated.
+
+Its options are the training commands' own groups (`--train.*`, `--fsdp.*`, `--lora.*`) and what only a plan has (the
+method, the world layout, the device and its memory, the output). `recipe_for` makes the `Recipe` the run would train,
+`plan_for` the plan (`litgpt.plan.estimate`), which `main` prints as a table or as JSON.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from litgpt.args import FSDPArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.errors import UserError
+from litgpt.lora import LoRASettings
+
+if TYPE_CHECKING:
+    from litgpt.plan.estimate import MemoryPlan
+    from litgpt.train.recipe import Recipe
+
+METHODS = ("full", "lora")
+# --train as the plan takes it by default: one sample per micro-batch (the other fields change no memory).
+TRAIN_DEFAULTS = TrainArgs(micro_batch_size=1)
+
+
+def main(
+    model_name: Optional[str] = None,
+    *,
+    model_config: Optional[Config] = None,
+    method: str = "full",
+    precision: str = "bf16-mixed",
+    train: TrainArgs = TRAIN_DEFAULTS,
+    fsdp: FSDPArgs = FSDPArgs(),
+    lora: LoRASettings = LoRASettings(),
+    quantize: Optional[str] = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    accumulate_gradients: bool = True,
+    device: str = "cuda",
+    device_memory_gb: float = 80.0,
+    json: bool = False,
+    teacher_model_name: Optional[str] = None,
+    teacher_config: Optional[Config] = None,
+) -> None:
+    """Print the memory a training run needs per device, and whether it fits, before anything is allocated.
+
+    Args:
+        model_name: A registered model name (`litgpt download list`), or leave out and give --model_config.
+        model_config: The model's config fields (in YAML under `model_config:`), instead of a name.
+        method: full (every weight trains) or lora (only the adapters train, as `litgpt finetune_lora`).
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as the training commands take it.
+        train: The training commands' --train group; the plan reads micro_batch_size, max_seq_length (default: the
+            model's block size), activation_checkpointing and loss_chunk_size.
+        fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
+            cpu_offload and backward_prefetch.
+        lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
+        quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
+            (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
+            stored so), as the training commands do; bnb.fp4 and bnb.int8 run on one device only.
+        devices: Devices per node.
+        num_nodes: Nodes of the run.
+        accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
+            is larger than devices x micro batch, as in the recipes); false for one micro-batch per step.
+        device: cuda or cpu: which attention kernels and dropout masks, and which fixed overhead, to assume.
+        device_memory_gb: Memory of one device in GiB (2**30 bytes) to check the plan against.
+        json: Print the plan as JSON instead of a table.
+        teacher_model_name: Distillation (`litgpt distill`): the frozen teacher's registered name.
+        teacher_config: Or the teacher's config fields (in YAML under `teacher_config:`).
+    """
+    config = resolve_config(model_name, model_config)
+    teacher = None
+    if teacher_model_name is not None or teacher_config is not None:
+        teacher = resolve_config(teacher_model_name, teacher_config)
+    plan = plan_for(
+        config, method=method, precision=precision, train=train, fsdp=fsdp, lora=lora, quantize=quantize,
+        teacher_config=teacher, devices=devices, num_nodes=num_nodes, accumulate_gradients=accumulate_gradients,
+        device=device, device_memory_gb=device_memory_gb,
+    )
+    if json:
+        import json as json_module
+
+        print(json_module.dumps(plan.to_dict(), indent=2))
+    else:
+        from litgpt.plan.report import format_plan
+
+        print(format_plan(plan))
+
+
+def resolve_config(model_name: Optional[str], model_config: Optional[Config]) -> Config:
+    if model_name is not None and model_config is not None:
+        raise UserError("Give either a model name or --model_config, not both.")
+    if model_config is not None:
+        return model_config
+    if model_name is None:
+        raise UserError(
+            "Name a model to plan for (e.g. `litgpt plan --model_name Llama-2-7b-hf`) or give --model_config."
+        )
+    return Config.from_name(model_name)
+
+
+def plan_for(
+    config: Config,
+    *,
+    method: str = "full",
+    precision: str = "bf16-mixed",
+    train: TrainArgs = TRAIN_DEFAULTS,
+    fsdp: FSDPArgs = FSDPArgs(),
+    lora: Optional[LoRASettings] = None,
+    quantize: Optional[str] = None,
+    teacher_config: Optional[Config] = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    accumulate_gradients: bool = True,
+    device: str = "cuda",
+    device_memory_gb: float = 80.0,
+) -> "MemoryPlan":
+    """The plan `litgpt plan` prints for these options (as `main` takes them, the configs resolved)."""
+    from litgpt.plan.estimate import estimate
+    from litgpt.precision import Precision
+
+    recipe = recipe_for(config, method, lora, quantize, teacher_config)
+    return estimate(
+        recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
+        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients,
+    )
+
+
+def recipe_for(config: Config, method: str = "full", lora: Optional[LoRASettings] = None,
+               quantize: Optional[str] = None, teacher_config: Optional[Config] = None) -> "Recipe":
+    """The recipe the planned run trains: `config` whole (full) or its LoRA adapters (lora: `lora`, default
+    settings when None) on a base stored as `quantize`, distilled from a frozen `teacher_config`. The one place the
+    plan builds a `Recipe`."""
+    from litgpt.args import KDArgs
+    from litgpt.train.recipe import Recipe, TeacherSettings
+
+    if method not in METHODS:
+        raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
+    lora = (lora or LoRASettings()) if method == "lora" else None
+    teacher = None
+    if teacher_config is not None:  # the plan reads no weights, and the KD settings change no memory
+        teacher = TeacherSettings(config=teacher_config, weights=Path("unused"), kd=KDArgs())
+    name = "distill" if teacher else "finetune_lora" if lora else "pretrain"
+    return Recipe(name, config, lora=lora, quantize=quantize, teacher=teacher)

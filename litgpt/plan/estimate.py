@@ -1,0 +1,713 @@
+"""The memory one training step needs on each device, worked out before anything is allocated.
+
+`estimate` takes what training takes (the `Recipe`, `TrainArgs`, `FSDPArgs`, the `Precision`) and the world layout,
+and returns a `MemoryPlan`: bytes per device, with the peak and where in the step it falls. The options go through
+the training commands' own checks first. The model is the recipe's (`Recipe.build_model`): its parameters are laid
+out by `litgpt.plan.layout`, its saved activations measured by `litgpt.plan.measure`, quantized weights counted by
+`litgpt.plan.quantized`.
+
+What is counted, per device:
+
+- parameters: the resident (sharded) copy. Trainable ones in the master dtype (float32 for 32-true and the -mixed
+  precisions, 16 bits for the -true ones). Frozen LoRA base weights too, since the training entry points cast the
+  whole model to the master dtype; with --quantize the blocks' linear weights (`litgpt.quantize.quantize_targets`)
+  are stored in 4 or 8 bits instead: bitsandbytes' layout on one device, torchao's NF4 under FSDP (bnb.nf4 and
+  bnb.nf4-dq are stored so there), which is sharded like any weight. The base is quantized from the memory-mapped
+  file one weight at a time (under FSDP one block's whole NF4 weights before the block is sharded): that moment,
+  `loading`, is planned too.
+- gradients: one per trainable parameter, in the master dtype, sharded like it. With gradient accumulation the
+  earlier micro-batches' gradients are held while the next one runs forward (sharded: the sharded strategies
+  reduce-scatter after every micro-batch).
+- optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
+- gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
+  compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one
+  prefetched) and, in the backward pass, the root (embedding, final norm, head) throughout; with SHARD_GRAD_OP
+  every unit stays gathered from its forward until its backward. The shard group comes from
+  `litgpt.distributed.topology.Topology`, as in training.
+  On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
+  autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
+  instead of the activations.
+- activations: what `litgpt.plan.measure` saw autograd save, per block and for the rest of the model (the
+  embedding's indices, the final norm, the head's input). With activation checkpointing a checkpointed block keeps
+  only its input (as the hooks saw it) and, with `ops`, the outputs of its matmuls and attention kernels
+  (`litgpt.distributed.activation_checkpointing`'s list of operations, recorded in the same fake run); the others
+  (every:N) keep everything. In the backward pass one checkpointed block at a time recomputes the rest (a work
+  buffer).
+- logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
+  loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
+  training uses), and the backward pass recomputes each chunk. At the start of the backward pass one chunk is alive:
+  its float32 logits, which become their gradient in place (4 bytes per position and vocabulary row), their 16-bit
+  copy with a 16-bit compute dtype (2 more), the tanh of a final soft-capping (4 more); beside it, for the whole
+  chunk loop, the hidden states' gradient and the gradients of the head's trainable weights (under autocast also
+  each chunk's 16-bit product before it is added to the float32 one).
+- work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
+  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight (for
+  torchao's NF4 what its dequantization holds at once: int64 codes, half-size lookups and the result).
+
+Frozen models (`Recipe.frozen_configs`: a distillation teacher): their weights, final hidden states, chunk of logits
+and forward pass are added as `_add_frozen` describes.
+
+The peak is the largest of three moments: the start of the backward pass (all activations and the loss tensors
+alive), the backward pass of the last block (its work buffers on top of the activations), and the optimizer step
+(all gradients and optimizer state); with autocast and checkpointing also the end of the forward pass, while
+autocast's cache still holds 16-bit copies of every trainable weight. Every row of the table gives its own largest
+size and its size at the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from litgpt.args import ActivationCheckpointing, FSDPArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.errors import UserError
+from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout
+from litgpt.plan.measure import SavedActivations, math_attention, saved_activation_bytes
+from litgpt.plan.quantized import dequantize_bytes, nf4_bytes, quantize_work_bytes, stored_bytes
+from litgpt.plan.report import GiB, ROWS, count, fmt
+from litgpt.precision import Precision
+
+if TYPE_CHECKING:
+    from litgpt.train.recipe import Recipe
+
+PLAN_DEVICES = ("cuda", "cpu")
+
+# What a device needs beyond the tensors counted here.
+CUDA_CONTEXT_BYTES = 1 * GiB  # CUDA context and library workspaces (0.82 GiB measured on an H100, torch 2.11)
+CUDA_FRAGMENTATION = 0.10  # the caching allocator reserves more than it hands out: a share of the peak
+CPU_RUNTIME_BYTES = GiB // 2  # resident size of Python + torch + litgpt before the model (0.42 GiB, torch 2.13)
+
+
+@dataclass
+class MemoryPlan:
+    """Memory of one training step on one device, in bytes; see the module docstring for what each field holds.
+
+    `parameters` ... `buffers` are each row's largest size during the step; `at_peak` holds the same rows at the
+    moment of the peak (`peak_phase`), which is what `peak` adds up. `total` = `peak` + `overhead`.
+    """
+
+    model_name: str
+    method: str
+    precision: str
+    sharding_strategy: str
+    device: str
+    devices: int
+    num_nodes: int
+    micro_batch_size: int
+    seq_length: int
+    activation_checkpointing: str  # none, full, every:N or ops
+    cpu_offload: bool
+    accumulate_gradients: bool
+    quantize: Optional[str]
+    lora_r: Optional[int]
+    lora_targets: list[str]
+    # layout
+    world_size: int
+    shard_group_size: int
+    replicate_groups: int
+    fsdp: bool
+    # counts
+    total_params: int
+    trainable_params: int
+    n_layer: int
+    # bytes per device: each row's largest size
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    gathered_params: int
+    activations: int
+    logits_loss: int
+    buffers: int
+    # the peak
+    at_peak: dict[str, int]
+    peak_phase: str
+    peak: int
+    overhead: int
+    total: int
+    device_memory: int
+    fits: bool
+    margin: int  # device_memory - what is needed (the total, or the loading): what is left (negative: missing)
+    loading: int  # with --quantize: the base in the master dtype on the device, before it is quantized
+    host_memory_per_node: int  # with cpu_offload: the sharded state of the node's devices in CPU memory
+    activations_per_layer: int  # one (typical) block's saved activations without checkpointing
+    attention: str  # which attention kernel the activations assume
+    row_details: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    loss_chunk_size: int = 0  # positions per chunk of the head and loss
+    teacher_params: int = 0  # distillation: the frozen teacher's parameters (counted in the rows, not above)
+    teacher_bytes: int = 0  # its weights as they stay on the device
+    kv_cache_bytes_per_token: int = 0  # generation (not training): one sequence's KV cache per position, all layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    """The planned run, checked, and what follows from it (sizes in bytes per element)."""
+
+    recipe: "Recipe"
+    precision: Precision
+    sharding_strategy: str
+    device: str
+    devices: int
+    num_nodes: int
+    micro_batch_size: int
+    seq_length: int
+    activation_checkpointing: ActivationCheckpointing
+    cpu_offload: bool
+    accumulate_gradients: bool
+    shard: int  # the shard group: how many devices one copy of the state is split over
+    loss_chunk_size: int  # positions per chunk of the head and loss
+    backward_prefetch: int  # blocks a block's backward pass gathers ahead (0: FSDP2's implicit one)
+
+    @property
+    def config(self) -> Config:
+        return self.recipe.config
+
+    @property
+    def lora(self):
+        return self.recipe.lora
+
+    @property
+    def quantize(self) -> Optional[str]:
+        return self.recipe.quantize
+
+    @property
+    def method(self) -> str:
+        return "full" if self.lora is None else "lora"
+
+    @property
+    def stored_quantize(self) -> Optional[str]:  # how the training commands store the quantized base
+        from litgpt.quantize import storage_mode
+
+        return storage_mode(self.quantize, self.fsdp) if self.quantize else None
+
+    @property
+    def world(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def fsdp(self) -> bool:
+        return self.world > 1
+
+    @property
+    def master(self) -> int:  # stored parameters, gradients, optimizer state
+        return self.precision.weights_dtype.itemsize
+
+    @property
+    def compute(self) -> int:  # what the math runs in
+        return self.precision.compute_dtype.itemsize
+
+    @property
+    def autocast(self) -> bool:  # single device: Fabric's autocast over float32 weights
+        return self.precision.mixed and not self.fsdp
+
+    @property
+    def param_compute(self) -> int:  # the dtype a module sees its weights in
+        return self.compute if self.fsdp else self.master
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_length
+
+
+def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, *, devices: int = 1,
+             num_nodes: int = 1, device: str = "cuda", device_memory_gb: float = 80.0,
+             accumulate_gradients: bool = True) -> MemoryPlan:
+    """The per-device memory of one training step of `recipe` with these arguments, on `num_nodes` nodes of `devices`
+    devices of type `device` (cuda or cpu) with `device_memory_gb` GiB each. `accumulate_gradients`: the gradients of
+    earlier micro-batches are held while the next one runs."""
+    run = _check_run(recipe, train, fsdp, precision, devices, num_nodes, device, device_memory_gb,
+                     accumulate_gradients)
+    layout = parameter_layout(recipe)
+    saved = saved_activation_bytes(recipe, micro_batch_size=run.micro_batch_size, seq_length=run.seq_length,
+                                   precision=precision, sharded=run.fsdp, device=run.device)
+    state = _resident_state(run, layout)
+    activations = _activation_rows(run, saved)
+    gathered = _gathered_params(run, layout, saved)
+    backward = _block_backward(run, layout)
+    moments = _moments(run, state, activations, gathered, backward)
+    frozen = {name: (config, frozen_layout(config)) for name, config in recipe.frozen_configs().items()}
+    frozen_bytes = {name: _add_frozen(run, name, *frozen[name], moments) for name in frozen}
+    peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
+    at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
+    largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
+    peak = sum(at_peak.values())
+    overhead = _overhead(peak, run.device)
+    device_memory = int(device_memory_gb * GiB)
+    loading = _quantized_loading(run, layout) if run.quantize else 0
+    needed = max(peak + overhead, loading + _overhead(loading, run.device) if loading else 0)
+    details, notes = _describe(run, layout, state, activations, gathered, backward, loading)
+    kv_cache_per_token, kv_cache_note = _kv_cache_per_token(recipe.config, precision.compute_dtype)
+    notes.append(kv_cache_note)
+    for name, (config, frozen_model) in frozen.items():
+        details["parameters"] += f" + the {name}'s {fmt(frozen_bytes[name])}"
+        notes.append(_frozen_note(name, config, frozen_model.total_params, frozen_bytes[name]))
+    return MemoryPlan(
+        model_name=recipe.config.name or "model_config", method=run.method, precision=precision.name,
+        sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
+        devices=run.devices, num_nodes=run.num_nodes, micro_batch_size=run.micro_batch_size,
+        seq_length=run.seq_length, activation_checkpointing=str(run.activation_checkpointing),
+        cpu_offload=run.cpu_offload, accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
+        lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
+        shard_group_size=run.shard, replicate_groups=run.world // run.shard, fsdp=run.fsdp,
+        total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=recipe.config.n_layer,
+        **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=peak + overhead,
+        device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
+        host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
+        attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
+        teacher_params=sum(frozen_model.total_params for _, frozen_model in frozen.values()),
+        teacher_bytes=sum(frozen_bytes.values()), kv_cache_bytes_per_token=kv_cache_per_token,
+    )
+
+
+def _frozen_note(name: str, config: Config, params: int, nbytes: int) -> str:
+    return (
+        f"Distillation: the frozen {name} ({config.name or f'{name}_config'}, {count(params)} parameters) in the "
+        f"compute dtype, sharded like the model, its root (embeddings, head) kept gathered: {fmt(nbytes)}; its final "
+        f"hidden states and its chunk of logits are counted with the model's."
+    )
+
+
+def _kv_cache_per_token(config: Config, dtype: torch.dtype) -> tuple[int, str]:
+    """Bytes per position of the KV cache generation allocates (the model's own caches, built on the meta device),
+    and a note saying so; latent attention caches its compressed latent, set against full keys and values."""
+    from litgpt.model import build_attention
+
+    with torch.device("meta"):
+        attn = build_attention(config, 0)
+
+    def per_token(**kwargs) -> int:
+        cache = attn.new_kv_cache(1, 1, device="meta", dtype=dtype, **kwargs)
+        return config.n_layer * sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+
+    def words(nbytes: int) -> str:
+        return f"{nbytes:,} bytes per position, {fmt(nbytes * config.block_size)} for {config.block_size:,} positions"
+
+    nbytes = per_token()
+    note = f"Generation (not in this training plan): one sequence's KV cache takes {words(nbytes)}"
+    if config.kv_lora_rank is not None:
+        full = words(per_token(latent=False))
+        note += f" (latent attention's compressed latent; full keys and values would take {full})"
+    return nbytes, note + "."
+
+
+def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, devices: int,
+               num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool) -> _Run:
+    """The options checked (by the training commands' own checks where they have one) and completed."""
+    from litgpt.distributed.topology import check_sharding_strategy
+    from litgpt.train.arguments import check_limits, check_seq_length
+
+    if device not in PLAN_DEVICES:
+        raise UserError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}.")
+    check_sharding_strategy(fsdp.sharding_strategy)
+    whole_numbers = (("--devices", devices), ("--num_nodes", num_nodes),
+                     ("--train.micro_batch_size", train.micro_batch_size))
+    for option, value in whole_numbers:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{option} must be a whole number >= 1, got {value!r}.")
+    check_limits(train)
+    world = devices * num_nodes
+    precision.check_devices(on_cpu=device == "cpu", sharded=world > 1)
+    seq_length = check_seq_length(train, recipe.config)
+    if not (isinstance(device_memory_gb, (int, float)) and device_memory_gb > 0):
+        raise UserError(f"--device_memory_gb must be a number > 0, got {device_memory_gb!r}.")
+    if recipe.quantize is not None:
+        _check_quantize_mode(recipe, world)
+    if fsdp.cpu_offload and world == 1:
+        raise UserError(
+            "--fsdp.cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1)."
+        )
+    shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy)
+    if recipe.quantize is not None:
+        _check_quantized_layout(recipe, precision, fsdp, world, shard)
+    return _Run(
+        recipe=recipe, precision=precision, sharding_strategy=fsdp.sharding_strategy, device=device,
+        devices=devices, num_nodes=num_nodes, micro_batch_size=train.micro_batch_size, seq_length=seq_length,
+        activation_checkpointing=ActivationCheckpointing.parse(train.activation_checkpointing),
+        cpu_offload=fsdp.cpu_offload, accumulate_gradients=accumulate_gradients, shard=shard,
+        loss_chunk_size=_loss_chunk(recipe.config, train.micro_batch_size * seq_length, train.loss_chunk_size),
+        backward_prefetch=fsdp.backward_prefetch,
+    )
+
+
+def _check_quantize_mode(recipe: "Recipe", world: int) -> None:
+    from litgpt.quantize import check_quantize_mode
+
+    check_quantize_mode(recipe.quantize, sharded=world > 1)
+    if recipe.lora is None:
+        raise UserError("--quantize stores frozen base weights: it needs --method lora.")
+
+
+def _check_quantized_layout(recipe: "Recipe", precision: Precision, fsdp: FSDPArgs, world: int, shard: int) -> None:
+    """The training commands' checks of a quantized base against the FSDP layout (`quantization_for`)."""
+    from litgpt.quantize import check_nf4_precision, check_quantized_offload, storage_mode
+
+    if world > 1:
+        check_quantized_offload("--fsdp.cpu_offload", fsdp.cpu_offload, shard, fsdp.sharding_strategy)
+    if storage_mode(recipe.quantize, world > 1) == "ao.nf4":
+        check_nf4_precision(precision.name, sharded=shard > 1)
+
+
+def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> int:
+    """Positions per chunk of the head and loss: --train.loss_chunk_size, or training's automatic rule."""
+    from litgpt.train.loss import auto_chunk_size
+
+    if loss_chunk_size is None:
+        return auto_chunk_size(tokens, config.n_embd, config.padded_vocab_size)
+    return min(loss_chunk_size, tokens)
+
+
+def _shard_group(devices: int, num_nodes: int, strategy: str) -> int:
+    """The devices one copy of the sharded state spans: the shard dimension of training's FSDP mesh."""
+    if devices * num_nodes == 1:
+        return 1
+    from litgpt.distributed.topology import Topology
+
+    with contextlib.redirect_stderr(io.StringIO()):  # Topology's note on HYBRID_SHARD: the plan has its own
+        return Topology(devices, num_nodes, strategy).mesh_shape[1]
+
+
+def _resident_state(run: _Run, layout: Layout) -> dict:
+    """Parameters, gradients and optimizer state as they stay on the device (or, offloaded, in host memory)."""
+
+    parameters = sum(_resident_bytes(run, p) for p in layout.params)
+    trainable = [p for p in layout.params if p.trainable]
+    gradients = sum(_shard_numel(p.shape, run.shard) for p in trainable) * run.master
+    optimizer_state = 2 * gradients + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
+    state = dict(
+        parameters=parameters, gradients=gradients, optimizer_state=optimizer_state, host_per_node=0,
+        # Sharded strategies reduce-scatter after every micro-batch, so accumulation holds sharded gradients
+        # (NO_SHARD holds them unsharded, which is the same size there).
+        gradients_held=gradients if run.accumulate_gradients else 0,
+        resident=dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state),
+    )
+    if run.cpu_offload:
+        state["host_per_node"] = run.devices * (parameters + gradients + optimizer_state)
+        state["resident"] = dict(parameters=0, gradients=0, optimizer_state=0)
+        state["gradients_held"] = 0  # FSDP2 moves each reduce-scattered gradient to CPU memory
+    return state
+
+
+def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
+    """The activations held at the start of the backward pass, and the loss' float32 tensors; and, for the block
+    whose backward pass holds the most, what is held then (its own and the earlier blocks' activations) and what
+    it recomputes on top."""
+    checkpointing = run.activation_checkpointing
+    kept, recomputed = [], []
+    for index, layer in enumerate(saved.per_layer):
+        if not checkpointing.checkpoints(index):
+            kept.append(layer)
+            recomputed.append(0)
+        elif checkpointing.mode == "ops":  # the input and the cached outputs; the rest is recomputed
+            kept.append(saved.block_inputs[index] + saved.kept_outputs[index])
+            recomputed.append(layer - saved.kept_outputs_saved[index])
+        else:  # only the input; the whole block is recomputed
+            kept.append(saved.block_inputs[index])
+            recomputed.append(layer)
+    # The backward pass runs the blocks last to first, freeing each one's activations when it is done.
+    held = [sum(kept[: index + 1]) + recomputed[index] for index in range(len(kept))]
+    worst = max(range(len(kept)), key=held.__getitem__, default=None)
+    chunk_logits, loss_gradients = _chunked_loss_bytes(run)
+    return dict(
+        activations=saved.root + sum(kept), root=saved.root, logits_loss=chunk_logits + loss_gradients,
+        chunk_logits=chunk_logits,
+        backward=sum(kept[: worst + 1]) if worst is not None else 0,
+        recompute=recomputed[worst] if worst is not None else 0,
+        largest_layer=max(saved.per_layer, default=0),
+    )
+
+
+def _resident_bytes(run: _Run, p: Param) -> int:
+    """One parameter as it stays on a device: its shard in the master dtype, or its quantized layout."""
+    if p.quantized:
+        return stored_bytes(p.shape, run.stored_quantize, run.compute, run.shard)
+    return _shard_numel(p.shape, run.shard) * run.master
+
+
+def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
+    """(one chunk's logits as the head and loss hold them, the gradients the chunk loop accumulates): see the module
+    docstring."""
+    config = run.config
+    vocab, width = config.padded_vocab_size, config.n_embd
+    per_row = 4 + (2 if run.compute == 2 else 0) + (4 if config.final_logit_softcapping is not None else 0)
+    chunk_logits = run.loss_chunk_size * vocab * per_row
+    hidden_grad = run.tokens * width * run.param_compute
+    if run.lora is None:  # the head's weight (or the tied embedding) trains
+        head_grads = vocab * width * run.param_compute
+        if run.param_compute != run.compute:  # autocast: each chunk's 16-bit product, then added in float32
+            head_grads += vocab * width * run.compute
+    else:
+        head_grads = vocab * run.lora.r * run.param_compute if run.lora.head else 0
+    return chunk_logits, hidden_grad + head_grads
+
+
+def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict:
+    """FSDP's gathered units, or on one device autocast's 16-bit weight copies, at each moment of the step."""
+    unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    block_bytes = sorted(sum(_gathered_bytes(run, p) for p in ps) for ps in layout.blocks)
+    root_bytes = unsharded(layout.root) * run.compute
+    gathered = dict(root=root_bytes if run.fsdp else 0, forward_end=0)
+    if run.fsdp:
+        # `shard_model` keeps the root (embeddings, final norm, head) gathered from its forward to its backward, which
+        # starts with the head. A block is gathered for its forward and again for its backward, the next one
+        # prefetched (a shard group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
+        # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
+        ahead = max(1, run.backward_prefetch) if run.shard > 1 else 0
+        gathered["backward"] = root_bytes + sum(block_bytes[-(1 + ahead):])
+        if run.sharding_strategy == "SHARD_GRAD_OP" and run.shard > 1:
+            gathered.update(start=root_bytes + sum(block_bytes), detail="every block + root, from forward to backward")
+        else:
+            gathered.update(start=root_bytes, detail=f"root + {1 + max(1, run.backward_prefetch)} blocks at a time, "
+                                                     "compute dtype")
+    elif run.autocast:
+        # Autocast's 16-bit copies of the weights that autograd saved; with checkpointing only the head's and the
+        # recomputed block's are saved, but the cached copies of trainable weights last until the forward pass ends.
+        gathered.update(start=saved.weight_copies, backward=saved.weight_copies)
+        gathered["detail"] = "autocast's 16-bit copies of the linear weights"
+        if run.activation_checkpointing:
+            checkpointed = run.activation_checkpointing.checkpoints
+            layer_copies = list(enumerate(saved.layer_weight_copies))
+            kept = saved.weight_copies - sum(copies for index, copies in layer_copies if checkpointed(index))
+            gathered["start"] = kept  # the head's, and those of the blocks not checkpointed (every:N)
+            gathered["backward"] = kept + max((c for i, c in layer_copies if checkpointed(i)), default=0)
+            gathered["forward_end"] = max(saved.cached_weight_copies, kept)
+    else:
+        gathered.update(start=0, backward=0, detail="none on a single device")
+    return gathered
+
+
+def _block_backward(run: _Run, layout: Layout) -> dict:
+    """What the backward pass of one block allocates on top of the activations, and the root's gradients."""
+    config = run.config
+    unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    grad_itemsize = run.compute if (run.autocast or run.fsdp) else run.param_compute
+    widest = max(config.qkv_size, _mlp_width(config), config.n_embd)
+    activation_grads = 3 * run.tokens * widest * grad_itemsize + 2 * run.tokens * config.n_embd * run.param_compute
+    math_path = math_attention(config, run.device, run.precision)
+    if config.attention_logit_softcapping is not None:
+        attention = "soft-capped attention, materialized"
+    elif math_path:
+        attention = "math attention: no fused float32 kernel takes grouped keys"
+    else:
+        attention = "flash attention" if run.device == "cuda" else "CPU flash attention"
+    if math_path or config.attention_logit_softcapping is not None:
+        # The attention weights' gradient and the scores' gradient: (B, H, T, T) each.
+        activation_grads += 2 * run.micro_batch_size * config.n_head * run.seq_length**2 * run.compute
+    top_trainable = unsharded(layout.top_block_trainable)
+    reduce_bytes = run.master  # FSDP's reduce dtype: float32 for -mixed (and 32-true), 16 bits for -true
+    if run.fsdp:
+        # The block's unsharded gradients in the compute dtype, and the reduce-scatter input in the reduce dtype.
+        weight_grads = top_trainable * (run.compute + reduce_bytes)
+    else:
+        weight_grads = 0 if run.accumulate_gradients else top_trainable * run.master
+    largest_quantized = max(layout.quantized_numel, default=0)
+    dequantized = 0
+    if run.quantize:
+        dequantized = dequantize_bytes(largest_quantized, run.stored_quantize, run.compute, run.param_compute)
+    root_trainable = unsharded([p for p in layout.root if p.trainable])
+    if run.fsdp:
+        root_grads = root_trainable * run.compute  # the root reduces its gradients after the whole backward
+    else:
+        root_grads = 0 if run.accumulate_gradients else root_trainable * run.master
+    return dict(
+        activation_grads=activation_grads, weight_grads=weight_grads, dequantized=dequantized, root_grads=root_grads,
+        attention=attention, math_attention=math_path,
+    )
+
+
+def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward: dict) -> dict[str, dict]:
+    """Every row's size at each moment of the step that can be the peak."""
+    held = state["gradients_held"]
+    buffers = activations["recompute"] + backward["activation_grads"] + backward["weight_grads"]
+    buffers += backward["dequantized"]
+    root_grads = backward["root_grads"]
+    moments = {}
+    if run.autocast and run.activation_checkpointing:
+        moments["end of the forward pass"] = dict(
+            gradients=held, gathered_params=gathered["forward_end"], activations=activations["activations"],
+            logits_loss=activations["chunk_logits"], buffers=backward["dequantized"],
+        )
+    moments["start of the backward pass"] = dict(
+        gradients=held, gathered_params=gathered["start"], activations=activations["activations"],
+        logits_loss=activations["logits_loss"], buffers=backward["dequantized"],
+    )
+    moments["backward pass of the last block"] = dict(
+        gradients=held + root_grads, gathered_params=gathered["backward"],
+        activations=activations["backward"], buffers=buffers,
+    )
+    # Under FSDP the root's parameters stay gathered and its gradients unsharded until the backward pass ends.
+    moments["optimizer step"] = dict(
+        gradients=state["resident"]["gradients"] + (root_grads if run.fsdp else 0), gathered_params=gathered["root"]
+    )
+    for moment in moments.values():
+        moment.update(
+            parameters=state["resident"]["parameters"], optimizer_state=state["resident"]["optimizer_state"]
+        )
+    return moments
+
+
+def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: dict[str, dict]) -> int:
+    """Add the frozen model `name` (a distillation teacher, `litgpt.train.recipe.Recipe.materialize_teacher`) of
+    config `frozen` and parameters `layout` to every moment; returns its weights' bytes on the device.
+
+    Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays
+    gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
+    the end of the model's backward pass, and one chunk of the loss holds, beside the model's logits, the teacher's
+    (their 16-bit product and float32 copy) and at most three more float32 (positions, vocab) buffers of the KD loss
+    (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its
+    own forward pass, which comes first, is a moment of its own: two of its blocks gathered and one block's
+    intermediate activations (none are saved: no gradient)."""
+    numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
+    if run.fsdp:
+        shards = sum(_shard_numel(p.shape, run.shard) for p in layout.params) * run.compute
+        resident = (0 if run.cpu_offload else shards) + numel(layout.root) * run.compute
+    else:
+        resident = layout.total_params * run.compute
+    hidden = run.tokens * frozen.n_embd * run.compute
+    per_row = (2 if run.compute == 2 else 0) + 4 + 3 * 4 + (4 if frozen.final_logit_softcapping is not None else 0)
+    for phase, moment in moments.items():
+        moment["parameters"] += resident
+        if phase != "optimizer step":
+            moment["activations"] = moment.get("activations", 0) + hidden
+        if "logits_loss" in moment and phase == "start of the backward pass":
+            moment["logits_loss"] += run.loss_chunk_size * frozen.padded_vocab_size * per_row
+    blocks = sorted(numel(block) for block in layout.blocks)[-2:] if run.fsdp and run.shard > 1 else []
+    widest = max(frozen.qkv_size, _mlp_width(frozen), frozen.n_embd)
+    first = moments["optimizer step"]
+    moments[f"{name}'s forward pass"] = dict(
+        parameters=first["parameters"], optimizer_state=first["optimizer_state"],
+        gradients=moments["start of the backward pass"]["gradients"], gathered_params=sum(blocks) * run.compute,
+        activations=hidden, buffers=3 * run.tokens * widest * run.compute,
+    )
+    return resident
+
+
+def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathered: dict, backward: dict,
+              loading: int) -> tuple[dict[str, str], list[str]]:
+    """The table's detail column and the notes under it."""
+    dtype_name = {4: "float32", 2: "16-bit"}
+    master, config = dtype_name[run.master], run.config
+    placement = f"1/{run.shard} shard" if run.shard > 1 else ("replicated" if run.fsdp else "one device")
+    if run.cpu_offload:
+        placement = "in CPU memory"
+    details = {
+        "parameters": f"{placement}, {master}" + (f", blocks' linears {run.stored_quantize}" if run.quantize else ""),
+        "gradients": f"{placement}, {master}"
+        + (" (+ the root's unsharded in the backward pass)" if run.fsdp and backward["root_grads"] else ""),
+        "optimizer_state": f"2 moments, {placement}, {master}",
+        "gathered_params": gathered["detail"],
+        "activations": _activations_detail(run, activations),
+        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
+        "vocab, + head and hidden gradients",
+        "buffers": ("1 block recomputed + " if activations["recompute"] else "")
+        + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else ""),
+    }
+    notes = []
+    if loading:
+        steps = "each block's whole NF4 weights, then only its shards" if run.fsdp else "one weight at a time"
+        notes.append(
+            f"--quantize: the base is quantized from the memory-mapped file onto the device ({steps}): at most "
+            f"{fmt(loading)} (+ overhead) at that moment, before training starts."
+        )
+    if run.quantize and run.stored_quantize != run.quantize:
+        notes.append(
+            f"--quantize {run.quantize} on several devices: planned as torchao NF4 (ao.nf4), as the training commands "
+            "store it (FSDP2 shards it and all-gathers it in 4 bits)."
+        )
+    if run.method == "lora" and run.quantize is None:
+        notes.append(
+            f"The frozen base weights are stored in {master} (the training commands cast the whole model "
+            "to the master dtype); --quantize stores the blocks' linear weights in 4 or 8 bits."
+        )
+    if run.fsdp and run.sharding_strategy == "HYBRID_SHARD" and run.num_nodes == 1:
+        notes.append("HYBRID_SHARD on one node shards over its devices, as FULL_SHARD does.")
+    if run.cpu_offload:
+        notes.append(
+            f"CPU offload: the sharded parameters, gradients and optimizer state take {fmt(state['host_per_node'])} "
+            f"of host memory per node ({run.devices} device(s)); the optimizer step runs on the CPU."
+        )
+    if run.device == "cuda":
+        notes.append(
+            f"Overhead assumed: {fmt(CUDA_CONTEXT_BYTES)} for the CUDA context and library workspaces, plus "
+            f"{CUDA_FRAGMENTATION:.0%} of the peak for the caching allocator's fragmentation."
+        )
+    else:
+        notes.append(f"Overhead assumed: {fmt(CPU_RUNTIME_BYTES)}, the resident size of Python and torch themselves.")
+    if config.mlp_class_name == "LLaMAMoE":
+        notes.append("Mixture of experts: the routed rows (k per token, sorted by expert) have fixed shapes: the plan "
+                     "holds whatever the routing.")
+    if backward["math_attention"]:
+        notes.append(
+            "No fused CUDA attention kernel takes float32 with grouped keys: the math path keeps a (batch, heads, seq, "
+            "seq) softmax per layer; a 16-bit precision runs flash attention instead."
+        )
+    return details, notes
+
+
+def _activations_detail(run: _Run, activations: dict) -> str:
+    checkpointing, n_layer = run.activation_checkpointing, run.config.n_layer
+    every_block = f"{n_layer} blocks x {fmt(activations['largest_layer'])} + head"
+    if checkpointing.mode == "every":
+        checkpointed = sum(map(checkpointing.checkpoints, range(n_layer)))
+        return f"{checkpointed} block inputs + {n_layer - checkpointed} blocks + head"
+    if checkpointing.mode == "ops":
+        return f"{n_layer} block inputs + matmul and attention outputs + head"
+    return f"{n_layer} block inputs + head" if checkpointing else every_block
+
+
+def _overhead(peak: int, device: str) -> int:
+    if device == "cuda":
+        return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * peak)
+    return CPU_RUNTIME_BYTES
+
+
+def _lora_targets(lora) -> list[str]:
+    if lora is None:
+        return []
+    return [name for name in ("query", "key", "value", "projection", "mlp", "head") if getattr(lora, name)]
+
+
+def _shard_numel(shape: tuple[int, ...], shard: int) -> int:
+    """Elements of the largest shard: FSDP2 splits dim 0 into `shard` equal chunks, padding the last."""
+    if not shape:
+        return 1
+    return -(-shape[0] // shard) * math.prod(shape[1:])
+
+
+def _gathered_bytes(run: _Run, p: Param) -> int:
+    """One parameter as FSDP all-gathers it: in the compute dtype, an NF4 weight in its own 4-bit layout (kept out of
+    FSDP, never gathered, over a shard group of one)."""
+    if p.quantized:
+        return nf4_bytes(p.shape, run.compute) if run.shard > 1 else 0
+    return math.prod(p.shape) * run.compute
+
+
+def _quantized_loading(run: _Run, layout: Layout) -> int:
+    """The device's peak while the training commands quantize the base from the memory-mapped file, one weight at a
+    time: the quantized weights so far (none with cpu_offload: FSDP moves each block's shards to CPU memory as it
+    shards the block), under FSDP the whole NF4 weights of the block about to be sharded, and the work of quantizing
+    the largest weight."""
+    quantized = [p for p in layout.params if p.quantized]
+    largest = max(layout.quantized_numel, default=0)
+    so_far = 0 if run.cpu_offload else sum(_resident_bytes(run, p) for p in quantized)
+    work = quantize_work_bytes(largest, run.stored_quantize, run.compute, run.master)
+    whole_block = 0
+    if run.fsdp:
+        whole_block = max(sum(nf4_bytes(p.shape, run.compute) for p in ps if p.quantized) for ps in layout.blocks)
+    return so_far + whole_block + work
+
+
+def _mlp_width(config: Config) -> int:
+    if config.mlp_class_name == "LLaMAMoE":  # k routed experts and the shared ones per token; dense first layers
+        routed = config.moe_intermediate_size * config.n_expert_per_token + (config.moe_shared_intermediate_size or 0)
+        return max(routed, config.intermediate_size) if config.moe_first_dense_layers else routed
+    return config.intermediate_size
+

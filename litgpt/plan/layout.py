@@ -1,0 +1,82 @@
+"""Every parameter of the models a run holds, by FSDP unit (the root, then each block): shapes, whether it trains,
+whether `--quantize` stores it in 4 or 8 bits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from litgpt.config import Config
+
+if TYPE_CHECKING:
+    from litgpt.train.recipe import Recipe
+
+
+@dataclass
+class Param:
+    shape: tuple[int, ...]
+    trainable: bool
+    quantized: bool
+
+
+@dataclass
+class Layout:
+    root: list[Param]  # the embedding, the final norm and the head: FSDP's root unit
+    blocks: list[list[Param]]  # one FSDP unit per block
+    quantized_numel: list[int]
+
+    @property
+    def params(self) -> list[Param]:
+        return self.root + [p for block in self.blocks for p in block]
+
+    @property
+    def total_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params if p.trainable)
+
+    @property
+    def top_block_trainable(self) -> list[Param]:
+        return [p for p in self.blocks[-1] if p.trainable] if self.blocks else []
+
+
+def parameter_layout(recipe: "Recipe") -> Layout:
+    """The recipe's model as it trains (`Recipe.build_model`: adapters added, what trains requiring gradients), with
+    the blocks' linear weights marked quantized under `recipe.quantize`."""
+    from litgpt.quantize import quantize_targets
+
+    model = recipe.build_model()
+    quantized = {id(layer.weight) for _, _, layer in quantize_targets(model)} if recipe.quantize else set()
+    return _layout(model, recipe.config.n_layer, quantized)
+
+
+def frozen_layout(config: Config) -> Layout:
+    """A frozen model the recipe holds beside the trained one (`Recipe.frozen_configs`): the plain model of `config`,
+    as `Recipe.materialize_teacher` builds it, nothing trainable."""
+    from litgpt.checkpoint.model_files import meta_device
+    from litgpt.model import GPT
+
+    with meta_device():
+        model = GPT(config)
+    model.requires_grad_(False)
+    return _layout(model, config.n_layer, set())
+
+
+def _layout(model: nn.Module, n_layer: int, quantized: set[int]) -> Layout:
+    root: list[Param] = []
+    blocks: list[list[Param]] = [[] for _ in range(n_layer)]
+    quantized_numel = []
+    for name, param in model.named_parameters():
+        entry = Param(tuple(param.shape), param.requires_grad, id(param) in quantized)
+        if entry.quantized:
+            quantized_numel.append(param.numel())
+        if name.startswith("transformer.h."):
+            blocks[int(name.split(".")[2])].append(entry)
+        else:
+            root.append(entry)
+    return Layout(root, blocks, quantized_numel)

@@ -1,0 +1,262 @@
+"""What autograd saves in one training forward pass, measured on the real model with fake tensors.
+
+Nothing is allocated: the model is measured, not re-described. `saved_activation_bytes` takes the model as the recipe
+builds it (`litgpt.train.recipe.Recipe.build_model`: on the meta device, with its LoRA adapters and only what trains
+requiring gradients), gives it fake parameters (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and
+strides, no memory) and runs one forward pass under `torch.autograd.graph.saved_tensors_hooks`. The hooks see every
+tensor autograd keeps for the backward pass; each distinct storage counts once (views share theirs), and a saved
+parameter is not an activation (under FSDP the run's parameters stand for the gathered ones, a row of their own).
+Forward hooks on the blocks say which block saved what, and what each block received as its input. The result is kept
+per model config and settings for the rest of the process.
+
+The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how it adjusts
+for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `math_attention`):
+
+- 16-bit compute is run in bfloat16 (float16 has the same sizes). A -mixed precision on one device runs under the
+  CPU's autocast, whose op lists are taken for CUDA's: for the ops of this model they agree (linear layers, matmuls
+  and attention in 16 bits; norms and float32 softmax as they are).
+- --quantize: the fake run keeps the frozen base linears in floating point. bitsandbytes' quantized matmul and
+  torchao's `linear_nf4` save what a frozen float linear saves: the weight (not an activation), never its input.
+- mixture of experts: the routed rows are sorted by expert into tensors of fixed shape (k x tokens rows), so the
+  memory does not depend on which expert a token goes to, and the fake run needs no routing of its own.
+- --device cuda, where kernels differ from the CPU's:
+  - attention: in float32 with grouped keys (n_query_groups < n_head) no fused CUDA kernel applies, and the fake run
+    selects PyTorch's math path (`sdpa_kernel(SDPBackend.MATH)`), which keeps the (batch, heads, seq, seq) softmax.
+    Otherwise the CPU's flash kernel saves what CUDA's flash and memory-efficient kernels save (q, k, v, output,
+    log-sum-exp), except that the memory-efficient kernel (float32, or a mask such as a sliding window) lays its
+    output out as (batch, seq, heads, head size), which changes whether the projection's reshape copies it; the
+    kernels' 16-byte random-number state and the memory-efficient kernel's padding of the log-sum-exp to 32 rows
+    are left out. Soft-capped attention (Gemma 2) is the model's own matmuls and softmax, on every device.
+  - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
+  - LayerNorm keeps its mean and reciprocal deviation in float32 on CUDA, in the input's dtype on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from litgpt.config import Config
+from litgpt.distributed.activation_checkpointing import is_kept
+from litgpt.errors import UserError
+from litgpt.precision import Precision
+
+if TYPE_CHECKING:
+    from litgpt.train.recipe import Recipe
+
+
+@dataclass
+class SavedActivations:
+    """Bytes autograd saves in the forward pass of the model (the loss' own tensors not included).
+
+    `per_layer`: one entry per block (a storage first saved in a block counts there); `root`: the rest (the
+    embedding's indices, the final norm, the head's input, a final soft-capping). `block_inputs`: the storage of each
+    block's input, what activation checkpointing keeps. With autocast (a -mixed precision on one device)
+    `weight_copies` are its 16-bit copies of the weights that autograd saves (`layer_weight_copies` per block, the
+    rest the head's), and `cached_weight_copies` those of the trainable weights, which autocast's cache holds until
+    the forward pass ends even where checkpointing saves nothing. `kept_outputs`: per block, the outputs of the
+    operations op-level checkpointing keeps (`KEPT_OPS`: matmuls, attention), and `kept_outputs_saved` the part of
+    `per_layer` they make up (what a recomputation of the block need not allocate again).
+    """
+
+    per_layer: list[int]
+    root: int
+    weight_copies: int = 0
+    layer_weight_copies: list[int] = field(default_factory=list)
+    cached_weight_copies: int = 0
+    block_inputs: list[int] = field(default_factory=list)
+    kept_outputs: list[int] = field(default_factory=list)
+    kept_outputs_saved: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.root + self.weight_copies
+
+
+_MEASURED: dict[tuple, SavedActivations] = {}
+
+
+def saved_activation_bytes(recipe: "Recipe", *, micro_batch_size: int, seq_length: int, precision: Precision,
+                           sharded: bool = False, device: str = "cuda") -> SavedActivations:
+    """What autograd saves in one forward pass of the recipe's model training with these settings, measured by
+    running it on fake tensors (see the module docstring). With a -mixed precision a single device runs under autocast
+    over float32 weights, FSDP (`sharded`) in 16 bits throughout."""
+    key = (repr(recipe.config), repr(recipe.lora), micro_batch_size, seq_length, precision.name, sharded, device)
+    if key not in _MEASURED:
+        if len(_MEASURED) >= 64:
+            _MEASURED.clear()
+        _MEASURED[key] = _measure(recipe, micro_batch_size, seq_length, precision, sharded, device)
+    return copy.deepcopy(_MEASURED[key])
+
+
+def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, sharded: bool,
+             device: str) -> SavedActivations:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    autocast = precision.mixed and not sharded
+    stored = precision.weights_dtype if autocast else precision.compute_dtype
+    dtype = torch.float32 if stored == torch.float32 else torch.bfloat16  # 16 bits: same sizes
+    fake = FakeTensorMode()
+    model = _fake_model(recipe, dtype, fake)
+    tape = _SavedTensors(model, autocast)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake)
+        idx = torch.zeros((batch, seq), dtype=torch.long)
+        stack.enter_context(_Kernels(device, tape))
+        if device == "cuda":
+            stack.enter_context(_NativeDropout())
+        if math_attention(recipe.config, device, precision):
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tape.pack, lambda tensor: tensor))
+        try:
+            model(idx)
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise UserError(f"The model config cannot run a forward pass of this size: {first_line}") from None
+    return tape.result(recipe.config.n_layer)
+
+
+def _fake_model(recipe: "Recipe", dtype: torch.dtype, fake) -> torch.nn.Module:
+    """The recipe's model (`Recipe.build_model`: what trains requires gradients) in `dtype`, with fake parameters:
+    every parameter (ties kept) and buffer made a fake CPU tensor."""
+    model = recipe.build_model()
+    fakes: dict[int, torch.nn.Parameter] = {}
+    with fake:
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in fakes:
+                    fresh = torch.empty(param.shape, dtype=dtype)
+                    fakes[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+                if param is not None:
+                    module._parameters[name] = fakes[id(param)]
+            for name, buffer in module._buffers.items():  # the routers' correction biases
+                if buffer is not None:
+                    module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
+    return model
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (views share it), for as long as the storage lives."""
+    return tensor.untyped_storage()._cdata
+
+
+class _SavedTensors:
+    """The pack hook: counts every storage autograd saves once, by where it was first saved, parameters left out."""
+
+    def __init__(self, model: torch.nn.Module, autocast: bool) -> None:
+        self.params = {_storage(p) for p in model.parameters()}
+        self.trainable = {_storage(p) for p in model.parameters() if p.requires_grad}
+        self.autocast = autocast
+        self.copies: set[int] = set()  # storages of autocast's copies of parameters
+        self.cached = 0
+        self.where: object = "root"
+        self.saved: dict[object, int] = {}
+        self.saved_copies: dict[object, int] = {}
+        self.saved_kept: dict[object, int] = {}
+        self.inputs: list[int] = []
+        self.kept: dict[int, tuple[object, int]] = {}  # `KEPT_OPS`' output storages: (block made in, bytes)
+        self.seen: set[int] = set()
+        self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
+        for index, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(lambda module, args, index=index: self.enter(index, args[0]))
+            block.register_forward_hook(lambda module, args, out: setattr(self, "where", "root"))
+
+    def enter(self, index: int, x: torch.Tensor) -> None:
+        self.where = index
+        self.inputs.append(x.untyped_storage().nbytes())
+
+    def copied(self, source: torch.Tensor, copy: torch.Tensor) -> None:
+        """A cast (`_to_copy`) ran: under autocast, a 16-bit copy of a parameter is a weight copy."""
+        if self.autocast and isinstance(source, torch.Tensor) and _storage(source) in self.params:
+            self.copies.add(_storage(copy))
+            self.alive.append(copy)
+            if _storage(source) in self.trainable:  # autocast caches these until the forward pass ends
+                self.cached += copy.untyped_storage().nbytes()
+
+    def kept_output(self, output) -> None:
+        """An operation op-level checkpointing keeps the outputs of ran: note their storages for the block."""
+        for tensor in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(tensor, torch.Tensor) and _storage(tensor) not in self.params:
+                self.kept.setdefault(_storage(tensor), (self.where, tensor.untyped_storage().nbytes()))
+                self.alive.append(tensor)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage(tensor)
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.alive.append(tensor)
+            table = self.saved_copies if key in self.copies else self.saved
+            table[self.where] = table.get(self.where, 0) + tensor.untyped_storage().nbytes()
+            if key in self.kept and self.kept[key][0] == self.where:
+                self.saved_kept[self.where] = self.saved_kept.get(self.where, 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    def result(self, n_layer: int) -> SavedActivations:
+        layer_copies = [self.saved_copies.get(i, 0) for i in range(n_layer)]
+        return SavedActivations(
+            per_layer=[self.saved.get(i, 0) for i in range(n_layer)], root=self.saved.get("root", 0),
+            weight_copies=sum(self.saved_copies.values()), layer_weight_copies=layer_copies,
+            cached_weight_copies=self.cached, block_inputs=self.inputs,
+            kept_outputs=[sum(n for where, n in self.kept.values() if where == i) for i in range(n_layer)],
+            kept_outputs_saved=[self.saved_kept.get(i, 0) for i in range(n_layer)],
+        )
+
+
+def math_attention(config: Config, device: str, precision: Precision) -> bool:
+    """On CUDA no fused attention kernel takes float32 with grouped keys: PyTorch runs its math path."""
+    return (
+        device == "cuda" and precision.compute_dtype == torch.float32 and config.n_query_groups != config.n_head
+        and config.attention_logit_softcapping is None
+    )
+
+
+class _Kernels(TorchDispatchMode):
+    """Below autograd in the fake run: notes autocast's weight copies and the outputs op-level checkpointing keeps
+    and, for --device cuda, gives kernels' results CUDA's dtypes and layouts."""
+
+    def __init__(self, device: str, tape: _SavedTensors) -> None:
+        super().__init__()
+        self.cuda = device == "cuda"
+        self.tape = tape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten._to_copy.default:
+            self.tape.copied(args[0], out)
+        elif self.cuda and func is aten.native_layer_norm.default:
+            out = (out[0], out[1].float(), out[2].float())  # CUDA keeps mean and rstd in float32
+        elif self.cuda and func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            if args[0].dtype == torch.float32 or kwargs.get("attn_mask") is not None:
+                # CUDA's memory-efficient kernel writes its output as (B, T, H, hs), seen as (B, H, T, hs).
+                out = (out[0].transpose(1, 2).contiguous().transpose(1, 2), *out[1:])
+        if is_kept(func):
+            self.tape.kept_output(out)
+        return out
+
+
+class _NativeDropout(TorchFunctionMode):
+    """CUDA's dropout: the fused kernel (`native_dropout`), which saves a one-byte mask where the CPU's dropout saves
+    the scaled noise in the input's dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            return self.dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return torch.nn.functional.dropout(input, p, training, inplace)
