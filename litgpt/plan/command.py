@@ -133,13 +133,13 @@ def recipe_for(config: Config, method: str = "full", lora: Optional[LoRASettings
     settings when None) on a base stored as `quantize`, distilled from a frozen `teacher_config`. The one place the
     plan builds a `Recipe`."""
     from litgpt.args import KDArgs
-    from litgpt.train.recipe import Recipe, TeacherSettings
+    from litgpt.train.recipe import Recipe
+    from litgpt.train.recipes.distill import DistillRecipe, TeacherSettings
 
     if method not in METHODS:
         raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
     lora = (lora or LoRASettings()) if method == "lora" else None
-    teacher = None
     if teacher_config is not None:  # the plan reads no weights, and the KD settings change no memory
         teacher = TeacherSettings(config=teacher_config, weights=Path("unused"), kd=KDArgs())
-    name = "distill" if teacher else "finetune_lora" if lora else "pretrain"
-    return Recipe(name, config, lora=lora, quantize=quantize, teacher=teacher)
+        return DistillRecipe("distill", config, lora=lora, quantize=quantize, teacher=teacher)
+    return Recipe("finetune_lora" if lora else "pretrain", config, lora=lora, quantize=quantize)

@@ -303,7 +303,6 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
                num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool) -> _Run:
     """The options checked (by the training commands' own checks where they have one) and completed."""
     from litgpt.distributed.topology import check_sharding_strategy
-    from litgpt.train.arguments import check_limits, check_seq_length
 
     if device not in PLAN_DEVICES:
         raise UserError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}.")
@@ -313,10 +312,10 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
     for option, value in whole_numbers:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{option} must be a whole number >= 1, got {value!r}.")
-    check_limits(train)
+    train.check()
     world = devices * num_nodes
     precision.check_devices(on_cpu=device == "cpu", sharded=world > 1)
-    seq_length = check_seq_length(train, recipe.config)
+    seq_length = train.seq_length(recipe.config)
     if not (isinstance(device_memory_gb, (int, float)) and device_memory_gb > 0):
         raise UserError(f"--device_memory_gb must be a number > 0, got {device_memory_gb!r}.")
     if recipe.quantize is not None:
@@ -353,7 +352,7 @@ def _check_quantized_layout(recipe: "Recipe", precision: Precision, fsdp: FSDPAr
     if world > 1:
         check_quantized_offload("--fsdp.cpu_offload", fsdp.cpu_offload, shard, fsdp.sharding_strategy)
     if storage_mode(recipe.quantize, world > 1) == "ao.nf4":
-        check_nf4_precision(precision.name, sharded=shard > 1)
+        check_nf4_precision(precision, sharded=shard > 1)
 
 
 def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> int:
@@ -555,7 +554,7 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
 
 
 def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: dict[str, dict]) -> int:
-    """Add the frozen model `name` (a distillation teacher, `litgpt.train.recipe.Recipe.materialize_teacher`) of
+    """Add the frozen model `name` (a distillation teacher, `litgpt.train.recipe.Recipe.frozen_model`) of
     config `frozen` and parameters `layout` to every moment; returns its weights' bytes on the device.
 
     Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays

@@ -57,14 +57,10 @@ def parameter_layout(recipe: "Recipe") -> Layout:
 
 def frozen_layout(config: Config) -> Layout:
     """A frozen model the recipe holds beside the trained one (`Recipe.frozen_configs`): the plain model of `config`,
-    as `Recipe.materialize_teacher` builds it, nothing trainable."""
-    from litgpt.checkpoint.model_files import meta_device
-    from litgpt.model import GPT
+    as `Recipe.build_frozen` builds it, nothing trainable."""
+    from litgpt.train.recipe import Recipe
 
-    with meta_device():
-        model = GPT(config)
-    model.requires_grad_(False)
-    return _layout(model, config.n_layer, set())
+    return _layout(Recipe.build_frozen(config), config.n_layer, set())
 
 
 def _layout(model: nn.Module, n_layer: int, quantized: set[int]) -> Layout:

@@ -193,7 +193,16 @@ class Recipe:
         return {}
 
     @staticmethod
-    def frozen_model(fabric, config: Config, weights: Path, precision: Precision, compile_blocks: bool,
+    def build_frozen(config: Config) -> nn.Module:
+        """A frozen model of `config` on the meta device, without gradients (what `frozen_model` sets up)."""
+        from litgpt.model import GPT
+
+        with meta_device():
+            model = GPT(config)
+        return model.requires_grad_(False)
+
+    @classmethod
+    def frozen_model(cls, fabric, config: Config, weights: Path, precision: Precision, compile_blocks: bool,
                      subject: str) -> nn.Module:
         """A frozen model on the devices: built on the meta device, without gradients, stored in the compute dtype
         (it keeps no master weights), set up by `parallelize` like the trained model (sharded over the same mesh),
@@ -206,12 +215,8 @@ class Recipe:
         with --fsdp.cpu_offload, from the device)."""
         from litgpt.distributed.fsdp import is_sharded
         from litgpt.distributed.parallelize import parallelize
-        from litgpt.model import GPT
 
-        with meta_device():
-            model = GPT(config)
-        model.requires_grad_(False)
-        model = parallelize(fabric, model, precision, initialize=lambda model: None, activation_checkpointing=False,
+        model = parallelize(fabric, cls.build_frozen(config), precision, initialize=lambda model: None, activation_checkpointing=False,
                             compile_blocks=compile_blocks, dtype=precision.compute_dtype)
         if is_sharded(model):
             for block in model.transformer.h:
