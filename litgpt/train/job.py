@@ -143,12 +143,9 @@ def build_objective(fabric, job: Job, model, frozen: dict) -> Objective:
     if not job.compile_loss:
         return objective
     gpt = unwrap(model)
-
-    def build_rope_tables() -> None:  # before tracing: a table built inside the graph would recompile
-        for local in {False, gpt.config.rope_local_base is not None}:
-            gpt.rope_tables(fabric.device, local)
-
-    return objective.compiled(prepare=build_rope_tables)
+    for local in {False, gpt.config.rope_local_base is not None}:
+        gpt.rope_tables(fabric.device, local)  # built before tracing: a table built inside would recompile
+    return objective.compiled()
 
 
 def checkpoint_io(strategy):

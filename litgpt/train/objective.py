@@ -36,10 +36,8 @@ class Objective:
     validation_loss: BatchLoss
     compiles_train_loss: bool = False
 
-    def compiled(self, prepare: Callable[[], None] = lambda: None) -> "Objective":
-        """This objective with `torch.compile` of its training loss, after `prepare()` (e.g. building the tables a
-        traced graph must not build)."""
-        prepare()
+    def compiled(self) -> "Objective":
+        """This objective with `torch.compile` of its training loss (forward, head and loss in one graph)."""
         return replace(self, train_loss=torch.compile(self.train_loss), compiles_train_loss=True)
 
     @staticmethod
