@@ -3,17 +3,18 @@
 A `ForkServer` is one Python process, started with a given environment, that imports the libraries and modules the
 commands import (torch, Lightning Fabric, jsonargparse, litgpt's) once and then, for each command, forks a child that
 runs the real entry point as `python -m litgpt ARGS` does (`runpy` with `__main__`, `sys.argv`, the working folder
-first on `sys.path`): its stdin is /dev/null, its stdout and stderr go to files, an exception it does not catch is
-printed by the interpreter with its traceback and exit code 1, `sys.exit(n)` ends it with code n, and the interpreter
-ends it (exit handlers, teardown). Each command is a process of its own (nothing it changes reaches the next one);
-what it shares with the others is only the state the imports left, the same as in a fresh `python -m litgpt`.
+first on `sys.path`): its stdin is /dev/null or a file holding the given input, its stdout and stderr go to files, an
+exception it does not catch is printed by the interpreter with its traceback and exit code 1, `sys.exit(n)` ends it
+with code n, and the interpreter ends it (exit handlers, teardown). Each command is a process of its own (nothing it
+changes reaches the next one); what it shares with the others is only the state the imports left, the same as in a
+fresh `python -m litgpt`.
 
-`run_litgpt(args, cwd=..., env=...)` stands for `subprocess.run([sys.executable, "-m", "litgpt", *args], cwd=...,
-env=..., capture_output=True, text=True, stdin=subprocess.DEVNULL)` and returns the same `CompletedProcess`; the
-environment (this process's by default, read at each call) picks the server, started on first use with exactly that
-environment (environment variables are read at import). Only for commands of one process: a command that starts
-processes of its own (`--devices 2`) relaunches `sys.argv`, which is the server's, so such runs use a real
-subprocess.
+`run_litgpt(args, cwd=..., env=..., input=...)` stands for `subprocess.run([sys.executable, "-m", "litgpt", *args],
+cwd=..., env=..., input=..., capture_output=True, text=True)` (stdin empty without input) and returns the same
+`CompletedProcess`; the environment (this process's by default, read at each call) picks the server, started on
+first use with that environment (environment variables are read at import), PYTEST_CURRENT_TEST aside (set anew in
+each child). Only for commands of one process: a command that starts processes of its own (`--devices 2`) relaunches
+`sys.argv`, which is the server's, so such runs use a real subprocess.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ for line in requests:
     pid = os.fork()
     if pid == 0:
         requests.close(); replies.close()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        os.dup2(os.open(request["stdin"], os.O_RDONLY), 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.environ.clear()
+        os.environ.update(request["env"])  # differs from the server's only in variables read at run time
         os.chdir(request["cwd"])
         sys.path[0] = os.getcwd()  # as `python -m` puts it
         sys.modules.pop("litgpt.__main__", None)  # `python -m` runs it before anything imports it
@@ -108,14 +110,23 @@ class ForkServer:
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode()
 
-    def run(self, args: list, cwd: Path | str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-        """`python -m litgpt *args` in `cwd` (the server's folder by default); raises `subprocess.TimeoutExpired`
-        after `timeout` seconds, the command killed, as `subprocess.run` does."""
+    def run(self, args: list, cwd: Path | str | None = None, timeout: float = 300, input: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """`python -m litgpt *args` in `cwd` (the server's folder by default), reading `input` on stdin (nothing if
+        None); raises `subprocess.TimeoutExpired` after `timeout` seconds, the command killed, as `subprocess.run`
+        does."""
         assert self.process.poll() is None, f"the fork server ended:\n{(self.folder / 'server.log').read_text()}"
         self._count += 1
         stdout, stderr = self.folder / f"{self._count}.out", self.folder / f"{self._count}.err"
         argv = [str(arg) for arg in args]
-        request = {"argv": argv, "cwd": str(cwd or self.cwd), "stdout": str(stdout), "stderr": str(stderr)}
+        stdin = os.devnull
+        if input is not None:
+            stdin = self.folder / f"{self._count}.in"
+            stdin.write_text(input)
+        env = self.env if env is None else env
+        assert _key(env) == _key(self.env), "the server was started with another environment"
+        request = {"argv": argv, "cwd": str(cwd or self.cwd), "env": env, "stdin": str(stdin), "stdout": str(stdout),
+                   "stderr": str(stderr)}
         self._requests.write(json.dumps(request) + "\n")
         self._requests.flush()
         pid = json.loads(self._read_reply(timeout=60))["pid"]
@@ -126,8 +137,8 @@ class ForkServer:
             raise subprocess.TimeoutExpired(["litgpt", *argv], timeout)
         returncode = json.loads(reply)["returncode"]
         out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-        stdout.unlink()
-        stderr.unlink()
+        for file in (stdout, stderr, self.folder / f"{self._count}.in"):
+            file.unlink(missing_ok=True)
         return subprocess.CompletedProcess([sys.executable, "-m", "litgpt", *argv], returncode, out, err)
 
     def close(self) -> None:
@@ -142,19 +153,35 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# The variables that may differ between the server and a command forked from it: read at run time only (pytest
+# names the running test in PYTEST_CURRENT_TEST; no import reads it).
+RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST",)
+MAX_SERVERS = 2  # each holds torch and Lightning in memory; the least recently used one goes first
+
 _SERVERS: dict[tuple, ForkServer] = {}
 
 
-def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300):
-    """`python -m litgpt *args` in `cwd` with `env` (this process's environment if None), forked from the server
-    started with that environment (see the module's docstring)."""
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((name, value) for name, value in env.items() if name not in RUN_TIME_VARIABLES))
+
+
+def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300,
+               input: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m litgpt *args` in `cwd` with `env` (this process's environment if None), reading `input` (nothing
+    if None), forked from the server started with that environment (see the module's docstring)."""
     env = dict(os.environ if env is None else env)
-    key = tuple(sorted(env.items()))
-    server = _SERVERS.get(key)
-    if server is None or server.process.poll() is not None:
+    key = _key(env)
+    server = _SERVERS.pop(key, None)
+    if server is not None and server.process.poll() is not None:
+        server.close()
+        server = None
+    if server is None:
+        while len(_SERVERS) >= MAX_SERVERS:
+            _SERVERS.pop(next(iter(_SERVERS))).close()
         # Started in a folder of its own, so that nothing is imported from a test's folder.
-        server = _SERVERS[key] = ForkServer(env, cwd=tempfile.gettempdir())
-    return server.run(args, cwd=cwd, timeout=timeout)
+        server = ForkServer(env, cwd=tempfile.gettempdir())
+    _SERVERS[key] = server  # now the most recently used
+    return server.run(args, cwd=cwd, timeout=timeout, input=input, env=env)
 
 
 @atexit.register
