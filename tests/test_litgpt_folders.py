@@ -6,7 +6,6 @@ The reference is LitGPT's own code (tests/litgpt_reference.py), run in a subproc
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
