@@ -1,11 +1,13 @@
 """The catalogue of bad input: every command, fed something wrong, exits with code 1 and one line that names the
 problem, prints no traceback, and leaves every file on disk as it was.
 
-Each case runs the real `litgpt` CLI in a subprocess against fixtures built once for the module in one folder
-(`world`); the whole folder is hashed before and after each case, so a case that writes, deletes or creates anything
-there (an out_dir, a cache, a half-written file) fails. Every case starts Python and torch anew, so the heavier half
-is marked slow: most training commands (they import Lightning before they fail, ~8 s of CPU each) and a few of the
-lighter cases, so that the default run stays within about two minutes.
+Each case runs the real `litgpt` CLI in a process of its own against fixtures built once for the module in one
+folder (`world`); the whole folder is hashed before and after each case, so a case that writes, deletes or creates
+anything there (an out_dir, a cache, a half-written file) fails. The processes are forked from one server that has
+imported torch and Lightning once (tests/litgpt_forkserver.py: `python -m litgpt`'s entry point, exit code, stderr
+and exit handlers as in a fresh interpreter), instead of starting Python and importing Lightning anew each time
+(~8 s of CPU per training command). The heavier half stays marked slow: most training commands and a few of the
+lighter cases.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ import torch
 import yaml
 from checkpoint_helpers import write_random_checkpoint
 from hf_models import save_hf_model
+from litgpt_forkserver import run_litgpt
 
 from litgpt.io import save_state_dict
 from litgpt.config import Config
@@ -254,8 +255,7 @@ CASES = [
 def test_bad_input(world, args, message):
     before = tree_state(world)
     command = [arg.replace("{w}", str(world)) for arg in args]
-    result = subprocess.run([sys.executable, "-m", "litgpt", *command], capture_output=True, text=True, cwd=world,
-                            stdin=subprocess.DEVNULL, env=clean_environment(world), timeout=300)
+    result = run_litgpt(command, cwd=world, env=clean_environment(world), timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("litgpt")]  # litgpt's own lines

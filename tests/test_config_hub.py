@@ -11,12 +11,12 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+import litgpt_forkserver
 
 from litgpt.__main__ import COMMANDS
 from litgpt.args import EvalArgs, TrainArgs
@@ -260,8 +260,8 @@ def test_readme_lists_every_recipe_with_its_command():
 
 # ---- (5) the debug recipe runs ---------------------------------------------------------------------------------------
 def run_litgpt(*args, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    """`python -m litgpt ARGS`, a process of its own forked from one that has imported torch and Lightning."""
+    return litgpt_forkserver.run_litgpt(args, cwd=cwd, timeout=300)
 
 
 def test_debug_recipe_runs_end_to_end(tmp_path):

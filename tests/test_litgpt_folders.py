@@ -5,14 +5,15 @@ The reference is LitGPT's own code (tests/litgpt_reference.py), run in a subproc
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+# Our `python -m litgpt`: each a process of its own, forked from one that imported torch and Lightning once.
+from litgpt_forkserver import run_litgpt as litgpt_process
 from litgpt_reference import CONFIG_FIELDS, READ_FOLDERS, WRITE_FOLDERS, run_litgpt, run_litgpt_cli
 
 from litgpt.config import EXTRA_KEY, LITGPT_DEFAULTS, Config
@@ -147,10 +148,8 @@ def test_generate_command_on_a_litgpt_folder(litgpt_folders):
     assert our_greedy(folder, prompt_ids, 8) == reference
     without_bos = prompt_ids[1:] if prompt_ids[0] == tokenizer.bos_id else prompt_ids
     expected = tokenizer.decode(torch.tensor(without_bos + reference))
-    result = subprocess.run(
-        [sys.executable, "-m", "litgpt", "generate", str(folder), "--prompt", prompt, "--max_new_tokens", "8",
-         "--temperature", "0", "--device", "cpu", "--precision", "32-true"], capture_output=True, text=True,
-    )
+    result = litgpt_process(["generate", str(folder), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0",
+                             "--device", "cpu", "--precision", "32-true"], cwd=os.getcwd())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected.strip()
 
@@ -164,10 +163,8 @@ def test_chat_command_on_a_litgpt_folder(litgpt_folders):
     folder = litgpt_folders["llama3"][0]
     tokenizer = Tokenizer(folder)
     prompt_ids = [int(t) for t in tokenizer.encode(PromptStyle.from_name("alpaca").apply("Hello there"))]
-    result = subprocess.run(
-        [sys.executable, "-m", "litgpt", "chat", str(folder), "--max_new_tokens", "6", "--temperature", "0",
-         "--device", "cpu", "--precision", "32-true"], input="Hello there\n", capture_output=True, text=True,
-    )
+    result = litgpt_process(["chat", str(folder), "--max_new_tokens", "6", "--temperature", "0", "--device", "cpu",
+                             "--precision", "32-true"], cwd=os.getcwd(), input="Hello there\n")
     assert result.returncode == 0, result.stderr
     reply = tokenizer.decode(torch.tensor(our_greedy(folder, prompt_ids, 6)), skip_special_tokens=True)
     assert reply.strip() and reply.strip() in result.stdout
@@ -321,8 +318,7 @@ def test_litgpt_folder_whose_weights_do_not_match_its_config(litgpt_folders, tmp
         (folder / file.name).write_bytes(file.read_bytes())
     values = yaml.safe_load((folder / "model_config.yaml").read_text())
     (folder / "model_config.yaml").write_text(yaml.safe_dump({**values, "n_embd": 64}))
-    result = subprocess.run([sys.executable, "-m", "litgpt", "generate", str(folder), "--device", "cpu"],
-                            capture_output=True, text=True)
+    result = litgpt_process(["generate", str(folder), "--device", "cpu"], cwd=os.getcwd())
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "do not match the model config" in result.stderr
     assert (folder / "lit_model.pth").read_bytes() == (source / "lit_model.pth").read_bytes()
@@ -382,12 +378,12 @@ def test_finetune_on_a_litgpt_folder_then_litgpt_reads_final(litgpt_folders, tmp
 
     (tmp_path / "data.json").write_text(json.dumps(RECORDS))
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "litgpt", command, str(litgpt_folders["qwen3"][0]), "--out_dir", str(out),
+    result = litgpt_process(
+        [command, str(litgpt_folders["qwen3"][0]), "--out_dir", str(out),
          "--data", "JSON", "--data.json_path", str(tmp_path / "data.json"), "--data.val_split_fraction", "0.2",
          "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_steps", "1",
          "--eval.max_iters", "1", "--eval.max_new_tokens", "4", "--precision", "32-true"],
-        capture_output=True, text=True, timeout=600,
+        cwd=os.getcwd(), timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -407,12 +403,12 @@ def test_pretrain_from_a_litgpt_folder(litgpt_folders, tmp_path):
     one step at a tiny learning rate leaves every weight within 1e-4 of LitGPT's."""
     folder = litgpt_folders["gemma2"][0]
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "litgpt", "pretrain", "--initial_checkpoint_dir", str(folder), "--out_dir", str(out),
+    result = litgpt_process(
+        ["pretrain", "--initial_checkpoint_dir", str(folder), "--out_dir", str(out),
          "--data", "Tiny", "--data.cache_dir", str(tmp_path / "cache"), "--train.max_steps", "1",
          "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_seq_length", "16",
          "--eval.max_iters", "1", "--eval.max_new_tokens", "0", "--precision", "32-true", "--optimizer.lr", "1e-6"],
-        capture_output=True, text=True, timeout=600,
+        cwd=os.getcwd(), timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert Config.from_checkpoint(out / "final") == Config.from_checkpoint(folder)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
 
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR
@@ -28,8 +28,7 @@ DEEPSEEK_TINY = dict(name="deepseek-tiny", hf_model_type="deepseek_v3", block_si
 
 
 def litgpt(*args) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300)
+    result = run_litgpt(args, cwd=ROOT, timeout=300)  # a process of its own, forked (tests/litgpt_forkserver.py)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 

@@ -319,7 +319,7 @@ def _total_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).logsumexp(-1).mean() + model.router_aux_loss()
 
 
-def _fsdp_rank(rank: int, port: int, make_model, tokens: list, expected: dict) -> None:
+def _fsdp_rank(rank: int, port: int, make_models: tuple, tokens: list, expected: list[dict]) -> None:
     import os
 
     import torch.distributed as dist
@@ -328,33 +328,44 @@ def _fsdp_rank(rank: int, port: int, make_model, tokens: list, expected: dict) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = make_model()
-        apply_activation_checkpointing(model, "full")
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
-        _total_loss(model, tokens[rank]).backward()
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad.full_tensor(), expected[name], atol=1e-6, rtol=1e-5, msg=name)
+        for make_model, expected_grads in zip(make_models, expected):  # one model after the other, in one group
+            model = make_model()
+            apply_activation_checkpointing(model, "full")
+            for block in model.transformer.h:
+                fully_shard(block)
+            fully_shard(model)
+            _total_loss(model, tokens[rank]).backward()
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad.full_tensor(), expected_grads[name], atol=1e-6, rtol=1e-5,
+                                           msg=name)
     finally:
         dist.destroy_process_group()
 
 
-def check_fsdp2_with_checkpointing_equals_one_process(make_model) -> dict:
-    """Two ranks, each block of `make_model()` sharded (FSDP2 unshards it around its forward and backward) and
+def check_fsdp2_with_checkpointing_equals_one_process(*make_models) -> list[dict]:
+    """Two ranks, each block of every `make_model()` sharded (FSDP2 unshards it around its forward and backward) and
     checkpointed: the gradients of a cross-entropy-like loss + router loss equal the mean of one process' over the
-    ranks' batches. `make_model` must be picklable (a module-level function); returns one process' gradients."""
+    ranks' batches. The models are checked one after the other in one launch of the two ranks; each `make_model`
+    must be picklable (a module-level function). Returns one process' gradients of each model."""
     from test_distributed import free_port
 
     tokens = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
-    model = make_model()
-    for batch in tokens:
-        (_total_loss(model, batch) / 2).backward()
-    expected = {name: param.grad for name, param in model.named_parameters()}
-    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), make_model, tokens, expected), nprocs=2)
+    expected = []
+    for make_model in make_models:
+        model = make_model()
+        for batch in tokens:
+            (_total_loss(model, batch) / 2).backward()
+        expected.append({name: param.grad for name, param in model.named_parameters()})
+    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), make_models, tokens, expected), nprocs=2)
     return expected
 
 
 @pytest.mark.slow
 def test_fsdp2_with_checkpointing_equals_one_process():
-    check_fsdp2_with_checkpointing_equals_one_process(functools.partial(tiny_model, 0.1))
+    """On the Mixtral-style tiny model and on test_deepseek_moe_commands' DeepSeek-style one (a dense layer, routers
+    with groups and correction bias, routed and shared experts), in one launch of two ranks: every parameter gets one
+    process' gradient. (The DeepSeek-style check had a launch of its own in that module.)"""
+    from test_deepseek_moe_commands import fsdp_model
+
+    _, deepseek = check_fsdp2_with_checkpointing_equals_one_process(functools.partial(tiny_model, 0.1), fsdp_model)
+    assert deepseek["transformer.h.2.mlp.shared_experts.fc_1.weight"].abs().sum() > 0

@@ -20,6 +20,7 @@ import torch
 import yaml
 from checkpoint_helpers import write_random_checkpoint
 from hf_models import save_hf_model
+from litgpt_forkserver import run_litgpt
 
 from litgpt.checkpoint.store import MANIFEST_FILE, read_manifest, TRAINING_STATE_FILE, write_manifest
 from litgpt.io import load_state_dict
@@ -46,8 +47,8 @@ def plant(path, marker: Path, tensors: dict | None = None) -> None:
 
 
 def litgpt(*args, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    """`python -m litgpt ARGS`, a process of its own forked from one that has imported torch and Lightning."""
+    return run_litgpt(args, cwd=cwd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def assert_refused(result: subprocess.CompletedProcess, marker: Path, file_name: str) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
 
 from litgpt.config import Config
 from litgpt.data.tiny import TINY_DIR
@@ -19,8 +19,8 @@ FAST = ["--train.max_steps", "2", "--train.log_interval", "1", "--eval.max_iters
 
 
 def litgpt(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env_args = [sys.executable, "-m", "litgpt", *map(str, args)]
-    return subprocess.run(env_args, capture_output=True, text=True, cwd=cwd, timeout=300)
+    """`python -m litgpt ARGS`, a process of its own forked from one that has imported torch and Lightning."""
+    return run_litgpt(args, cwd=cwd, timeout=300)
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess, *fragments: str) -> None:
