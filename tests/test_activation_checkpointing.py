@@ -77,8 +77,8 @@ def test_bad_settings_are_one_user_error(value):
     message = str(error.value)
     assert "\n" not in message and message.startswith("--train.activation_checkpointing")
     assert ("N >= 1" in message) if str(value).startswith("every") or isinstance(value, int) else ("ops" in message)
-    with pytest.raises(UserError, match="^--activation_checkpointing"):
-        estimate(Config(**LLAMA), seq_length=16, activation_checkpointing=value)
+    with pytest.raises(UserError, match="^--train.activation_checkpointing"):  # the planner runs the same check
+        plan_for(Config(**LLAMA), train=TrainArgs(max_seq_length=16, activation_checkpointing=value), device="cpu")
 
 
 @pytest.mark.parametrize(
