@@ -29,55 +29,26 @@ def main(
     model_name: Optional[str] = None,
     *,
     model_config: Optional[Config] = None,
-    method: str = "full",
-    precision: str = "bf16-mixed",
-    train: TrainArgs = TRAIN_DEFAULTS,
-    fsdp: FSDPArgs = FSDPArgs(),
-    lora: LoRASettings = LoRASettings(),
-    quantize: Optional[str] = None,
-    devices: int = 1,
-    num_nodes: int = 1,
-    accumulate_gradients: bool = True,
-    device: str = "cuda",
-    device_memory_gb: float = 80.0,
-    json: bool = False,
     teacher_model_name: Optional[str] = None,
     teacher_config: Optional[Config] = None,
+    json: bool = False,
+    **options,
 ) -> None:
     """Print the memory a training run needs per device, and whether it fits, before anything is allocated.
 
     Args:
         model_name: A registered model name (`litgpt download list`), or leave out and give --model_config.
         model_config: The model's config fields (in YAML under `model_config:`), instead of a name.
-        method: full (every weight trains) or lora (only the adapters train, as `litgpt finetune_lora`).
-        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as the training commands take it.
-        train: The training commands' --train group; the plan reads micro_batch_size, max_seq_length (default: the
-            model's block size), activation_checkpointing and loss_chunk_size.
-        fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
-            cpu_offload and backward_prefetch.
-        lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
-        quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
-            (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
-            stored so), as the training commands do; bnb.fp4 and bnb.int8 run on one device only.
-        devices: Devices per node.
-        num_nodes: Nodes of the run.
-        accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
-            is larger than devices x micro batch, as in the recipes); false for one micro-batch per step.
-        device: cuda or cpu: which attention kernels and dropout masks, and which fixed overhead, to assume.
-        device_memory_gb: Memory of one device in GiB (2**30 bytes) to check the plan against.
-        json: Print the plan as JSON instead of a table.
         teacher_model_name: Distillation (`litgpt distill`): the frozen teacher's registered name.
         teacher_config: Or the teacher's config fields (in YAML under `teacher_config:`).
+        json: Print the plan as JSON instead of a table.
+        options: `plan_for`'s options (the run's method, precision, --train.*, --fsdp.*, --lora.*, world and device).
     """
     config = resolve_config(model_name, model_config)
     teacher = None
     if teacher_model_name is not None or teacher_config is not None:
         teacher = resolve_config(teacher_model_name, teacher_config)
-    plan = plan_for(
-        config, method=method, precision=precision, train=train, fsdp=fsdp, lora=lora, quantize=quantize,
-        teacher_config=teacher, devices=devices, num_nodes=num_nodes, accumulate_gradients=accumulate_gradients,
-        device=device, device_memory_gb=device_memory_gb,
-    )
+    plan = plan_for(config, teacher_config=teacher, **options)
     if json:
         import json as json_module
 
@@ -107,7 +78,7 @@ def plan_for(
     precision: str = "bf16-mixed",
     train: TrainArgs = TRAIN_DEFAULTS,
     fsdp: FSDPArgs = FSDPArgs(),
-    lora: Optional[LoRASettings] = None,
+    lora: LoRASettings = LoRASettings(),
     quantize: Optional[str] = None,
     teacher_config: Optional[Config] = None,
     devices: int = 1,
@@ -116,7 +87,28 @@ def plan_for(
     device: str = "cuda",
     device_memory_gb: float = 80.0,
 ) -> "MemoryPlan":
-    """The plan `litgpt plan` prints for these options (as `main` takes them, the configs resolved)."""
+    """The plan `litgpt plan` prints for these options (the one list of them: `main` forwards its own here).
+
+    Args:
+        config: The model's config.
+        method: full (every weight trains) or lora (only the adapters train, as `litgpt finetune_lora`).
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as the training commands take it.
+        train: The training commands' --train group; the plan reads micro_batch_size, max_seq_length (default: the
+            model's block size), activation_checkpointing and loss_chunk_size.
+        fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
+            cpu_offload and backward_prefetch.
+        lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
+        quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
+            (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
+            stored so), as the training commands do; bnb.fp4 and bnb.int8 run on one device only.
+        teacher_config: Distillation: the frozen teacher's config.
+        devices: Devices per node.
+        num_nodes: Nodes of the run.
+        accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
+            is larger than devices x micro batch, as in the recipes); false for one micro-batch per step.
+        device: cuda or cpu: which attention kernels and dropout masks, and which fixed overhead, to assume.
+        device_memory_gb: Memory of one device in GiB (2**30 bytes) to check the plan against.
+    """
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
