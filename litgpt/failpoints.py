@@ -7,16 +7,17 @@ signal's name such as `SIGUSR1` (sent to this process, as a scheduler would, at 
 
 A failpoint acts only when `LITGPT_FAILPOINTS_ARMED=1` is set too, as litgpt's tests set it: a `LITGPT_FAILPOINT`
 left in a user's environment (or inherited from a test shell) never kills a real run. Unarmed, a failpoint is one
-check of a module constant.
+cached call. The variables are read when a process first passes a failpoint, not at import, so that a process forked
+from one that imported litgpt (tests/litgpt_forkserver.py) reads its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
 
-_SPEC = os.environ.get("LITGPT_FAILPOINT", "") if os.environ.get("LITGPT_FAILPOINTS_ARMED") == "1" else ""
 _hits: dict[str, int] = {}
 
 
@@ -37,10 +38,16 @@ def _rank() -> int:
     return launcher_rank()
 
 
+@functools.cache
+def _armed_spec() -> str:
+    return os.environ.get("LITGPT_FAILPOINT", "") if os.environ.get("LITGPT_FAILPOINTS_ARMED") == "1" else ""
+
+
 def failpoint(name: str) -> None:
-    if not _SPEC:
+    spec = _armed_spec()
+    if not spec:
         return
-    target, hit, rank, action = _parse(_SPEC)
+    target, hit, rank, action = _parse(spec)
     if name != target or (rank is not None and rank != _rank()):
         return
     _hits[name] = _hits.get(name, 0) + 1

@@ -1,20 +1,32 @@
 """Run `python -m litgpt ARGS` many times without paying for Python, torch and Lightning each time.
 
 A `ForkServer` is one Python process, started with a given environment, that imports the libraries and modules the
-commands import (torch, Lightning Fabric, jsonargparse, litgpt's) once and then, for each command, forks a child that
-runs the real entry point as `python -m litgpt ARGS` does (`runpy` with `__main__`, `sys.argv`, the working folder
-first on `sys.path`): its stdin is /dev/null or a file holding the given input, its stdout and stderr go to files, an
-exception it does not catch is printed by the interpreter with its traceback and exit code 1, `sys.exit(n)` ends it
-with code n, and the interpreter ends it (exit handlers, teardown). Each command is a process of its own (nothing it
-changes reaches the next one); what it shares with the others is only the state the imports left, the same as in a
-fresh `python -m litgpt`.
+commands import (torch, Lightning Fabric, jsonargparse, litgpt's) once and then listens on a Unix socket. For each
+request (arguments, working folder, environment, and the three file descriptors to use as stdin, stdout and stderr,
+passed over the socket) it forks a child that runs the real entry point as `python -m litgpt ARGS` does (`runpy`
+with `__main__`, `sys.argv`, the working folder first on `sys.path`): an exception it does not catch is printed by
+the interpreter with its traceback and exit code 1, `sys.exit(n)` ends it with code n, and the interpreter ends it
+(exit handlers, teardown). The server answers the child's pid, then its exit code (negative: the signal that ended
+it); a client that goes away before then (killed, or past its timeout) takes the child with it (SIGKILL). Each
+command is a process of its own (nothing it changes reaches the next one); what it shares with the others is only
+the state the imports left, the same as in a fresh `python -m litgpt`. The ranks that a command starts itself
+(`--devices 2`: Lightning's launcher runs `python -m litgpt.__main__ ARGS` for each) are forked too: in a forked
+command the launcher runs the server's shim with the same arguments instead, in the environment it gives the rank.
+(Runs that tests start with `subprocess.Popen`, torchrun or srun show the launcher's own command.)
 
-`run_litgpt(args, cwd=..., env=..., input=...)` stands for `subprocess.run([sys.executable, "-m", "litgpt", *args],
-cwd=..., env=..., input=..., capture_output=True, text=True)` (stdin empty without input) and returns the same
-`CompletedProcess`; the environment (this process's by default, read at each call) picks the server, started on
-first use with that environment (environment variables are read at import), PYTEST_CURRENT_TEST aside (set anew in
-each child). Only for commands of one process: a command that starts processes of its own (`--devices 2`) relaunches
-`sys.argv`, which is the server's, so such runs use a real subprocess.
+Two clients:
+- `run_litgpt(args, cwd=..., env=..., input=...)` stands for `subprocess.run([sys.executable, "-m", "litgpt",
+  *args], cwd=..., env=..., input=..., capture_output=True, text=True)` (stdin empty without input) and returns the
+  same `CompletedProcess`; the environment (this process's by default) picks the server, started on first use.
+- the shim, an executable `litgpt` in `ForkServer.shim_folder` (first on the PATH of `ForkServer.env` with
+  `shim_on_path`, as tests/test_tutorials.py gives the guides' shell blocks): it hands its arguments, working folder,
+  environment and its own stdin, stdout and stderr to the server named by FORKSERVER_VARIABLE, passes on the signals
+  it gets (`kill $pid` of a background `litgpt`), and exits as the command did (killed by the same signal, or with its
+  exit code). Where the server cannot take it, it runs the real `litgpt` script in its place (exec): no server, or an
+  environment that differs from the server's in a variable read at import (under `srun` or `torchrun`, for instance).
+
+Variables read at run time only (RUN_TIME_VARIABLES) may differ between the server and a command; every other one
+must be the same, because the server's imports read them.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,129 +53,290 @@ PREIMPORTS = ("torch", "lightning.fabric", "jsonargparse", "litgpt.pretrain", "l
               "litgpt.convert.hf_to_litgpt", "litgpt.convert.litgpt_to_hf", "litgpt.merge_lora", "litgpt.consolidate",
               "litgpt.plan")
 
+# The variables that may differ between the server and a command forked from it: no import reads them. pytest names
+# the running test in PYTEST_CURRENT_TEST; Lightning's launcher sets the five of torch.distributed for the ranks it
+# starts and PL_GLOBAL_SEED; litgpt reads LITGPT_CPUINFO when it picks the default precision and the failpoints' two
+# when a process first passes one; a shell sets the last four for the commands it starts.
+RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE",
+                      "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_FAILPOINT", "LITGPT_FAILPOINTS_ARMED", "PWD",
+                      "OLDPWD", "SHLVL", "_")
+# Where a server listens: set in the server's environment (and so in that of every shell block started with it).
+FORKSERVER_VARIABLE = "LITGPT_TEST_FORKSERVER"
+
 SERVER = r"""
-import gc, importlib, json, os, runpy, sys
-for name in sys.argv[3:]:
+import gc, importlib, json, os, runpy, selectors, socket, sys
+
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(64)  # clients that connect while the imports run wait in the backlog
+RUN_TIME_VARIABLES = set(json.loads(sys.argv[2]))
+SHIM = sys.argv[3]
+started_with = dict(os.environ)
+for name in sys.argv[4:]:
     importlib.import_module(name)
+# Variables the imports set (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK, ...): a fresh process has them too, and so
+# does the environment a command passes on to the ranks it starts.
+set_by_imports = {name: value for name, value in os.environ.items() if started_with.get(name) != value}
 # What prefork servers do: the objects the imports made leave the collector's generations, so that no collection
 # and no teardown in a child walks them all (copying every page of the heap it shares): 2 s of CPU per child less.
 gc.collect()
 gc.freeze()
-requests, replies = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
-replies.write("ready\n"); replies.flush()
-for line in requests:
-    request = json.loads(line)
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        requests.close(); replies.close()
-        os.dup2(os.open(request["stdin"], os.O_RDONLY), 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        os.environ.clear()
-        os.environ.update(request["env"])  # differs from the server's only in variables read at run time
-        os.chdir(request["cwd"])
-        sys.path[0] = os.getcwd()  # as `python -m` puts it
-        sys.modules.pop("litgpt.__main__", None)  # `python -m` runs it before anything imports it
-        sys.argv = ["-m", *request["argv"]]  # runpy puts the path of litgpt/__main__.py first, as `python -m` does
-        runpy.run_module("litgpt", run_name="__main__", alter_sys=True)
-        sys.exit(0)  # the interpreter ends the child, as at the end of `python -m litgpt`
-    replies.write(json.dumps({"pid": pid}) + "\n"); replies.flush()
-    _, status = os.waitpid(pid, 0)
-    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n"); replies.flush()
+
+
+def key(env):
+    return {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES and name not in set_by_imports}
+
+
+def read_request(conn):
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data), fds
+
+
+def run_command(request, fds):
+    # The child: nothing of the server's stays open, the request's descriptors become 0, 1 and 2.
+    for conn, pidfd in clients.values():
+        conn.close()
+        os.close(pidfd)
+    listener.close()
+    selector.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])  # differs from the server's only in variables read at run time
+    os.environ.update(set_by_imports)
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # as `python -m` puts it
+    sys.modules.pop("litgpt.__main__", None)  # `python -m` runs it before anything imports it
+    sys.argv = ["-m", *request["argv"]]  # runpy puts the path of litgpt/__main__.py first, as `python -m` does
+    # The ranks Lightning's launcher starts (`--devices 2`) run the shim instead of `python -m litgpt.__main__ ARGS`:
+    # forked too, each in the environment the launcher gives it.
+    from lightning.fabric.strategies.launchers import subprocess_script
+    subprocess_script._basic_subprocess_cmd = lambda: [SHIM, *sys.argv[1:]]
+    runpy.run_module("litgpt", run_name="__main__", alter_sys=True)
+    sys.exit(0)  # the interpreter ends the child, as at the end of `python -m litgpt`
+
+
+def reply(conn, message):
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:  # the client went away
+        pass
+
+
+selector = selectors.DefaultSelector()
+selector.register(listener, selectors.EVENT_READ, ("listener",))
+clients = {}  # pid -> (connection, pidfd)
+while True:
+    for event, _ in selector.select():
+        kind = event.data[0]
+        if kind == "listener":
+            conn, _ = listener.accept()
+            request, fds = read_request(conn)
+            differing = sorted(set(key(request["env"]).items()) ^ set(key(started_with).items()))
+            if differing:
+                for fd in fds:
+                    os.close(fd)
+                names = sorted({name for name, _ in differing})
+                print("not forked: the environment differs from the server's in", *names, flush=True)
+                reply(conn, {"fallback": f"the environment differs from the server's in {', '.join(names)}"})
+                conn.close()
+                continue
+            sys.stdout.flush(); sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                run_command(request, fds)
+            for fd in fds:
+                os.close(fd)
+            pidfd = os.pidfd_open(pid)
+            clients[pid] = (conn, pidfd)
+            selector.register(pidfd, selectors.EVENT_READ, ("ended", pid))
+            selector.register(conn, selectors.EVENT_READ, ("client", pid))
+            reply(conn, {"pid": pid})
+        elif kind == "client":  # a client sends nothing after its request: this is its end
+            if event.data[1] in clients and not event.fileobj.recv(1):
+                selector.unregister(event.fileobj)
+                os.kill(event.data[1], 9)
+        else:
+            pid = event.data[1]
+            conn, pidfd = clients.pop(pid)
+            _, status = os.waitpid(pid, 0)
+            reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+            selector.unregister(pidfd)
+            os.close(pidfd)
+            if conn.fileno() in selector.get_map():
+                selector.unregister(conn)
+            conn.close()
 """
 
 
+class ServerGone(RuntimeError):
+    """The server ended (or never started) before answering."""
+
+
+class Fallback(Exception):
+    """The server cannot run this command (its reason is the message): run the real `litgpt` instead."""
+
+
+class Command:
+    """`python -m litgpt *argv`, run by the server at `socket_path` with the descriptors `stdio` as its stdin, stdout
+    and stderr (the server holds copies once this returns: close them here). Raises `ServerGone`, or `Fallback`
+    where the server cannot run it."""
+
+    def __init__(self, socket_path: str, argv: list[str], cwd: str, env: dict[str, str], stdio: tuple[int, ...]):
+        self.argv, self.conn, self._pending = argv, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), b""
+        request = {"argv": argv, "cwd": cwd, "env": env}
+        try:
+            self.conn.connect(socket_path)
+            socket.send_fds(self.conn, [json.dumps(request).encode() + b"\n"], list(stdio))
+        except OSError as error:
+            self.conn.close()
+            raise ServerGone(f"no fork server at {socket_path}: {error}") from None
+        first = self._reply(deadline=None)
+        if "fallback" in first:
+            self.conn.close()
+            raise Fallback(first["fallback"])
+        self.pid: int = first["pid"]
+
+    def returncode(self, deadline: float | None = None) -> int:
+        """The exit code (negative: the signal that ended it); past `deadline` (time.monotonic) it is killed and
+        `subprocess.TimeoutExpired` raised."""
+        try:
+            return self._reply(deadline)["returncode"]
+        except TimeoutError:
+            self.kill_after_timeout(deadline)
+        finally:
+            self.conn.close()
+
+    def kill_after_timeout(self, deadline: float) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self._reply(deadline=None)
+        self.conn.close()
+        raise subprocess.TimeoutExpired(["litgpt", *self.argv], deadline - time.monotonic())
+
+    def _reply(self, deadline: float | None) -> dict:
+        """The server's next reply (a JSON object a line)."""
+        while b"\n" not in self._pending:
+            if deadline is not None:
+                if deadline <= time.monotonic():
+                    raise TimeoutError
+                self.conn.settimeout(deadline - time.monotonic())
+            try:
+                chunk = self.conn.recv(4096)
+            except socket.timeout:
+                raise TimeoutError from None
+            if not chunk:
+                raise ServerGone("the fork server ended before answering")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+
+def read_until_closed(fds: list[int], deadline: float) -> list[bytes] | None:
+    """What each pipe in `fds` carries until every writer has closed it (as `subprocess.run` waits for a launched
+    run's other processes too), or None past `deadline`."""
+    chunks = {fd: [] for fd in fds}
+    with selectors.DefaultSelector() as selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            ready = selector.select(deadline - time.monotonic())
+            if not ready:
+                return None
+            for key, _ in ready:
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    chunks[key.fd].append(chunk)
+                else:
+                    selector.unregister(key.fd)
+    return [b"".join(chunks[fd]) for fd in fds]
+
+
 class ForkServer:
-    def __init__(self, env: dict[str, str], cwd: Path | str, preimports: tuple[str, ...] = PREIMPORTS) -> None:
-        self.env, self.cwd = dict(env), str(cwd)
+    """The server (see the module's docstring), with its shim in `shim_folder` (first on the PATH of `env` with
+    `shim_on_path`: every `litgpt` that a shell started with `.env` runs is forked then)."""
+
+    def __init__(self, env: dict[str, str], cwd: Path | str, preimports: tuple[str, ...] = PREIMPORTS,
+                 shim_on_path: bool = False) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="litgpt-forkserver-"))
-        request_read, self._request_write = os.pipe()
-        self._reply_read, reply_write = os.pipe()
-        # The server reads requests and writes replies on pipes of their own; its stdout and stderr go to a log.
+        self.socket_path = str(self.folder / "socket")
+        self.shim_folder = self.folder / "bin"
+        shim = write_shim(self.shim_folder)
+        self.env, self.cwd = {**env, FORKSERVER_VARIABLE: self.socket_path}, str(cwd)
+        if shim_on_path:
+            self.env["PATH"] = os.pathsep.join((str(self.shim_folder), env.get("PATH", os.defpath)))
         self._log = open(self.folder / "server.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(request_read), str(reply_write), *preimports], cwd=self.cwd,
-            env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            pass_fds=(request_read, reply_write),
+            [sys.executable, "-c", SERVER, self.socket_path, json.dumps(RUN_TIME_VARIABLES), str(shim), *preimports],
+            cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
         )
-        os.close(request_read)
-        os.close(reply_write)
-        self._requests = os.fdopen(self._request_write, "w")
-        self._pending = b""  # reply bytes read but not yet returned
-        ready = self._read_reply(timeout=300)
-        assert ready == "ready", f"the fork server did not start:\n{(self.folder / 'server.log').read_text()}"
         self._count = 0
+        # The socket exists once bound, before the imports end: clients that connect earlier wait in its backlog.
+        while not os.path.exists(self.socket_path):
+            assert self.process.poll() is None, f"the fork server did not start:\n{self.log()}"
+            time.sleep(0.01)
 
-    def _read_reply(self, timeout: float) -> str | None:
-        """The next line the server wrote, or None if none came within `timeout` seconds (or the server ended)."""
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._reply_read, selectors.EVENT_READ)
-            while b"\n" not in self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
-                    return None
-                chunk = os.read(self._reply_read, 4096)
-                if not chunk:
-                    return None
-                self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode()
+    def log(self) -> str:
+        return (self.folder / "server.log").read_text()
 
     def run(self, args: list, cwd: Path | str | None = None, timeout: float = 300, input: str | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """`python -m litgpt *args` in `cwd` (the server's folder by default), reading `input` on stdin (nothing if
         None); raises `subprocess.TimeoutExpired` after `timeout` seconds, the command killed, as `subprocess.run`
         does."""
-        assert self.process.poll() is None, f"the fork server ended:\n{(self.folder / 'server.log').read_text()}"
+        deadline = time.monotonic() + timeout
         self._count += 1
-        stdout, stderr = self.folder / f"{self._count}.out", self.folder / f"{self._count}.err"
+        stdin = self.folder / f"{self._count}.in"
+        stdin.write_text(input or "")
         argv = [str(arg) for arg in args]
-        stdin = os.devnull
-        if input is not None:
-            stdin = self.folder / f"{self._count}.in"
-            stdin.write_text(input)
-        env = self.env if env is None else env
-        assert _key(env) == _key(self.env), "the server was started with another environment"
-        request = {"argv": argv, "cwd": str(cwd or self.cwd), "env": env, "stdin": str(stdin), "stdout": str(stdout),
-                   "stderr": str(stderr)}
-        self._requests.write(json.dumps(request) + "\n")
-        self._requests.flush()
-        pid = json.loads(self._read_reply(timeout=60))["pid"]
-        reply = self._read_reply(timeout)
-        if reply is None:
-            os.kill(pid, signal.SIGKILL)
-            self._read_reply(timeout=60)
-            raise subprocess.TimeoutExpired(["litgpt", *argv], timeout)
-        returncode = json.loads(reply)["returncode"]
-        out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-        for file in (stdout, stderr, self.folder / f"{self._count}.in"):
-            file.unlink(missing_ok=True)
+        env = {**(self.env if env is None else env), FORKSERVER_VARIABLE: self.socket_path}
+        (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe()
+        stdio = (os.open(stdin, os.O_RDONLY), out_write, err_write)
+        try:
+            command = Command(self.socket_path, argv, str(cwd or self.cwd), env, stdio)
+        except (ServerGone, Fallback) as error:
+            raise AssertionError(f"{error}; the server's log:\n{self.log()}") from None
+        finally:
+            for fd in stdio:
+                os.close(fd)
+            stdin.unlink()
+        try:
+            output = read_until_closed([out_read, err_read], deadline)
+            if output is None:
+                command.kill_after_timeout(deadline)
+            returncode = command.returncode(deadline)
+        finally:
+            os.close(out_read)
+            os.close(err_read)
+        # As text=True reads them: undecodable bytes replaced, "\r\n" and "\r" read as "\n".
+        out, err = (stream.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for stream in output)
         return subprocess.CompletedProcess([sys.executable, "-m", "litgpt", *argv], returncode, out, err)
 
     def close(self) -> None:
-        self._requests.close()
+        self.process.terminate()
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        os.close(self._reply_read)
         self._log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-# The variables that may differ between the server and a command forked from it: read at run time only (pytest
-# names the running test in PYTEST_CURRENT_TEST; no import reads it).
-RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST",)
 MAX_SERVERS = 2  # each holds torch and Lightning in memory; the least recently used one goes first
 
 _SERVERS: dict[tuple, ForkServer] = {}
 
 
 def _key(env: dict[str, str]) -> tuple:
-    return tuple(sorted((name, value) for name, value in env.items() if name not in RUN_TIME_VARIABLES))
+    return tuple(sorted((name, value) for name, value in env.items()
+                        if name not in RUN_TIME_VARIABLES and name != FORKSERVER_VARIABLE))
 
 
 def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300,
@@ -188,3 +362,59 @@ def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout
 def _close_servers() -> None:
     for server in _SERVERS.values():
         server.close()
+
+
+# ---- the `litgpt` of a shell's PATH ------------------------------------------------------------------------------------
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def shim_main() -> None:
+    """The `litgpt` that `write_shim` writes: the command from the server named in the environment, or the real one."""
+    real = os.path.join(os.path.dirname(sys.executable), "litgpt")
+    socket_path = os.environ.get(FORKSERVER_VARIABLE)
+    pid, pending = None, []
+
+    def forward(signum, frame):
+        if pid is None:
+            pending.append(signum)
+            return
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # it has ended: its exit code is on its way
+            pass
+
+    def started(child):
+        nonlocal pid
+        pid = child
+        for signum in pending:
+            forward(signum, None)
+
+    # A shell's background job ignores SIGINT and SIGQUIT: the shim leaves those ignored, as Python would.
+    forwarded = [signum for signum in FORWARDED_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
+    for signum in forwarded:
+        signal.signal(signum, forward)
+    try:
+        if socket_path is None:
+            raise ServerGone(f"{FORKSERVER_VARIABLE} is not set")
+        command = Command(socket_path, sys.argv[1:], os.getcwd(), dict(os.environ), (0, 1, 2))
+    except (ServerGone, Fallback):
+        for signum in forwarded:
+            signal.signal(signum, signal.SIG_DFL)
+        os.execv(real, [real, *sys.argv[1:]])
+    started(command.pid)
+    returncode = command.returncode()
+    if returncode < 0:  # end as the command ended: by the same signal
+        if -returncode not in (signal.SIGKILL, signal.SIGSTOP):  # the two that no handler catches
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    sys.exit(returncode)
+
+
+def write_shim(folder: Path) -> Path:
+    """An executable `litgpt` in `folder` that runs `shim_main` (put `folder` first on PATH)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "litgpt"
+    shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    "from litgpt_forkserver import shim_main\nshim_main()\n")
+    shim.chmod(0o755)
+    return shim

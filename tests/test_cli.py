@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from hf_models import save_hf_model
+from litgpt_forkserver import run_litgpt
 
 from litgpt.__main__ import COMMANDS
 
 
-def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "litgpt", *args], capture_output=True, text=True, **kwargs)
+def run(*args: str) -> subprocess.CompletedProcess:
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once."""
+    return run_litgpt(args, cwd=Path.cwd())
 
 
 def test_help_lists_every_command_without_importing_torch():

@@ -8,13 +8,12 @@ import hashlib
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
 
 from litgpt.__main__ import main as cli_main
 from litgpt.args import KDArgs
@@ -178,9 +177,8 @@ def child_environment(**extra: str) -> dict:
 
 
 def litgpt(*args, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "litgpt", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=child_environment(**env),
-                          timeout=timeout)
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once (tests/litgpt_forkserver.py)."""
+    return run_litgpt(args, cwd=ROOT, env=child_environment(**env), timeout=timeout)
 
 
 def schedule(steps: int, global_batch: int = 4, micro: int = 1, lr: float = 0.003) -> list:

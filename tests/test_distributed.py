@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
 
 from litgpt.io import load_state_dict
 from litgpt.config import Config
@@ -136,9 +137,9 @@ def child_environment(**extra: str) -> dict:
 
 
 def litgpt(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "litgpt", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env or child_environment(),
-                          timeout=timeout)
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once (rank 0 of a run of
+    several processes; Lightning starts the others as fresh `python -m litgpt.__main__` processes)."""
+    return run_litgpt(args, cwd=ROOT, env=env or child_environment(), timeout=timeout)
 
 
 def torchrun_two_nodes(*args, timeout: int = 600) -> list[subprocess.CompletedProcess]:

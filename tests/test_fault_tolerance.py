@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from litgpt_forkserver import run_litgpt
 
 from litgpt.checkpoint.store import (
     check_free_space,
@@ -158,10 +159,11 @@ def child_environment(**extra: str) -> dict:
     return env
 
 
-def litgpt(*args, failpoint: str | None = None, timeout: int = 300, **env) -> subprocess.CompletedProcess:
-    environment = child_environment(**env, **({"LITGPT_FAILPOINT": failpoint} if failpoint else {}))
-    command = [sys.executable, "-m", "litgpt", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment, timeout=timeout)
+def litgpt(*args, failpoint: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m litgpt ARGS` with `failpoint` armed, forked from a server that imported torch and Lightning once
+    (tests/litgpt_forkserver.py; the failpoint's variables are read at run time)."""
+    environment = child_environment(**({"LITGPT_FAILPOINT": failpoint} if failpoint else {}))
+    return run_litgpt(args, cwd=ROOT, env=environment, timeout=timeout)
 
 
 def processes_using(marker: str) -> list[int]:

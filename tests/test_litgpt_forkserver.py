@@ -1,15 +1,26 @@
 """tests/litgpt_forkserver.py, the stand-in for `subprocess.run([sys.executable, "-m", "litgpt", ...])` that several
-modules use: against that real subprocess, the same exit code, stdout and stderr; a crash prints its traceback and
-exits 1; a process's changes reach no later one; a command past its timeout is killed."""
+modules use, and the `litgpt` it puts on a shell's PATH for the guides: against that real subprocess, the same exit
+code, stdout and stderr; a crash prints its traceback and exits 1; a process's changes reach no later one; a command
+past its timeout is killed; the shim passes on streams, signals and exit codes."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from litgpt_forkserver import ForkServer, run_litgpt
+
+
+# A process that the command starts writes after the command ends; "\r" as a progress bar writes it.
+LATE_WRITER = r"""
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1); print('late', file=sys.stderr); print('a', end='\\r')"])
+"""
 
 
 @pytest.mark.parametrize("args", [["--help"], ["genrate"], ["finetune_lora", "{tmp}/none"]])
@@ -43,5 +54,58 @@ def test_a_crash_is_a_traceback_and_exit_code_1_changes_stay_in_their_process_an
             server.run(["sleep"], cwd=tmp_path, timeout=5)
         main.write_text("import sys; sys.exit(4)\n")
         assert server.run([], cwd=tmp_path).returncode == 4  # the server answers after a kill
+        # Like subprocess.run, a run reads its output until every process that holds it is done (a rank it started).
+        main.write_text(LATE_WRITER)
+        late = server.run([], cwd=tmp_path)
+        assert (late.returncode, late.stdout, late.stderr) == (0, "a\n", "late\n")
+    finally:
+        server.close()
+
+
+PLANTED_MAIN = """
+import os, signal, sys, time
+if sys.argv[1] == "echo":
+    print("planted", sys.argv[2:], sys.stdin.read().strip(), os.environ.get("MASTER_PORT"))
+    sys.exit(3)
+signal.signal(signal.SIGUSR1, lambda *_: (print("saved on SIGUSR1"), sys.exit(0)))
+with open("pid.tmp", "w") as file:
+    file.write(str(os.getpid()))
+os.rename("pid.tmp", "pid")
+time.sleep(120)
+"""
+
+
+def test_the_shim_on_path_forks_from_the_server_and_acts_as_the_command_it_stands_for(tmp_path):
+    """Through the server's `litgpt` first on PATH: the shell's pipes and arguments reach the command (a planted package, which
+    only the server's `python -m` finds), an exit code and the signal that ended the command come back, signals reach
+    the command, a killed shim takes its command along, and an environment that the server was not started with runs
+    the real `litgpt` script."""
+    (tmp_path / "litgpt").mkdir()
+    (tmp_path / "litgpt" / "__init__.py").write_text("")
+    (tmp_path / "litgpt" / "__main__.py").write_text(PLANTED_MAIN)
+    server = ForkServer(dict(os.environ), cwd=tmp_path, preimports=(), shim_on_path=True)
+
+    def bash(script: str) -> subprocess.CompletedProcess:
+        (tmp_path / "pid").unlink(missing_ok=True)
+        return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=server.env, capture_output=True, text=True,
+                              timeout=120)
+
+    wait_for_pid = "litgpt wait & p=$!; until [ -s pid ]; do sleep 0.05; done; "
+    try:
+        echoed = bash("echo hi | MASTER_PORT=1234 litgpt echo a 'b c' | cat; echo rc=${PIPESTATUS[1]}")
+        assert echoed.stdout == "planted ['a', 'b c'] hi 1234\nrc=3\n", echoed.stderr
+        saved = bash(wait_for_pid + "kill -USR1 $p; wait $p; echo rc=$?")
+        assert saved.stdout == "saved on SIGUSR1\nrc=0\n", saved.stderr
+        terminated = bash(wait_for_pid + "kill -TERM $p; wait $p; echo rc=$?")
+        assert terminated.stdout == f"rc={128 + signal.SIGTERM}\n", terminated.stderr
+        killed = bash(wait_for_pid + "kill -KILL $p; wait $p; echo rc=$?; cat pid")
+        rc, pid = killed.stdout.split()
+        assert rc == f"rc={128 + signal.SIGKILL}", killed.stderr
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists():  # the server kills and reaps the command of a shim that is gone
+            assert time.monotonic() < deadline, f"the command {pid} of a killed shim still runs"
+            time.sleep(0.1)
+        real = bash("FOO=other litgpt echo")
+        assert real.returncode == 1 and "unknown command 'echo'" in real.stderr, (real.stdout, real.stderr)
     finally:
         server.close()

@@ -6,12 +6,11 @@ its avx512_bf16 flag and once without), read by the same code that reads /proc/c
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from litgpt_forkserver import run_litgpt
 
 from litgpt.precision import cpu_bf16_flags, cpu_has_fast_bf16, default_inference_dtype, default_precision_and_reason
 
@@ -63,12 +62,12 @@ def test_generation_dtype_follows_the_cpu(monkeypatch, capsys, cpuinfo, dtype):
 def test_pretrain_says_and_uses_the_default(tmp_path, cpuinfo, precision):
     """A real one-step run: the first lines say the precision and why, and the run records it."""
     env = {**os.environ, "LITGPT_CPUINFO": cpuinfo, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "litgpt", "pretrain", "--config", "config_hub/pretrain/tiny.yaml",
-               "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1", "--train.micro_batch_size", "1",
-               "--train.global_batch_size", "1", "--train.max_seq_length", "32", "--eval.max_iters", "1",
-               "--eval.initial_validation", "false", "--eval.max_new_tokens", "0", "--compiler", "none"]
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
+    args = ["pretrain", "--config", "config_hub/pretrain/tiny.yaml", "--out_dir", tmp_path / "out",
+            "--train.max_steps", "1", "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+            "--train.max_seq_length", "32", "--eval.max_iters", "1", "--eval.initial_validation", "false",
+            "--eval.max_new_tokens", "0", "--compiler", "none"]
+    # forked from a server that imported torch and Lightning once: litgpt reads LITGPT_CPUINFO when it runs
+    run = run_litgpt(args, cwd=Path(__file__).resolve().parents[1], env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("Precision:"))
     assert line.startswith(f"Precision: {precision} (the default here: ")

@@ -20,7 +20,7 @@ rendered guide do not see them.
                                     it, e.g. a batch script that a later block submits.
   <!-- test: run -->                run a `python` block with this interpreter.
   <!-- test: hub REPO_ID -->        before the block, put a tiny random Llama (transformers' `save_pretrained`, with a
-                                    llama-style tokenizer) into the scratch folder's offline Hugging Face cache as
+                                    llama-style tokenizer) into the guides' offline Hugging Face cache as
                                     REPO_ID: `litgpt download REPO_ID` then runs for real, without the hub.
   <!-- test: records FILE -->       before the block, write 32 instruction records (a JSON list of {"instruction",
                                     "input", "output"}) to FILE: where Alpaca / Alpaca2k read their data instead of
@@ -28,9 +28,12 @@ rendered guide do not see them.
   <!-- test: slurm -->              before the block, start the one-node Slurm cluster on localhost (conftest.py's
                                     `slurm_cluster`: `scripts/slurm-localhost.sh start`, once per session).
 
-Every block runs with HF_HUB_OFFLINE=1 (the hub is never contacted), HF_HOME in the scratch folder, one token cache
-for all guides (LITGPT_CACHE_DIR: the bundled corpus is tokenized once), a free MASTER_PORT, no SLURM_* variables
-of an enclosing job, and the interpreter's `litgpt` script first on PATH.
+Every block runs with HF_HUB_OFFLINE=1 (the hub is never contacted), one Hugging Face cache (HF_HOME: a `hub`
+annotation's model is built once) and one token cache (LITGPT_CACHE_DIR: the bundled corpus is tokenized once) for
+all guides, a free MASTER_PORT, no SLURM_* variables of an enclosing job, the interpreter's `litgpt` script on PATH,
+and, in a block with a litgpt command, before it a `litgpt` that forks each command from a server that imported
+torch and Lightning once (tests/litgpt_forkserver.py; it runs the real script where the environment differs from
+the server's, as under srun or torchrun).
 
 The relative links of README.md, config_hub/README.md and the guides must reach existing files and headings.
 """
@@ -49,6 +52,7 @@ from pathlib import Path
 import pytest
 from _pytest.mark.expression import Expression
 
+from litgpt_forkserver import ForkServer
 from test_download import _add_to_cache
 from test_slurm import free_port, slurm_env
 from tokenizer_helpers import make_tokenizer_folder
@@ -222,31 +226,43 @@ def write_instruction_records(path: Path) -> None:
     path.write_text(json.dumps(records, indent=1))
 
 
-@pytest.fixture(scope="session")
-def token_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
-
-
 def slow_tests_selected(config: pytest.Config) -> bool:
     """Whether this session's `-m` expression selects tests marked slow (an empty one selects everything)."""
     expression = config.getoption("markexpr")
     return not expression or Expression.compile(expression).evaluate(lambda name, **kwargs: name == "slow")
 
 
-def block_env(scratch: Path, token_cache: Path) -> dict[str, str]:
-    return slurm_env(
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(scratch / "hf_home"),
-        HF_HUB_CACHE=str(scratch / "hf_home" / "hub"),
-        LITGPT_CACHE_DIR=str(token_cache),
-        MASTER_PORT=str(free_port()),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
+@dataclass
+class Caches:
+    """What the guides share: the token cache (the bundled corpus is tokenized once), the Hugging Face cache (each
+    tiny model of a `hub` annotation is built once), and the fork server whose shim is their `litgpt` (started with
+    the environment that holds both: the imports read HF_HOME)."""
+
+    hf_home: Path
+    env: dict[str, str]
+    server: ForkServer | None = None
+
+    def server_env(self) -> dict[str, str]:
+        if self.server is None:
+            self.server = ForkServer(self.env, cwd=self.hf_home, shim_on_path=True)
+        return self.server.env
 
 
-def run_block(block: Block, scratch: Path, token_cache: Path, request: pytest.FixtureRequest) -> None:
+@pytest.fixture(scope="session")
+def caches(tmp_path_factory):
+    hf_home = tmp_path_factory.mktemp("hf_home")
+    path = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+    env = slurm_env(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home), HF_HUB_CACHE=str(hf_home / "hub"),
+                    LITGPT_CACHE_DIR=str(tmp_path_factory.mktemp("token-cache")), PATH=path)
+    shared = Caches(hf_home, env)
+    yield shared
+    if shared.server is not None:
+        shared.server.close()
+
+
+def run_block(block: Block, scratch: Path, caches: Caches, request: pytest.FixtureRequest) -> None:
     for repo_id in block.values("hub"):
-        add_tiny_model_to_hub_cache(scratch / "hf_home", repo_id)
+        add_tiny_model_to_hub_cache(caches.hf_home, repo_id)
     for file in block.values("records"):
         write_instruction_records(scratch / file)
     if block.has("slurm"):
@@ -261,8 +277,9 @@ def run_block(block: Block, scratch: Path, token_cache: Path, request: pytest.Fi
     command = ["bash", "-euo", "pipefail", "-c", text] if block.info == "bash" else [sys.executable, "-c", text]
     started = time.time()
     try:
-        done = subprocess.run(command, cwd=scratch, env=block_env(scratch, token_cache), capture_output=True,
-                              text=True, timeout=BLOCK_TIMEOUT_S)
+        env = caches.server_env() if LITGPT_COMMAND.search(text) else caches.env
+        done = subprocess.run(command, cwd=scratch, env=dict(env, MASTER_PORT=str(free_port())),
+                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"tutorials/{block.guide}.md, block at line {block.line}: still running after {error.timeout} s")
     if done.returncode != 0:
@@ -280,7 +297,7 @@ def run_block(block: Block, scratch: Path, token_cache: Path, request: pytest.Fi
 
 
 @pytest.mark.parametrize("guide", GUIDES)
-def test_tutorial(guide, request, tmp_path_factory, token_cache):
+def test_tutorial(guide, request, tmp_path_factory, caches):
     blocks = parse_guide(TUTORIALS / f"{guide}.md")
     for block in blocks:
         check_annotations(block)
@@ -290,7 +307,7 @@ def test_tutorial(guide, request, tmp_path_factory, token_cache):
     slow = slow_tests_selected(request.config)
     for block in blocks:
         if block.runs and (slow or not block.has("slow")):
-            run_block(block, scratch, token_cache, request)
+            run_block(block, scratch, caches, request)
 
 
 # ---- the runner itself ------------------------------------------------------------------------------------------------
