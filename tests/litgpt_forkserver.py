@@ -115,9 +115,10 @@ def run_command(request, fds):
     sys.modules.pop("litgpt.__main__", None)  # `python -m` runs it before anything imports it
     sys.argv = ["-m", *request["argv"]]  # runpy puts the path of litgpt/__main__.py first, as `python -m` does
     # The ranks Lightning's launcher starts (`--devices 2`) run the shim instead of `python -m litgpt.__main__ ARGS`:
-    # forked too, each in the environment the launcher gives it.
-    from lightning.fabric.strategies.launchers import subprocess_script
-    subprocess_script._basic_subprocess_cmd = lambda: [SHIM, *sys.argv[1:]]
+    # forked too, each in the environment the launcher gives it (where the server imported Lightning).
+    launcher = sys.modules.get("lightning.fabric.strategies.launchers.subprocess_script")
+    if launcher is not None:
+        launcher._basic_subprocess_cmd = lambda: [SHIM, *sys.argv[1:]]
     runpy.run_module("litgpt", run_name="__main__", alter_sys=True)
     sys.exit(0)  # the interpreter ends the child, as at the end of `python -m litgpt`
 
@@ -329,7 +330,8 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-MAX_SERVERS = 2  # each holds torch and Lightning in memory; the least recently used one goes first
+MAX_SERVERS = 4  # each holds torch and Lightning (~0.4 GB); the least recently used one goes first. Four: a module's
+# own environment, os.environ, and the one with OMP_NUM_THREADS=1 of the modules that launch ranks alternate
 
 _SERVERS: dict[tuple, ForkServer] = {}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from litgpt_forkserver import run_litgpt
 
 from litgpt.checkpoint.manager import failed_write
 from litgpt.errors import UserError
@@ -221,8 +222,8 @@ def test_cli_refuses_an_optimizer_that_is_not_one(tmp_path):
     popen = {"class_path": "subprocess.Popen", "init_args": {"args": f"touch {tmp_path}/ran"}}
     args = [*finetune_command(tmp_path, base_checkpoint(tmp_path)), "--out_dir", tmp_path / "out",
             "--optimizer", json.dumps(popen)]
-    result = subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # forked from a server that imported torch and Lightning once (tests/litgpt_forkserver.py)
+    result = run_litgpt(args, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     (error,) = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert "'subprocess.Popen' is not an optimizer class" in error, error

@@ -256,6 +256,7 @@ def test_load_model_and_tokenizer(lit_checkpoint):
     assert model16.lm_head.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # torch.compile's compilation of the decoding step: with the whole suite (CI)
 def test_compiled_decoding_equals_eager_and_compiles_once(lit_checkpoint):
     """--compile compiles the one-token step once per sampling setting and cache size: later positions and prompts of
     other lengths reuse the graph (the whole cache, sized in powers of two, is attended with a mask), and the tokens
