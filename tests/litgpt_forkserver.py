@@ -366,7 +366,7 @@ def _close_servers() -> None:
         server.close()
 
 
-# ---- the `litgpt` of a shell's PATH ------------------------------------------------------------------------------------
+# ---- the `litgpt` of a shell's PATH ----------------------------------------------------------------------------------
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 

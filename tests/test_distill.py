@@ -177,7 +177,8 @@ def child_environment(**extra: str) -> dict:
 
 
 def litgpt(*args, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once (tests/litgpt_forkserver.py)."""
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once
+    (tests/litgpt_forkserver.py)."""
     return run_litgpt(args, cwd=ROOT, env=child_environment(**env), timeout=timeout)
 
 

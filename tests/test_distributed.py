@@ -137,8 +137,8 @@ def child_environment(**extra: str) -> dict:
 
 
 def litgpt(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once (rank 0 of a run of
-    several processes; Lightning starts the others as fresh `python -m litgpt.__main__` processes)."""
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once, as are the further ranks
+    Lightning's launcher starts (tests/litgpt_forkserver.py)."""
     return run_litgpt(args, cwd=ROOT, env=env or child_environment(), timeout=timeout)
 
 

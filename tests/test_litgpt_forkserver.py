@@ -19,7 +19,8 @@ from litgpt_forkserver import ForkServer, run_litgpt
 # A process that the command starts writes after the command ends; "\r" as a progress bar writes it.
 LATE_WRITER = r"""
 import subprocess, sys
-subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1); print('late', file=sys.stderr); print('a', end='\\r')"])
+subprocess.Popen([sys.executable, "-c",
+                  "import sys, time; time.sleep(1); print('late', file=sys.stderr); print('a', end='\\r')"])
 """
 
 
@@ -76,10 +77,10 @@ time.sleep(120)
 
 
 def test_the_shim_on_path_forks_from_the_server_and_acts_as_the_command_it_stands_for(tmp_path):
-    """Through the server's `litgpt` first on PATH: the shell's pipes and arguments reach the command (a planted package, which
-    only the server's `python -m` finds), an exit code and the signal that ended the command come back, signals reach
-    the command, a killed shim takes its command along, and an environment that the server was not started with runs
-    the real `litgpt` script."""
+    """Through the server's `litgpt` first on PATH: the shell's pipes and arguments reach the command (a planted
+    package, which only the server's `python -m` finds), an exit code and the signal that ended the command come
+    back, signals reach the command, a killed shim takes its command along, and an environment that the server was
+    not started with runs the real `litgpt` script."""
     (tmp_path / "litgpt").mkdir()
     (tmp_path / "litgpt" / "__init__.py").write_text("")
     (tmp_path / "litgpt" / "__main__.py").write_text(PLANTED_MAIN)
