@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune_full": ("litgpt.finetune.full:setup", "Finetune all weights of a model."),
     "finetune_lora": ("litgpt.finetune.lora:setup", "Finetune a model with LoRA adapters (QLoRA with --quantize)."),
     "finetune": ("litgpt.finetune.lora:setup", "Same as finetune_lora."),
+    "dpo": ("litgpt.dpo:setup", "Align a model on preference pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO."),
     "distill": ("litgpt.distill:setup", "Distill a frozen teacher into a student (forward/reverse KL, Jensen-Shannon)."),
     "download": ("litgpt.download:download", "Download a model from the Hugging Face hub and convert it."),
     "convert_to_litgpt": ("litgpt.convert.hf_to_litgpt:convert_hf_checkpoint", "Convert a Hugging Face model folder to litgpt."),

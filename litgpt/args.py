@@ -305,6 +305,59 @@ class KDArgs:
                             "own distributions).")
 
 
+# Preference losses (`litgpt dpo`): those that compare with a reference model, and those that need none.
+REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
+@dataclass
+class DPOArgs:
+    """Preference optimization (`litgpt dpo`) on pairs of a chosen and a rejected answer to one prompt.
+
+    Args:
+        loss: sigmoid (DPO), ipo (its squared, length-normalized form), hinge (SLiC), robust (DPO robust to a share
+            `label_smoothing` of flipped pairs), simpo (reference-free, length-normalized, with a target margin
+            `simpo_gamma`) or orpo (reference-free odds ratio added to the chosen answer's cross-entropy).
+        beta: How far the policy may move from the reference (DPO's beta, IPO's tau); SimPO's reward scale; ORPO's
+            weight of the odds-ratio term (its lambda).
+        label_smoothing: The share of pairs assumed flipped: robust (in [0, 0.5)), and conservative DPO with sigmoid
+            and simpo (in [0, 0.5]).
+        simpo_gamma: SimPO's target reward margin (gamma; the loss compares the margin with gamma / beta).
+        precompute_reference: Compute the reference's log-probabilities of every pair once before training (kept in
+            out_dir, reused on resume) instead of running the reference beside each step: full finetuning then
+            holds no second model.
+    """
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    precompute_reference: bool = False
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss in REFERENCE_LOSSES
+
+    def check(self) -> None:
+        """UserError for a setting that cannot train."""
+        losses = (*REFERENCE_LOSSES, *REFERENCE_FREE_LOSSES)
+        if self.loss not in losses:
+            raise UserError(f"--dpo.loss {self.loss!r} is not a preference loss: use one of {', '.join(losses)}.")
+        if not self.beta > 0.0 or math.isinf(self.beta):
+            raise UserError(f"--dpo.beta {self.beta} must be a finite number above 0 (0.1 is DPO's usual value).")
+        top = 0.5 if self.loss in ("sigmoid", "simpo") else 0.0
+        if self.loss == "robust" and not 0.0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--dpo.label_smoothing {self.label_smoothing} must lie in [0, 0.5) for the robust loss.")
+        if self.loss != "robust" and self.label_smoothing and not 0.0 <= self.label_smoothing <= top:
+            where = "in [0, 0.5]" if top else "0: it applies to sigmoid, robust and simpo only"
+            raise UserError(f"--dpo.label_smoothing {self.label_smoothing} must be {where} for --dpo.loss {self.loss}.")
+        if self.loss != "simpo" and self.simpo_gamma != DPOArgs.simpo_gamma:
+            raise UserError(f"--dpo.simpo_gamma is SimPO's target margin: it needs --dpo.loss simpo, not {self.loss}.")
+        if self.precompute_reference and not self.uses_reference:
+            raise UserError(f"--dpo.loss {self.loss} is reference-free: it has no reference to precompute; drop "
+                            "--dpo.precompute_reference.")
+
+
 @dataclass
 class LogArgs:
     """LitGPT's logger settings, read so that its recipes and scripts work as written; they have no effect here (the

@@ -15,6 +15,7 @@ adapters alone are saved with `lora_state_dict`, and `plain_state_dict` gives ba
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -134,6 +135,7 @@ class LoRALinear(nn.Linear):
         self.alpha = alpha
         self.scaling = alpha / r
         self.merged = False
+        self.adapters_on = True  # False while `adapters_disabled` runs the base model alone (a DPO reference)
         if parts is None:
             parts = {"": (0, base.out_features)}
         self.lora_parts: tuple[tuple[str, int, int], ...] = tuple(
@@ -204,9 +206,15 @@ class LoRALinear(nn.Linear):
             return base(x)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def applies_update(self) -> bool:
+        """Whether the forward adds the low-rank update: not once it is merged into the weight, nor while switched
+        off."""
+        return self.adapters_on and not self.merged
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_forward(x)
-        if self.merged:
+        if not self.applies_update:
             return out
         low_rank, b_all = self.low_rank(x)
         return out + F.linear(low_rank, b_all).to(out.dtype)
@@ -313,6 +321,20 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             yield name, module
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base alone: every adapter is switched off inside the block and on again after (the
+    reference model of preference optimization, without a second copy of the weights)."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
 
 
 def is_lora_key(key: str) -> bool:

@@ -22,7 +22,7 @@ class AdaptedLinear(Protocol):
 
     r: int  # the rank of the update: the columns of lora_B
     scaling: float  # the update's factor, alpha / r
-    merged: bool  # True once the update is added into the weight: the layer is then a plain linear layer
+    applies_update: bool  # False once the update is merged into the weight or while it is switched off
     lora_A: torch.Tensor  # (r, in_features)
     lora_B: torch.Tensor  # (out_features, r)
     lora_dropout: nn.Module  # applied to the input of the update only
@@ -368,8 +368,8 @@ def _plain_weight(weight: Optional[torch.Tensor]) -> bool:
 
 
 def _lora(linear: nn.Module) -> bool:
-    """Whether an expert linear layer carries LoRA factors not merged into its weight (`litgpt.lora.LoRALinear`)."""
-    return isinstance(linear, AdaptedLinear) and not linear.merged
+    """Whether an expert linear layer applies LoRA factors (not merged into its weight, not switched off) (`litgpt.lora.LoRALinear`)."""
+    return isinstance(linear, AdaptedLinear) and linear.applies_update
 
 
 def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> bool:

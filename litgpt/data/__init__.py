@@ -7,6 +7,9 @@ Pretraining (text tokenized once into a memory-mapped token cache, cut into wind
 Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
 `JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `AlpacaGPT4`, `Dolly`, `LIMA`.
 
+Preference optimization (`litgpt dpo`: a prompt with a chosen and a rejected answer): `Preference` (JSON/JSONL files
+or a Hugging Face dataset, in TRL's text or conversational format).
+
 LitGPT's names that are not carried here (`TinyLlama`, `MicroLlama`, `LitData`, `Deita`, `FLAN`, `LongForm`,
 `litgpt_only.py`) parse with LitGPT's init args and stop with one line naming the module to use instead.
 
@@ -21,6 +24,7 @@ from litgpt.data.json_data import JSON, SFTDataModule, SFTDataset
 from litgpt.data.lima import LIMA
 from litgpt.data.litgpt_only import FLAN, Deita, LitData, LongForm, MicroLlama, TinyLlama
 from litgpt.data.openwebtext import OpenWebText
+from litgpt.data.preference import Preference
 from litgpt.data.redpajama import RedPajama
 from litgpt.data.text_files import TextFiles
 from litgpt.data.tiny import Tiny
@@ -42,6 +46,7 @@ __all__ = [
     "MicroLlama",
     "MicroBatches",
     "OpenWebText",
+    "Preference",
     "RedPajama",
     "SFTDataModule",
     "SFTDataset",

@@ -125,6 +125,12 @@ class MicroBatches:
     shuffle: bool = True
 
     @property
+    def collate(self):
+        """How samples become a micro-batch: the dataset's own `collate` where it has one (preference pairs), else
+        `collate`."""
+        return getattr(self.dataset, "collate", collate)
+
+    @property
     def per_epoch(self) -> int:
         return len(self.dataset) // self.world_size // self.micro_batch_size
 
@@ -142,5 +148,5 @@ class MicroBatches:
         while True:
             batches = self.indices(epoch)
             for index in range(position, self.per_epoch):
-                yield epoch, index, collate([self.dataset[int(i)] for i in batches[index]])
+                yield epoch, index, self.collate([self.dataset[int(i)] for i in batches[index]])
             epoch, position = epoch + 1, 0

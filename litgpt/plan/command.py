@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from litgpt.args import FSDPArgs, TrainArgs
+from litgpt.args import DPOArgs, FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
@@ -81,6 +81,7 @@ def plan_for(
     lora: LoRASettings = LoRASettings(),
     quantize: Optional[str] = None,
     teacher_config: Optional[Config] = None,
+    dpo: Optional[DPOArgs] = None,
     devices: int = 1,
     num_nodes: int = 1,
     accumulate_gradients: bool = True,
@@ -102,6 +103,9 @@ def plan_for(
             (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
             stored so), as the training commands do; bnb.fp4 and bnb.int8 run on one device only.
         teacher_config: Distillation: the frozen teacher's config.
+        dpo: Preference optimization (`litgpt dpo`), e.g. --dpo.loss sigmoid: each sample is a pair of sequences,
+            and with method full a frozen reference is held beside the model (none with
+            --dpo.precompute_reference true or a reference-free loss; LoRA's is the base with the adapters off).
         devices: Devices per node.
         num_nodes: Nodes of the run.
         accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
@@ -112,7 +116,7 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
-    recipe = recipe_for(config, method, lora, quantize, teacher_config)
+    recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
         device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients,
@@ -120,17 +124,24 @@ def plan_for(
 
 
 def recipe_for(config: Config, method: str = "full", lora: Optional[LoRASettings] = None,
-               quantize: Optional[str] = None, teacher_config: Optional[Config] = None) -> "Recipe":
+               quantize: Optional[str] = None, teacher_config: Optional[Config] = None,
+               dpo: Optional[DPOArgs] = None) -> "Recipe":
     """The recipe the planned run trains: `config` whole (full) or its LoRA adapters (lora: `lora`, default
-    settings when None) on a base stored as `quantize`, distilled from a frozen `teacher_config`. The one place the
-    plan builds a `Recipe`."""
+    settings when None) on a base stored as `quantize`, distilled from a frozen `teacher_config` or aligned on
+    preference pairs (`dpo`). The one place the plan builds a `Recipe`."""
     from litgpt.args import KDArgs
     from litgpt.train.recipe import Recipe
     from litgpt.train.recipes.distill import DistillRecipe, TeacherSettings
+    from litgpt.train.recipes.dpo import DPORecipe, PreferenceSettings
 
     if method not in METHODS:
         raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
+    if dpo is not None and teacher_config is not None:
+        raise UserError("Plan distillation (--teacher_config) or preference optimization (--dpo.*), not both.")
     lora = (lora or LoRASettings()) if method == "lora" else None
+    if dpo is not None:
+        dpo.check()
+        return DPORecipe("dpo", config, lora=lora, quantize=quantize, preference=PreferenceSettings(dpo))
     if teacher_config is not None:  # the plan reads no weights, and the KD settings change no memory
         teacher = TeacherSettings(config=teacher_config, weights=Path("unused"), kd=KDArgs())
         return DistillRecipe("distill", config, lora=lora, quantize=quantize, teacher=teacher)

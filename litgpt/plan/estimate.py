@@ -140,8 +140,9 @@ class MemoryPlan:
     row_details: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     loss_chunk_size: int = 0  # positions per chunk of the head and loss
-    teacher_params: int = 0  # distillation: the frozen teacher's parameters (counted in the rows, not above)
-    teacher_bytes: int = 0  # its weights as they stay on the device
+    teacher_params: int = 0  # frozen models' parameters (a teacher, a reference; counted in the rows, not above)
+    teacher_bytes: int = 0  # their weights as they stay on the device
+    summary: str = ""  # what the recipe adds to the plan's first line (`Recipe.plan_summary`)
     kv_cache_bytes_per_token: int = 0  # generation (not training): one sequence's KV cache per position, all layers
 
     def to_dict(self) -> dict:
@@ -235,7 +236,8 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
     backward = _block_backward(run, layout)
     moments = _moments(run, state, activations, gathered, backward)
     frozen = {name: (config, frozen_layout(config)) for name, config in recipe.frozen_configs().items()}
-    frozen_bytes = {name: _add_frozen(run, name, *frozen[name], moments) for name in frozen}
+    frozen_bytes = {name: _add_frozen(run, name, *frozen[name], moments, recipe.frozen_outputs_reach_the_loss)
+                    for name in frozen}
     peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
     at_peak = {key: peak_rows.get(key, 0) for key, _ in ROWS}
     largest = {key: max(m.get(key, 0) for m in moments.values()) for key, _ in ROWS}
@@ -249,7 +251,11 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
     notes.append(kv_cache_note)
     for name, (config, frozen_model) in frozen.items():
         details["parameters"] += f" + the {name}'s {fmt(frozen_bytes[name])}"
-        notes.append(_frozen_note(name, config, frozen_model.total_params, frozen_bytes[name]))
+        notes.append(_frozen_note(recipe, name, config, frozen_model.total_params, frozen_bytes[name]))
+    frozen_params = sum(frozen_model.total_params for _, frozen_model in frozen.values())
+    if recipe.sequences_per_sample > 1:
+        notes.append(f"{recipe.name}: each sample is {recipe.sequences_per_sample} sequences, so the micro batch of "
+                     f"{train.micro_batch_size} is {run.micro_batch_size} sequences in one forward pass.")
     return MemoryPlan(
         model_name=recipe.config.name or "model_config", method=run.method, precision=precision.name,
         sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
@@ -263,16 +269,18 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
         host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
         attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
-        teacher_params=sum(frozen_model.total_params for _, frozen_model in frozen.values()),
-        teacher_bytes=sum(frozen_bytes.values()), kv_cache_bytes_per_token=kv_cache_per_token,
+        teacher_params=frozen_params, teacher_bytes=sum(frozen_bytes.values()),
+        kv_cache_bytes_per_token=kv_cache_per_token, summary=recipe.plan_summary(count(frozen_params)),
     )
 
 
-def _frozen_note(name: str, config: Config, params: int, nbytes: int) -> str:
+def _frozen_note(recipe: "Recipe", name: str, config: Config, params: int, nbytes: int) -> str:
+    kind = "Distillation" if recipe.frozen_outputs_reach_the_loss else "Reference"
+    outputs = ("its final hidden states and its chunk of logits are counted with the model's"
+               if recipe.frozen_outputs_reach_the_loss else "its forward pass keeps nothing for the backward pass")
     return (
-        f"Distillation: the frozen {name} ({config.name or f'{name}_config'}, {count(params)} parameters) in the "
-        f"compute dtype, sharded like the model, its root (embeddings, head) kept gathered: {fmt(nbytes)}; its final "
-        f"hidden states and its chunk of logits are counted with the model's."
+        f"{kind}: the frozen {name} ({config.name or f'{name}_config'}, {count(params)} parameters) in the "
+        f"compute dtype, sharded like the model, its root (embeddings, head) kept gathered: {fmt(nbytes)}; {outputs}."
     )
 
 
@@ -327,12 +335,13 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
     shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy)
     if recipe.quantize is not None:
         _check_quantized_layout(recipe, precision, fsdp, world, shard)
+    rows = train.micro_batch_size * recipe.sequences_per_sample  # a preference pair is two sequences
     return _Run(
         recipe=recipe, precision=precision, sharding_strategy=fsdp.sharding_strategy, device=device,
-        devices=devices, num_nodes=num_nodes, micro_batch_size=train.micro_batch_size, seq_length=seq_length,
+        devices=devices, num_nodes=num_nodes, micro_batch_size=rows, seq_length=seq_length,
         activation_checkpointing=ActivationCheckpointing.parse(train.activation_checkpointing),
         cpu_offload=fsdp.cpu_offload, accumulate_gradients=accumulate_gradients, shard=shard,
-        loss_chunk_size=_loss_chunk(recipe.config, train.micro_batch_size * seq_length, train.loss_chunk_size),
+        loss_chunk_size=_loss_chunk(recipe.config, rows * seq_length, train.loss_chunk_size),
         backward_prefetch=fsdp.backward_prefetch,
     )
 
@@ -553,9 +562,12 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
     return moments
 
 
-def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: dict[str, dict]) -> int:
-    """Add the frozen model `name` (a distillation teacher, `litgpt.train.recipe.Recipe.frozen_model`) of
-    config `frozen` and parameters `layout` to every moment; returns its weights' bytes on the device.
+def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: dict[str, dict],
+                outputs_reach_the_loss: bool = True) -> int:
+    """Add the frozen model `name` (a distillation teacher, a preference reference:
+    `litgpt.train.recipe.Recipe.frozen_model`) of config `frozen` and parameters `layout` to every moment; returns
+    its weights' bytes on the device. A reference (`outputs_reach_the_loss` False) reduces its outputs to
+    log-probabilities in its own forward pass: only its weights and that pass count.
 
     Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays
     gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
@@ -574,6 +586,8 @@ def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: d
     per_row = (2 if run.compute == 2 else 0) + 4 + 3 * 4 + (4 if frozen.final_logit_softcapping is not None else 0)
     for phase, moment in moments.items():
         moment["parameters"] += resident
+        if not outputs_reach_the_loss:
+            continue
         if phase != "optimizer step":
             moment["activations"] = moment.get("activations", 0) + hidden
         if "logits_loss" in moment and phase == "start of the backward pass":

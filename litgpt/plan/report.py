@@ -46,8 +46,8 @@ def format_plan(plan: "MemoryPlan") -> str:
             method = f"QLoRA {plan.quantize}, " + method[5:]
     else:
         method = "full finetune / pretrain"
-    if plan.teacher_params:
-        method += f", distilled from a frozen {count(plan.teacher_params)}-parameter teacher"
+    if plan.summary:
+        method += f", {plan.summary}"
     lines = [f"{plan.model_name}: {method}, {plan.precision}"]
     if plan.fsdp:
         lines.append(

@@ -103,6 +103,8 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     model = fabric.setup(model)
     # Frozen models (a teacher, a reference) are the objective's alone: never in the optimizer or the checkpoints.
     frozen = recipe.materialize_frozen(fabric, job.precision, job.compile_blocks)
+    frozen, train_data, val_data = recipe.prepare_samples(fabric, model, frozen, train_data, val_data,
+                                                          train.micro_batch_size)
     objective = build_objective(fabric, job, model, frozen)
     io = checkpoint_io(fabric.strategy)  # after setup: a strategy that compiles the model knows its layout only now
     checkpoints = CheckpointManager(

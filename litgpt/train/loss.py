@@ -60,10 +60,11 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / labelled_positions(labels)
 
 
-def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor,
-                        need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The `ChunkLoss` of `cross_entropy`: the summed cross-entropy of the labelled positions, and its gradient
-    softmax - one_hot (zero rows where there is no label), computed in place over `logits`."""
+def nll_chunk(logits: torch.Tensor, labels: torch.Tensor,
+              need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The negative log-likelihood of each position's label (0 where there is none), and its gradient
+    softmax - one_hot (zero rows where there is no label), computed in place over `logits`: the per-position
+    `ChunkLoss` of which cross-entropy sums the positions and preference optimization sums each sequence's."""
     labelled = labels != IGNORE_INDEX
     index = torch.where(labelled, labels, 0).unsqueeze(1)
     picked = logits.gather(1, index).squeeze(1)
@@ -71,12 +72,20 @@ def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor,
     exps = logits.sub_(maxes).exp_()  # in place: one float32 buffer per chunk
     sums = exps.sum(dim=1, keepdim=True)
     log_sum_exp = (maxes + sums.log()).squeeze(1)
-    total = torch.where(labelled, log_sum_exp - picked, 0.0).sum()
+    per_position = torch.where(labelled, log_sum_exp - picked, 0.0)
     if not need_grad:
-        return total, None
+        return per_position, None
     grad = exps.div_(sums)
     grad.scatter_add_(1, index, torch.full_like(picked, -1.0).unsqueeze(1))
-    return total, grad.mul_(labelled.unsqueeze(1))
+    return per_position, grad.mul_(labelled.unsqueeze(1))
+
+
+def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor,
+                        need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The `ChunkLoss` of `cross_entropy`: the summed cross-entropy of the labelled positions (`nll_chunk`) and its
+    gradient."""
+    per_position, grad = nll_chunk(logits, labels, need_grad)
+    return per_position.sum(), grad
 
 
 def auto_chunk_size(positions: int, n_embd: int, vocab_size: int) -> int:
@@ -106,16 +115,18 @@ class OutputHead:
         """The tensors of `head`: an `nn.Linear`, or a `litgpt.lora.LoRALinear` (its adapters' gradients flow)."""
         from litgpt.lora import LoRALinear
 
-        if isinstance(head, LoRALinear) and not head.merged:
+        if isinstance(head, LoRALinear) and head.applies_update:
             lora_input, lora_b = head.low_rank(hidden)
             return cls(head.weight, head.bias, lora_input, lora_b, softcap)
         return cls(head.weight, head.bias, softcap=softcap)
 
 
 def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,
-                      chunk_size: Optional[int] = None) -> torch.Tensor:
+                      chunk_size: Optional[int] = None, per_position: bool = False) -> torch.Tensor:
     """The sum of `chunk_loss` over every position of `head(hidden)`, the logits built one chunk of `chunk_size`
-    positions at a time (None: `auto_chunk_size`) and never kept: the backward pass recomputes them.
+    positions at a time (None: `auto_chunk_size`) and never kept: the backward pass recomputes them. With
+    `per_position`, `chunk_loss` gives one value per position (not their sum) and so does this: a tensor of
+    `hidden`'s leading dimensions, whose gradient may differ from position to position.
 
     `targets` (a tensor or a tuple of them) has `hidden`'s leading (batch, seq) dimensions; each chunk gets its rows.
     The head runs in `head_dtype(hidden)`; the loss in float32. The gradients reach the head's own parameters, as any
@@ -128,10 +139,11 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     leading = hidden.dim() - 2
     as_tuple = isinstance(targets, tuple)
     flat_targets = tuple(t.flatten(0, leading) for t in targets) if as_tuple else (targets.flatten(0, leading),)
-    return _ChunkedHead.apply(
+    total = _ChunkedHead.apply(
         hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
-        head_dtype(hidden), max(1, chunk_size), as_tuple, *flat_targets,
+        head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, *flat_targets,
     )
+    return total.view(hidden.shape[:-1]) if per_position else total
 
 
 def head_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -177,16 +189,21 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_input, lora_b, chunk_loss, softcap, dtype, chunk_size, as_tuple,
-                *targets):
+                per_position, *targets):
         ctx.save_for_backward(hidden, weight, bias, lora_input, lora_b, *targets)
         ctx.chunk_loss, ctx.softcap, ctx.dtype, ctx.chunk_size = chunk_loss, softcap, dtype, chunk_size
-        ctx.as_tuple = as_tuple
+        ctx.as_tuple, ctx.per_position = as_tuple, per_position
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
             head = _HeadInDtype(weight, bias, lora_input, lora_b, softcap, dtype)
-            total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+            shape = (hidden.size(0),) if per_position else ()
+            total = torch.zeros(shape, device=hidden.device, dtype=torch.float32)
             for rows in _chunks(hidden.size(0), chunk_size):
                 logits, _ = head.logits(hidden[rows].to(dtype), rows)
-                total += chunk_loss(logits, _target_rows(targets, rows, as_tuple), False)[0]
+                values = chunk_loss(logits, _target_rows(targets, rows, as_tuple), False)[0]
+                if per_position:
+                    total[rows] = values
+                else:
+                    total += values
                 del logits  # before the next chunk's are made
         return total
 
@@ -207,7 +224,7 @@ class _ChunkedHead(torch.autograd.Function):
             if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
                 grad.mul_(tanh.square_().neg_().add_(1))
                 del tanh
-            grad = grad.mul_(grad_total).to(ctx.dtype)
+            grad = grad.mul_(grad_total[rows].unsqueeze(1) if ctx.per_position else grad_total).to(ctx.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad @ head.weight
             if grad_weight is not None:
@@ -221,7 +238,7 @@ class _ChunkedHead(torch.autograd.Function):
             del x, logits, grad  # before the next chunk's are made
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        no_grads = (None,) * (5 + len(targets))  # chunk_loss .. as_tuple, and the targets
+        no_grads = (None,) * (6 + len(targets))  # chunk_loss .. per_position, and the targets
         return grad_hidden, grad_weight, grad_bias, grad_lora_input, grad_lora_b, *no_grads
 
 

@@ -2,7 +2,8 @@
 frozen models it holds beside it and the objective.
 
 pretrain, finetune_full and finetune_lora (with QLoRA as an option of the last) are `Recipe` values; distillation is
-`litgpt.train.recipes.distill.DistillRecipe`, a subclass with a teacher. The job (`litgpt.train.job`), the trainer and
+`litgpt.train.recipes.distill.DistillRecipe`, a subclass with a teacher, and preference optimization
+`litgpt.train.recipes.dpo.DPORecipe`, one with a reference. The job (`litgpt.train.job`), the trainer and
 the checkpoint manager read them and never ask which command runs: a new kind of training is a new recipe (its frozen
 models in `materialize_frozen`, its loss in `objective`), not a branch in the loop.
 """
@@ -49,6 +50,17 @@ class Recipe:
     lora: Optional[LoRASettings] = None
     quantize: Optional[str] = None
     loss: str = "cross_entropy"
+
+    # What `litgpt plan` counts of this kind of training: the sequences of one sample (two for a preference pair),
+    # and whether the frozen models' outputs live on into the trained model's loss (a teacher's final hidden states)
+    # or are reduced within their own forward pass (a reference's log-probabilities).
+    sequences_per_sample = 1
+    frozen_outputs_reach_the_loss = True
+
+    def plan_summary(self, frozen_params: str) -> str:
+        """What the plan's first line adds for this kind of training (`frozen_params`: the frozen models' parameter
+        count, in words)."""
+        return ""
 
     # ---- what trains and what a checkpoint holds --------------------------------------------------------------------
     def trains(self, key: str) -> bool:
@@ -191,6 +203,13 @@ class Recipe:
     def materialize_frozen(self, fabric, precision: Precision, compile_blocks: bool) -> dict[str, nn.Module]:
         """The frozen models of `frozen_configs` on the devices, by name (`frozen_model`): none here."""
         return {}
+
+    def prepare_samples(self, fabric, model: nn.Module, frozen: dict[str, nn.Module], train_data, val_data,
+                        micro_batch_size: int):
+        """Before training (and before a checkpoint is restored): what this kind of training derives once from its
+        models and the data, e.g. a reference's log-probabilities of every sample. Returns the frozen models still
+        needed and the (train, val) datasets; here all as they are."""
+        return frozen, train_data, val_data
 
     @staticmethod
     def build_frozen(config: Config) -> nn.Module:

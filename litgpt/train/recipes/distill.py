@@ -47,6 +47,9 @@ class DistillRecipe(Recipe):
     def frozen_configs(self) -> dict[str, Config]:
         return {"teacher": self.teacher.config}
 
+    def plan_summary(self, frozen_params: str) -> str:
+        return f"distilled from a frozen {frozen_params}-parameter teacher"
+
     def materialize_frozen(self, fabric, precision: Precision, compile_blocks: bool) -> dict[str, nn.Module]:
         """The teacher on the devices, sharded like the student (`Recipe.frozen_model`)."""
         teacher = self.frozen_model(fabric, self.teacher.config, Path(self.teacher.weights), precision,
