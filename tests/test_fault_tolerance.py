@@ -534,11 +534,16 @@ def test_a_failed_write_at_save_time_is_named_and_the_previous_checkpoint_surviv
 
 
 # ---- Slurm: preemption and requeue ------------------------------------------------------------------------------------------
+# Enough steps that USR1, sent once step 2 is logged, arrives mid-run (a step takes ~0.1 s, scancel well under 2 s)
+STEPS_TO_REQUEUE = 120
+
+
 @pytest.mark.slow
 def test_slurm_usr1_saves_requeues_and_the_requeued_job_finishes(slurm_cluster, data, tmp_path):
     out_dir = tmp_path / "requeued"
-    args = " ".join(f"'{a}'" for a in pretrain_args(data, out_dir, 300, "--devices", "2", "--train.save_interval",
-                                                     "1000", "--train.requeue", "true", "--resume", "auto"))
+    args = " ".join(f"'{a}'" for a in pretrain_args(data, out_dir, STEPS_TO_REQUEUE, "--devices", "2",
+                                                     "--train.save_interval", "1000", "--train.requeue", "true",
+                                                     "--resume", "auto"))
     script = tmp_path / "job.sbatch"
     script.write_text(f"""#!/bin/bash
 #SBATCH --requeue
@@ -560,7 +565,7 @@ srun --kill-on-bad-exit=1 {sys.executable} -m litgpt {args}
             assert time.monotonic() - start < seconds, log.read_text() if log.exists() else "no log"
             time.sleep(0.5)
 
-    wait_for(lambda: log.exists() and "step 2/300" in log.read_text())
+    wait_for(lambda: log.exists() and f"step 2/{STEPS_TO_REQUEUE}" in log.read_text())
     subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)  # what --signal=USR1@120 would send
     state = lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
                                    text=True).stdout.strip()
@@ -580,6 +585,6 @@ srun --kill-on-bad-exit=1 {sys.executable} -m litgpt {args}
     step = int(stopped.split()[5].rstrip(":"))
     assert f"requeued Slurm job {job}; it continues with --resume auto" in stopped
     assert f"Resuming from {out_dir / f'step-{step:06d}'} (step {step}; manifest verified)." in text
-    assert json.loads((out_dir / "metrics.json").read_text())["steps"] == 300
+    assert json.loads((out_dir / "metrics.json").read_text())["steps"] == STEPS_TO_REQUEUE
     restarts = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
     assert "Restarts=1" in restarts or not restarts  # a finished job may already be purged from slurmctld
