@@ -128,6 +128,21 @@ def test_it_learns_and_starts_where_the_policy_is_its_reference(tmp_path, base, 
     assert metrics["rewards/margins"] > 0
 
 
+def test_qlora_starts_at_its_quantized_reference_and_trains_the_adapters(tmp_path, base, color_data):
+    """--quantize: the reference is the 4-bit base itself (adapters off), so step 1 is again ln 2; only the adapters
+    are saved."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "out"
+    run = litgpt(*dpo_args(base, color_data, out, "--quantize", "bnb.nf4", "--train.max_steps", "2",
+                           "--optimizer.lr", "2e-2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = logged_rows(out)
+    assert float(rows[0]["loss"]) == pytest.approx(math.log(2), abs=1e-6) and len(rows) == 2
+    assert float(rows[1]["rewards/margins"]) != 0.0
+    saved = load_state_dict(out / "final" / "lit_model.pth.lora")
+    assert saved and all("lora_" in key for key in saved)
+
+
 def test_bad_input_is_one_line(tmp_path, base):
     good = write_jsonl(tmp_path / "good.jsonl", color_pairs(8, seed=0))
     no_rejected = write_jsonl(tmp_path / "no_rejected.jsonl", [{"prompt": "a", "chosen": " b"}])
@@ -235,8 +250,11 @@ def test_loss_rewards_and_gradients_equal_trls_dpo_trainer(tmp_path, hf_models, 
     policy, reference = load_gpt(hf_models["policy"]), load_gpt(hf_models["reference"]).eval()
     recipe = DPORecipe(name="dpo", config=policy.config,
                        preference=PreferenceSettings(DPOArgs(loss=loss, beta=beta, label_smoothing=smoothing)))
+    forwards = []  # the rows of each forward pass of the policy
+    policy.register_forward_hook(lambda module, args, output: forwards.append(args[0].shape[0]))
     ours = recipe.objective({"reference": reference}).train_loss(policy, our_batch(inputs))
     ours["loss"].backward()
+    assert forwards == [2 * len(token_pairs())]  # chosen and rejected in one forward pass
 
     assert ours["loss"].item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)
     for name in LOGGED:
