@@ -37,7 +37,8 @@ class ChatTemplate:
     eos_token: str = ""
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: Path, bos_token: str = "", eos_token: str = "") -> Optional["ChatTemplate"]:
+    def from_checkpoint(cls, checkpoint_dir: Path, bos_token: str = "",
+                        eos_token: str = "") -> Optional["ChatTemplate"]:
         """The folder's template (chat_template.jinja first, then tokenizer_config.json), or None if it has none."""
         folder = Path(checkpoint_dir)
         if (folder / TEMPLATE_FILE).is_file():

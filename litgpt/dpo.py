@@ -118,7 +118,7 @@ def setup(
 def dpo_job(arguments: dict):
     """Finetuning's job (LoRA or full) with the preference recipe, every input checked before Lightning loads."""
     from litgpt.finetune import finetune_job
-    from litgpt.lora import LoRASettings
+    from litgpt.finetune.lora import lora_settings
     from litgpt.registry import CORE_COMPILERS
     from litgpt.train.recipes.dpo import REFERENCE_FILE, DPORecipe, PreferenceSettings
 
@@ -134,13 +134,7 @@ def dpo_job(arguments: dict):
     if arguments["data"] is None:
         raise UserError("Give the preference pairs: --data Preference --data.json_path FILE (a .json or .jsonl of "
                         "prompt/chosen/rejected rows) or --data.dataset NAME.")
-    lora = None
-    if method == "lora":
-        lora = LoRASettings(
-            r=arguments["lora_r"], alpha=arguments["lora_alpha"], dropout=arguments["lora_dropout"],
-            query=arguments["lora_query"], key=arguments["lora_key"], value=arguments["lora_value"],
-            projection=arguments["lora_projection"], mlp=arguments["lora_mlp"], head=arguments["lora_head"],
-        )
+    lora = lora_settings(arguments) if method == "lora" else None
     job = finetune_job(setup, arguments, name="dpo", lora=lora, quantize=quantize)
     settings = PreferenceSettings(args=args, reference_store=Path(arguments["out_dir"]) / REFERENCE_FILE)
     return dataclasses.replace(job, recipe=DPORecipe(**vars(job.recipe), preference=settings))

@@ -460,7 +460,8 @@ def test_text_pairs_implicit_prompts_and_pairs_cut_to_the_length(tmp_path, capsy
 
     batch = type(train).collate([train[0], train[2]])  # chosen rows first, then rejected, right-padded
     assert batch["input_ids"].shape == (4, 15)
-    assert batch["input_ids"][2, : len(train[0]["rejected_input_ids"])].tolist() == train[0]["rejected_input_ids"].tolist()
+    rejected = train[0]["rejected_input_ids"]
+    assert batch["input_ids"][2, : len(rejected)].tolist() == rejected.tolist()
     assert (batch["labels"][0, len(train[0]["labels"]):] == IGNORE_INDEX).all()
 
 
@@ -491,7 +492,8 @@ def test_the_plan_counts_two_sequences_per_pair_and_the_reference_each_way_holds
     from litgpt.plan.command import plan_for
 
     config = Config(**{**SMALL, "n_layer": 4, "n_embd": 128, "intermediate_size": 256})
-    pairs, sequences = TrainArgs(micro_batch_size=2, max_seq_length=64), TrainArgs(micro_batch_size=4, max_seq_length=64)
+    pairs = TrainArgs(micro_batch_size=2, max_seq_length=64)
+    sequences = TrainArgs(micro_batch_size=4, max_seq_length=64)
     for method in ("lora", "full"):
         plain = plan_for(config, method=method, train=sequences)
         assert plan_for(config, method=method, train=pairs, dpo=DPOArgs(precompute_reference=True)).peak == plain.peak

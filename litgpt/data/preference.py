@@ -41,7 +41,7 @@ PreferenceRecord = dict[str, Text]  # prompt, chosen, rejected: all strings, or 
 HF_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
-# ---- reading and checking rows ----------------------------------------------------------------------------------------
+# ---- reading and checking rows ---------------------------------------------------------------------------------------
 def preference_record(raw: Any, where: str) -> PreferenceRecord:
     """A checked row: prompt, chosen and rejected, all text or all conversations (an implicit prompt taken out)."""
     if not isinstance(raw, dict):
@@ -108,7 +108,7 @@ def load_preference_rows(rows, source: str) -> list[PreferenceRecord]:
     return records
 
 
-# ---- tokens -----------------------------------------------------------------------------------------------------------
+# ---- tokens ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PairLayout:
     """How a record becomes prompt and answer text: the chat template for conversations where the checkpoint has
@@ -226,7 +226,7 @@ class WithReferenceLogps:
         return {**self.dataset[index], "reference_logps": self.logps[index]}
 
 
-# ---- the data module ---------------------------------------------------------------------------------------------------
+# ---- the data module -------------------------------------------------------------------------------------------------
 @dataclass
 class Preference(DataModule):
     """Preference pairs from JSON/JSONL files or a Hugging Face dataset (see the module docstring).

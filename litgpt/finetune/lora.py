@@ -87,13 +87,8 @@ def setup(
         access_token: LitGPT's token for downloading checkpoint_dir; no effect here (`litgpt download` takes it).
     """
     from litgpt.finetune import finetune_job
-    from litgpt.lora import LoRASettings
 
-    settings = LoRASettings(
-        r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
-        projection=lora_projection, mlp=lora_mlp, head=lora_head,
-    )
-    job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=settings, quantize=quantize)
+    job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=lora_settings(locals()), quantize=quantize)
 
     from litgpt.distributed.fsdp import FSDPStrategy
     from litgpt.train.job import launch
@@ -104,6 +99,17 @@ def setup(
     if quantize is not None:
         job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
     launch(fabric, job)
+
+
+def lora_settings(arguments: dict):
+    """The `LoRASettings` of a command's --lora_* arguments (finetune_lora's, and dpo's with --method lora)."""
+    from litgpt.lora import LoRASettings
+
+    return LoRASettings(
+        r=arguments["lora_r"], alpha=arguments["lora_alpha"], dropout=arguments["lora_dropout"],
+        query=arguments["lora_query"], key=arguments["lora_key"], value=arguments["lora_value"],
+        projection=arguments["lora_projection"], mlp=arguments["lora_mlp"], head=arguments["lora_head"],
+    )
 
 
 def quantization_for(job, fsdp_strategy):
