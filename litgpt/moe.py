@@ -368,7 +368,8 @@ def _plain_weight(weight: Optional[torch.Tensor]) -> bool:
 
 
 def _lora(linear: nn.Module) -> bool:
-    """Whether an expert linear layer applies LoRA factors (not merged into its weight, not switched off) (`litgpt.lora.LoRALinear`)."""
+    """Whether an expert linear layer applies LoRA factors (`litgpt.lora.LoRALinear`, neither merged into its weight
+    nor switched off)."""
     return isinstance(linear, AdaptedLinear) and linear.applies_update
 
 
