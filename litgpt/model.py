@@ -122,7 +122,7 @@ class GPT(nn.Module):
             if cache is None:
                 raise RuntimeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first.")
             positions = input_pos
-            kv_length = cache.k.size(2)
+            kv_length = cache.length
 
         for block in self.transformer.h:
             if isinstance(block.mlp, LLaMAMoE):
@@ -149,12 +149,13 @@ class GPT(nn.Module):
             x = block(x, rope, mask, positions)
 
         x = self.transformer.ln_f(x)
-        if return_hidden:
-            return x
-        logits = self.lm_head(x)
-        if c.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        return logits
+        return x if return_hidden else self.head(x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the final norm's output (`forward(..., return_hidden=True)`), soft-capped where the family does."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def router_aux_loss(self) -> Optional[torch.Tensor]:
         """The load-balancing loss of the latest forward pass, times `config.router_aux_loss_coef`, in the autograd
@@ -367,6 +368,11 @@ class KVCache(nn.Module):
         v_shape = shape[:-1] + (v_head_size or head_size,)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(v_shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def length(self) -> int:
+        """The positions a query may attend to: the width of the attention mask."""
+        return self.k.size(2)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k and v (B, ng, T, hs) at `input_pos` (T,) and return the whole cache; or, with `input_pos` (B, T),

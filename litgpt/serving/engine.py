@@ -1,35 +1,46 @@
-"""Continuous batching: one worker thread decodes every request in flight together, one token per request per step.
+"""Continuous batching over a paged KV cache: one worker thread runs every sequence in flight together.
 
-Each request in flight ("sequence") owns one row of a KV cache of `max_batch_size` rows, and the rows in use are
-always 0..n-1: a finishing sequence's row takes the last row's contents, so a decoding step runs on the first n rows
-with per-row positions (`GPT.forward` with `input_pos` of shape (n, 1)). Between steps, new sequences join: each
-prompt is run alone (prefill) in a one-row cache exactly as `litgpt generate` runs it, and its keys and values are
-copied into the sequence's row. So a request's greedy tokens are those it gets when it runs alone. A decoding step
-attends to the cache only up to the longest sequence in flight (`CacheWindow`), not to the whole context: with 16
-rows of a 5M model and a 512-token context on a shared 2-core CPU, 12.5 ms a step instead of 20.5 (one run).
+A sequence's context is its prompt and the tokens sampled so far; `fed` counts those whose keys and values are in
+the cache. Each iteration of the worker (`step`):
+
+1. takes new sequences in (first come, first served) while a batch row is free and the pool has the blocks their
+   context needs;
+2. prefills: up to `prefill_tokens` tokens of the contexts not fed yet, several sequences in one padded batch, a long
+   prompt in chunks over several iterations (chunked prefill), so that prefilling never stalls decoding for long;
+3. decodes: one token for every sequence whose context is fed but for its newest token, each row at its own
+   positions, its blocks read through its block table.
+
+A sequence that has fed its whole context samples its next token from the last position's logits. When decoding
+needs a block and none is free, the sequence admitted last gives its blocks back and waits at the front of the queue;
+taken in again, its whole context is prefilled anew (recomputation, as vLLM preempts). A cancelled sequence (its
+client left, a stop string came, its time ran out) leaves before the next pass and its blocks are free at once.
+
+Greedy tokens are those of `litgpt generate` alone up to rounding: the same positions, keys and values, attended with
+a mask instead of alone.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
+from litgpt.failpoints import failpoint
 from litgpt.generate import held_back, longrope_restart, sample
-from litgpt.model import GPT, KVCache
-
-WINDOW_STEP = 64  # decoding steps attend to the cache up to the longest sequence, rounded up to this
+from litgpt.model import GPT
+from litgpt.serving.paged_cache import NULL_BLOCK, BlockPool, CachePlan, attach_paged_cache
 
 
 @dataclass
 class Sequence:
-    """One completion to generate (a request with n choices has n). The worker puts ("tokens", index, ids) for each
-    run of tokens that can no longer be part of a stop sequence, then ("finish", index, "stop" | "length") or
-    ("error", index, message) on `events`."""
+    """One completion to generate (a request with n choices has n). The worker calls `events.put` with ("tokens",
+    index, ids) for each run of tokens that can no longer be part of a stop sequence, then ("finish", index, "stop" |
+    "length") or ("error", index, message)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -40,188 +51,259 @@ class Sequence:
     generator: Optional[torch.Generator]
     events: "queue.Queue[tuple]"
     index: int = 0
-    cancelled: bool = False  # set by the reader (client gone, stop string found): the worker drops it at its next step
+    cancelled: bool = False  # set by the reader: the worker drops the sequence before its next pass
     # worker state
-    next_token: int = 0  # sampled, not yet fed to the model
-    position: int = 0  # where next_token goes
-    generated: int = 0
+    tokens: list[int] = field(default_factory=list)  # sampled so far; the newest is not fed yet
+    fed: int = 0  # tokens of the context whose keys and values are cached
+    blocks: list[int] = field(default_factory=list)  # the block table
     pending: list[int] = field(default_factory=list)  # held back: they may begin a stop sequence
-    tokens: list[int] = field(default_factory=list)  # every token sampled so far (LongRoPE runs them all again)
 
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
 
-class CacheWindow(nn.Module):
-    """The first `length` positions of a KVCache, as views: writes go to the cache, reads stop at `length`."""
-
-    update = KVCache.update
-
-    def __init__(self, cache: KVCache, length: int) -> None:
-        super().__init__()
-        self.k, self.v = cache.k[:, :, :length], cache.v[:, :, :length]
-        self.latent = cache.latent
+    def context(self, start: int, stop: int) -> list[int]:
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:stop] + self.tokens[max(0, start - prompt): max(0, stop - prompt)]
 
 
 class BatchingEngine:
-    """Owns the model and its batched KV cache; `submit` sequences from any thread."""
+    """Owns the model and its paged KV cache; `submit` sequences from any thread, `start` the worker."""
 
-    def __init__(self, model: GPT, max_batch_size: int) -> None:
+    def __init__(self, model: GPT, max_batch_size: int, plan: CachePlan, prefill_tokens: int = 512) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
-        self.device = model.lm_head.weight.device
-        self.block_size = model.config.block_size
-        model.set_kv_cache(batch_size=max_batch_size, max_seq_length=self.block_size)
-        self.caches = [block.attn.kv_cache for block in model.transformer.h]
-        self.prefill_caches = [
-            block.attn.new_kv_cache(1, self.block_size, device=self.device, dtype=self.caches[0].k.dtype)
-            for block in model.transformer.h
-        ]
-        self._windows: dict[int, list[CacheWindow]] = {}
-        self.waiting: "queue.Queue[Sequence]" = queue.Queue()
-        self.active: list[Sequence] = []  # active[i] owns cache row i
-        self.largest_batch = 0  # the most sequences decoded in one step so far (reported by /health)
-        self.in_flight = 0  # submitted and not yet done: waiting, being prefilled or decoding
-        self.count_lock = threading.Lock()
+        self.plan = plan
+        self.page_size = plan.page_size
+        self.max_seq_length = plan.max_seq_length
+        self.prefill_tokens = prefill_tokens
+        embedding = model.transformer.wte.weight  # the activations' dtype (a quantized head's weight is not)
+        self.device = embedding.device
+        self.batch = attach_paged_cache(model, plan, self.device, embedding.dtype)
+        self.pool = BlockPool(plan.num_blocks)
+        self.arrivals: "queue.Queue[Sequence]" = queue.Queue()
+        self.waiting: collections.deque[Sequence] = collections.deque()  # arrived, not admitted (preempted first)
+        self.active: list[Sequence] = []  # admitted, in admission order
+        self.failure: Optional[str] = None  # why the worker stopped; it serves nothing after
+        self.lock = threading.Lock()
+        self.in_flight = 0  # submitted and not yet done
+        self.queued = 0  # submitted and not yet admitted
+        self.decoding = 0  # rows of the latest decoding pass
+        self.largest_batch = 0
+        self.preemptions = 0
         self.thread = threading.Thread(target=self.run, name="litgpt-serve-engine", daemon=True)
 
+    # ---- the readers' side ----------------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, sequence: Sequence) -> None:
-        self.count(+1)
-        self.waiting.put(sequence)
-
-    def count(self, change: int) -> None:
-        with self.count_lock:
-            self.in_flight += change
+        with self.lock:
+            if self.failure is not None:
+                sequence.events.put(("error", sequence.index, self.failure))
+                return
+            self.in_flight += 1
+            self.queued += 1
+        self.arrivals.put(sequence)
 
     def load(self) -> int:
         """Sequences waiting or in flight: the measure by which requests are spread over several engines."""
         return self.in_flight
 
+    def free_rows(self) -> int:
+        """Batch rows that sequences arriving now would take without waiting."""
+        return max(0, self.max_batch_size - len(self.active))
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self.thread.is_alive()
+
+    def stats(self) -> dict:
+        return {"sequences_in_flight": self.in_flight, "sequences_waiting": self.queued,
+                "sequences_decoding": self.decoding, "largest_batch": self.largest_batch,
+                "free_kv_tokens": len(self.pool.free) * self.page_size, "kv_tokens": self.plan.tokens,
+                "preemptions": self.preemptions}
+
     # ---- the worker -----------------------------------------------------------------------------------------------
     def run(self) -> None:
-        while True:
-            self.admit(block=not self.active)
-            if not self.active:
-                continue
-            try:
-                self.decode_step()
-            except Exception as error:  # e.g. out of memory: fail the requests in flight, keep serving
-                for sequence in self.active:
-                    fail(sequence, error)
-                self.count(-len(self.active))
-                self.active.clear()
+        try:
+            while True:
+                self.step(block=True)
+        except BaseException as error:  # a bug of ours: every request ends, /health reports it, nothing is served
+            traceback.print_exc()
+            with self.lock:
+                self.failure = f"the generation engine stopped ({type(error).__name__})"
+            for sequence in self.active + list(self.waiting):
+                sequence.events.put(("error", sequence.index, self.failure))
+            while not self.arrivals.empty():
+                sequence = self.arrivals.get()
+                sequence.events.put(("error", sequence.index, self.failure))
 
-    def admit(self, block: bool) -> None:
-        """Prefill waiting sequences into free rows (waiting for one when nothing is in flight)."""
-        while len(self.active) < self.max_batch_size:
-            try:
-                sequence = self.waiting.get(block=block)
-            except queue.Empty:
+    def step(self, block: bool = False) -> None:
+        """One iteration: take arrivals in, then one prefill pass and one decoding pass where there is work."""
+        self.take_arrivals(block=block and not self.active and not self.waiting)
+        self.drop_cancelled()
+        self.admit()
+        prefilling = [s for s in self.active if s.context_length - s.fed > 1]
+        if prefilling:
+            self.guarded(self.prefill, prefilling)
+        decoding = [s for s in self.active if s.context_length - s.fed == 1]
+        decoding = self.reserve_decoding_blocks(decoding)
+        if decoding:
+            failpoint("serve.decode")
+            self.guarded(self.decode, decoding)
+
+    def take_arrivals(self, block: bool) -> None:
+        try:
+            self.waiting.append(self.arrivals.get(block=block, timeout=1.0 if block else None))
+            while True:
+                self.waiting.append(self.arrivals.get_nowait())
+        except queue.Empty:
+            pass
+
+    def drop_cancelled(self) -> None:
+        for sequence in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(sequence)
+            self.done(sequence, admitted=False)
+        for sequence in [s for s in self.active if s.cancelled]:
+            self.retire(sequence)
+
+    def admit(self) -> None:
+        """Waiting sequences in order, while a row is free and the pool holds their context."""
+        while self.waiting and len(self.active) < self.max_batch_size:
+            sequence = self.waiting[0]
+            needed = self.blocks_for(sequence.context_length)
+            if needed > len(self.pool.free):
                 return
-            block = False
-            if sequence.cancelled:
-                self.count(-1)
-                continue
-            try:
-                self.prefill(sequence, row=len(self.active))
-            except Exception as error:  # a failed prefill ends its own request, with the error; the others go on
-                fail(sequence, error)
-                self.count(-1)
-                continue
+            self.waiting.popleft()
+            with self.lock:
+                self.queued -= 1
+            sequence.blocks, sequence.fed = self.pool.take(needed), 0
             self.active.append(sequence)
-            self.accept_token(len(self.active) - 1)
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def reserve_decoding_blocks(self, decoding: list[Sequence]) -> list[Sequence]:
+        """A block for each decoding sequence whose next position starts one; the sequence admitted last gives its
+        blocks back (and waits again) while the pool runs dry."""
+        for sequence in decoding:
+            while sequence in self.active and len(sequence.blocks) < self.blocks_for(sequence.fed + 1):
+                if self.pool.free:
+                    sequence.blocks += self.pool.take(1)
+                else:
+                    self.preempt(self.active[-1])
+        return [s for s in decoding if s in self.active]
+
+    def preempt(self, sequence: Sequence) -> None:
+        self.active.remove(sequence)
+        self.pool.give_back(sequence.blocks)
+        sequence.blocks, sequence.fed = [], 0
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+        with self.lock:
+            self.queued += 1
+
+    def guarded(self, run_pass, sequences: list[Sequence]) -> None:
+        """A failed pass (out of memory, say) ends the requests it ran, with the error; the others go on."""
+        try:
+            run_pass(sequences)
+        except Exception as error:
+            traceback.print_exc()
+            for sequence in sequences:
+                if sequence in self.active:
+                    sequence.events.put(("error", sequence.index, f"generation failed ({type(error).__name__})"))
+                    self.retire(sequence)
+
+    # ---- forward passes -------------------------------------------------------------------------------------------
+    def prefill(self, sequences: list[Sequence]) -> None:
+        """Feed the next chunk of each sequence's context, as many sequences as the token budget holds (rows padded
+        to the longest chunk; the first always runs). A LongRoPE context is fed whole: the model picks its rotary
+        factors by the longest position of the pass."""
+        whole = self.model.config.rope_scaling is not None and self.model.config.rope_scaling["type"] == "longrope"
+        rows, chunks, width = [], [], 0
+        for sequence in sequences:
+            left = sequence.context_length - sequence.fed
+            chunk = left if whole else min(left, self.prefill_tokens)
+            if rows and (len(rows) + 1) * max(width, chunk) > self.prefill_tokens:
+                break
+            rows.append(sequence)
+            chunks.append(chunk)
+            width = max(width, chunk)
+        self.forward(rows, chunks, width)
+
+    def decode(self, sequences: list[Sequence]) -> None:
+        self.decoding = len(sequences)
+        self.largest_batch = max(self.largest_batch, len(sequences))
+        self.forward(sequences, [1] * len(sequences), 1)
 
     @torch.inference_mode()
-    def prefill(self, sequence: Sequence, row: int, ids: Optional[list[int]] = None) -> None:
-        """Run `ids` (default: the prompt) alone and copy their keys and values into `row`."""
-        prompt = torch.tensor(ids or sequence.prompt_ids, dtype=torch.long, device=self.device)
-        T = prompt.numel()
-        blocks = self.model.transformer.h
-        for block, cache in zip(blocks, self.prefill_caches):
-            block.attn.kv_cache = cache
-        try:
-            logits = self.model(prompt[None], input_pos=torch.arange(T, device=self.device))[0, -1]
-        finally:
-            for block, cache in zip(blocks, self.caches):
-                block.attn.kv_cache = cache
-        for cache, prefilled in zip(self.caches, self.prefill_caches):
-            cache.k[row, :, :T] = prefilled.k[0, :, :T]
-            cache.v[row, :, :T] = prefilled.v[0, :, :T]
-        s = sequence
-        sequence.next_token = int(sample(logits, s.temperature, s.top_k, s.top_p, s.generator))
-        sequence.position = T
+    def forward(self, rows: list[Sequence], chunks: list[int], width: int) -> None:
+        """Run each row's next `chunks[i]` context tokens (padded to `width`) and sample the rows that have then fed
+        their whole context."""
+        page, device = self.page_size, self.device
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        slots = torch.full((len(rows), width), NULL_BLOCK * page, dtype=torch.long)
+        length = max(s.fed + c for s, c in zip(rows, chunks))
+        table = torch.full((len(rows), self.blocks_for(length)), NULL_BLOCK, dtype=torch.long)
+        for i, (sequence, chunk) in enumerate(zip(rows, chunks)):
+            start = sequence.fed
+            tokens[i, :chunk] = torch.tensor(sequence.context(start, start + chunk))
+            positions[i, :chunk] = torch.arange(start, start + chunk)
+            blocks = torch.tensor(sequence.blocks, dtype=torch.long)
+            slots[i, :chunk] = blocks[positions[i, :chunk] // page] * page + positions[i, :chunk] % page
+            table[i, : len(sequence.blocks)] = blocks[: table.size(1)]
+        offsets = torch.arange(page)
+        self.batch.slots = slots.to(device)
+        self.batch.reads = (table[:, :, None] * page + offsets).flatten(1)[:, :length].to(device)
+        hidden = self.model(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
+        finished = [i for i, (s, c) in enumerate(zip(rows, chunks)) if s.fed + c == s.context_length]
+        for sequence, chunk in zip(rows, chunks):
+            sequence.fed += chunk
+        if finished:
+            last = torch.tensor([chunks[i] - 1 for i in finished], device=device)
+            logits = self.model.head(hidden[torch.tensor(finished, device=device), last])
+            self.sample_and_accept([rows[i] for i in finished], logits)
 
-    @torch.inference_mode()
-    def decode_step(self) -> None:
-        n = len(self.active)
-        self.largest_batch = max(self.largest_batch, n)
-        tokens = torch.tensor([[s.next_token] for s in self.active], device=self.device)
-        positions = torch.tensor([[s.position] for s in self.active], device=self.device)
-        length = max(s.position for s in self.active) + 1
-        for block, window in zip(self.model.transformer.h, self.windows(length)):
-            block.attn.kv_cache = window
-        try:
-            logits = self.model(tokens, input_pos=positions)[:, -1]
-        finally:
-            for block, cache in zip(self.model.transformer.h, self.caches):
-                block.attn.kv_cache = cache
+    def sample_and_accept(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()
-        for row, s in enumerate(self.active):
-            s.position += 1
-            s.next_token = greedy[row] if s.temperature == 0 else int(
-                sample(logits[row], s.temperature, s.top_k, s.top_p, s.generator)
-            )
-        # Back to front: a finished row takes the last row's contents, which have been handled already.
-        for row in reversed(range(n)):
-            self.accept_token(row)
+        for row, s in enumerate(sequences):
+            token = greedy[row] if s.temperature == 0 else int(
+                sample(logits[row], s.temperature, s.top_k, s.top_p, s.generator))
+            self.accept(s, token)
 
-    def windows(self, length: int) -> list["CacheWindow"]:
-        """Views of every layer's cache up to `length` rounded up to a multiple of WINDOW_STEP: a step attends to
-        the positions in use, not to the whole context (a few shapes, made once each)."""
-        length = min(self.block_size, -(-length // WINDOW_STEP) * WINDOW_STEP)
-        if length not in self._windows:
-            self._windows[length] = [CacheWindow(cache, length) for cache in self.caches]
-        return self._windows[length]
-
-    def accept_token(self, row: int) -> None:
-        """Count the sampled token of the sequence in `row`; emit what is sure, and retire it when done."""
-        s = self.active[row]
+    def accept(self, s: Sequence, token: int) -> None:
+        """Count a sampled token; emit what is sure, and retire the sequence when it is done."""
+        s.tokens.append(token)
+        s.pending.append(token)
         finish = None
-        if s.cancelled:
-            self.retire(row)
-            return
-        s.generated += 1
-        s.pending.append(s.next_token)
-        s.tokens.append(s.next_token)
         stopped = next((stop for stop in s.stops if s.pending[-len(stop):] == stop), None)
         if stopped is not None:
             s.pending = s.pending[: len(s.pending) - len(stopped)]
             finish = "stop"
-        elif s.generated >= s.max_new_tokens or s.position >= self.block_size - 1:  # its successor would not fit
-            finish = "length"
+        elif len(s.tokens) >= s.max_new_tokens or s.context_length >= self.max_seq_length:
+            finish = "length"  # or its successor would not fit
         keep = 0 if finish else held_back(s.pending, s.stops)
         if len(s.pending) > keep:
             s.events.put(("tokens", s.index, s.pending[: len(s.pending) - keep]))
-            s.pending = s.pending[len(s.pending) - keep :]
+            s.pending = s.pending[len(s.pending) - keep:]
         if finish:
             s.events.put(("finish", s.index, finish))
-            self.retire(row)
-        elif s.position == longrope_restart(self.model.config, len(s.prompt_ids)):
-            # LongRoPE's switch to its long factors: the whole sequence again, as `litgpt generate` does
-            self.prefill(s, row, s.prompt_ids + s.tokens)
-            self.accept_token(row)
+            self.retire(s)
+        elif s.fed == longrope_restart(self.model.config, len(s.prompt_ids)):
+            s.fed = 0  # LongRoPE's switch to its long factors: the whole context again, as `litgpt generate` does
 
-    def retire(self, row: int) -> None:
-        """Free `row`, moving the last row's sequence and cache contents into it."""
-        last = len(self.active) - 1
-        if row != last:
-            for cache in self.caches:
-                cache.k[row] = cache.k[last]
-                cache.v[row] = cache.v[last]
-            self.active[row] = self.active[last]
-        self.active.pop()
-        self.count(-1)
+    def retire(self, sequence: Sequence) -> None:
+        self.active.remove(sequence)
+        self.pool.give_back(sequence.blocks)
+        sequence.blocks = []
+        self.done(sequence, admitted=True)
 
-
-def fail(sequence: Sequence, error: Exception) -> None:
-    sequence.events.put(("error", sequence.index, f"generation failed: {type(error).__name__}: {error}"))
+    def done(self, sequence: Sequence, admitted: bool) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            if not admitted:
+                self.queued -= 1
+        if not self.active:
+            self.decoding = 0

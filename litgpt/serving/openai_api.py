@@ -1,17 +1,19 @@
-"""The OpenAI API's request fields and response objects, as far as `litgpt serve` supports them.
+"""The OpenAI API's request models and response objects, as far as `litgpt serve` supports them.
 
-Requests are checked field by field: a wrong type or value, or a feature the server does not have (logprobs, tools,
-penalties), is a `RequestError` that the server answers with a 4xx JSON error in OpenAI's shape; fields it does not
-know are ignored, as OpenAI-compatible servers commonly do.
+Requests are pydantic models of OpenAI's schema, checked strictly ("5" is not a number): a wrong type or value, or a
+feature the server does not have (logprobs, penalties), is a `RequestError` that the server answers with a 4xx JSON
+error in OpenAI's shape; fields it does not know are ignored, as OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 
@@ -25,8 +27,9 @@ UNSUPPORTED = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
     "functions": (None, []),
+    "tool_choice": (None, "auto", "none"),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -46,6 +49,73 @@ def invalid(param: str, message: str) -> RequestError:
     return RequestError(400, message, code="invalid_value", param=param)
 
 
+# ---- requests -------------------------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both completion endpoints share."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: Optional[int] = Field(None, ge=1)  # an extension of OpenAI's fields, as vLLM's
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > MAX_STOP_STRINGS or not all(stops)):
+            raise ValueError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        return stops
+
+
+class ChatMessage(BaseModel):
+    """A message; its other fields (tool_calls, tool_call_id, name, reasoning_content, ...) go to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        if isinstance(content, list):
+            if not all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+                raise ValueError('content parts must be {"type": "text", "text": ...}: this server reads text only')
+            return "".join(part["text"] for part in content)
+        return content
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[dict]] = None
+    chat_template_kwargs: Optional[dict] = None  # as vLLM's: extra variables for the template (enable_thinking, ...)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, list) and not all(isinstance(i, int) for i in prompt):
+            raise ValueError("'prompt' must be a string or a list of token ids (one prompt per request)")
+        return prompt
+
+
 @dataclass
 class Sampling:
     """How to generate: the request's values, or the defaults of OpenAI's API (and the server's token cap)."""
@@ -61,91 +131,67 @@ class Sampling:
     include_usage: bool = False
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic names a union's member in an error's place
 
 
-def is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def optional_field(body: dict, name: str, check, expected: str, default: Any) -> Any:
-    """body[name] if present and not null, after `check(value)`; else `default`."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise invalid(name, f"'{name}' must be {expected}, got {value!r}.")
-    return value
-
-
-def parse_sampling(body: dict, max_new_tokens: int, max_n: int) -> Sampling:
-    """The sampling options of a request; `max_tokens` above the server's `--max_new_tokens` is lowered to it."""
+def parse_request(raw: bytes, chat: bool) -> Union[ChatRequest, CompletionRequest]:
+    """The request model of a JSON body, or the RequestError that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise RequestError(400, f"The request body is not valid JSON: {error}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.", code="invalid_json")
     for name, off in UNSUPPORTED.items():
         if name in body and body[name] not in off:
             raise invalid(name, f"'{name}' is not supported by litgpt serve; leave it out.")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
-        raise invalid("max_tokens", f"'max_tokens' must be a whole number >= 1, got {max_tokens!r}.")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
-                                 and all(isinstance(s, str) and s for s in stop)):
-        raise invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them.")
-    stream_options = optional_field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    try:
+        return (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"] if str(part) not in TYPE_TAGS and "[" not in str(part))
+        if first["type"] == "missing":
+            what = "the messages of the conversation" if chat else "the text to continue"
+            raise RequestError(400, f"'{param}' is required: {what}.", code="missing_required_parameter",
+                               param=param) from None
+        raise invalid(param, f"'{param}': {first['msg']} (got {first.get('input')!r:.80}).") from None
+
+
+def sampling_of(request: SamplingRequest, max_new_tokens: int, max_n: int) -> Sampling:
+    """The sampling options of a request; `max_tokens` above the server's `--max_new_tokens` is lowered to it."""
+    if request.n is not None and request.n > max_n:
+        raise invalid("n", f"'n' must be at most {max_n} (the server's --max_batch_size), got {request.n}.")
+    max_tokens = request.max_completion_tokens or request.max_tokens or max_new_tokens
     return Sampling(
-        max_tokens=min(max_tokens or max_new_tokens, max_new_tokens),
-        temperature=optional_field(body, "temperature", lambda v: is_number(v) and 0 <= v <= 2, "in [0, 2]", 1.0),
-        top_p=optional_field(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "in (0, 1]", 1.0),
-        top_k=optional_field(body, "top_k", lambda v: is_int(v) and v >= 1, "a whole number >= 1", None),
-        seed=optional_field(body, "seed", is_int, "a whole number", None),
-        stop=tuple(stop or ()),
-        n=optional_field(body, "n", lambda v: is_int(v) and 1 <= v <= max_n, f"a whole number in [1, {max_n}]", 1),
-        stream=optional_field(body, "stream", lambda v: isinstance(v, bool), "true or false", False),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        max_tokens=min(max_tokens, max_new_tokens),
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=tuple(request.stop or ()),
+        n=request.n or 1,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
     )
 
 
-def chat_messages(body: dict) -> list[tuple[str, str]]:
-    """The request's messages as (role, text) pairs; text parts of a message's content list are joined."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.",
-                           code="missing_required_parameter" if messages is None else "invalid_value",
-                           param="messages")
-    pairs = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with a 'role' and a 'content'.")
-        role = "system" if message["role"] == "developer" else message["role"]
-        if role not in ("system", "user", "assistant"):
-            raise invalid(f"messages[{i}].role", f"messages[{i}] has role {role!r}; use system, user or assistant.")
-        pairs.append((role, message_text(message.get("content"), i)))
-    return pairs
-
-
-def message_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise invalid(f"messages[{i}].content",
-                  f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\"}} parts.")
-
-
-def completion_prompt(body: dict) -> "str | list[int]":
-    """The request's prompt: a string, a list holding one string, or a list of token ids."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(i) for i in prompt)):
-        return prompt
-    if prompt is None:
-        raise RequestError(400, "'prompt' is required: the text to continue.", code="missing_required_parameter",
-                           param="prompt")
-    raise invalid("prompt", "'prompt' must be a string, or a list of token ids (one prompt per request).")
+def template_messages(request: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as chat templates read them: "developer" is "system", tool calls' JSON arguments are objects
+    (as transformers' templates expect them)."""
+    messages = []
+    for message in request.messages:
+        fields = message.model_dump()
+        if fields["role"] == "developer":
+            fields["role"] = "system"
+        for call in fields.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # left as the client wrote it
+        messages.append(fields)
+    return messages
 
 
 # ---- response objects -----------------------------------------------------------------------------------------------
