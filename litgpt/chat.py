@@ -1,4 +1,5 @@
-"""`litgpt chat`: talk with a model in the terminal, formatted with the checkpoint's prompt style."""
+"""`litgpt chat`: talk with a model in the terminal, the conversation laid out by the checkpoint's chat template (or,
+in a folder without one, its prompt style)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from litgpt.generate import (
     load_model_and_tokenizer,
     make_generator,
 )
-from litgpt.prompts import PromptStyle
+from litgpt.chat_template import ChatFormat
 from litgpt.tokenizer import IncrementalDecoder
 
 EXIT, RESET, SUBMIT = "!exit", "!reset", "!submit"
@@ -43,17 +44,18 @@ def read_message(multiline: bool) -> Optional[str]:
 
 
 def encode_conversation(
-    style: PromptStyle, tokenizer: Any, history: list[tuple[str, str]], block_size: int, max_new_tokens: int
+    chat_format: ChatFormat, history: list[dict[str, str]], block_size: int, max_new_tokens: int
 ) -> Optional[torch.Tensor]:
-    """Token ids of the conversation in `history` (ending with the user's message), fitted into the context.
+    """Token ids of the conversation in `history` ({"role", "content"} messages ending with the user's), fitted into
+    the context.
 
     While the prompt leaves fewer than `max_new_tokens` free positions, the oldest exchange (user + assistant) is
     dropped from `history`. Returns None when the last message alone leaves no room for a reply.
     """
     while True:
-        ids = tokenizer.encode(style.apply_messages(history))
+        ids = chat_format.prompt_ids(history)
         if len(ids) + max_new_tokens <= block_size or len(history) < 3:
-            return ids if len(ids) < block_size else None
+            return torch.tensor(ids, dtype=torch.long) if len(ids) < block_size else None
         del history[:2]
 
 
@@ -73,8 +75,10 @@ def main(
 ) -> None:
     """Chat with a litgpt model: type a message, read the streamed reply.
 
-    Each message is formatted with the checkpoint's prompt style (model_config.yaml's prompt_style). With a chat
-    template the conversation so far is kept, the oldest turns dropped when it would not fit the model's context.
+    The conversation is laid out by the checkpoint's chat template (chat_template.jinja or tokenizer_config.json's), or
+    in a folder without one by its prompt style (model_config.yaml's prompt_style). The conversation so far is kept
+    (with a prompt style that shows earlier turns), the oldest turns dropped when it would not fit the model's
+    context.
     Type !reset to start a new conversation and !exit (or end the input) to quit.
 
     Args:
@@ -99,18 +103,18 @@ def main(
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile, quantize)
-    style = PromptStyle.from_config(model.config)
-    stops = style.stop_tokens(tokenizer)
+    chat_format = ChatFormat.from_checkpoint(checkpoint_dir, tokenizer, model.config)
+    stops = chat_format.stop_sequences()
     generator = make_generator(model.lm_head.weight.device, seed)
     block_size = model.config.block_size
 
     end = f"a line holding only {SUBMIT}" if multiline else "Enter"
     print(
-        f"Chatting with {model.config.name or str(checkpoint_dir)!r} (prompt style {style.name!r}). "
+        f"Chatting with {model.config.name or str(checkpoint_dir)!r} (laid out by {chat_format.description}). "
         f"End a message with {end}; {RESET} starts over, {EXIT} quits.",
         file=sys.stderr,
     )
-    history: list[tuple[str, str]] = []
+    history: list[dict[str, str]] = []
     while True:
         message = read_message(multiline)
         if message is None:
@@ -125,10 +129,10 @@ def main(
             continue
         if not command:
             continue
-        history.append(("user", message))
-        prompt_ids = encode_conversation(style, tokenizer, history, block_size, max_new_tokens)
+        history.append({"role": "user", "content": message})
+        prompt_ids = encode_conversation(chat_format, history, block_size, max_new_tokens)
         if prompt_ids is None:
-            length = len(tokenizer.encode(style.apply_messages(history[-1:])))
+            length = len(chat_format.prompt_ids(history[-1:]))
             history.pop()
             print(
                 f"That message is {length} tokens once formatted, but the model's context is {block_size} tokens: "
@@ -140,8 +144,8 @@ def main(
         reply_ids = stream_reply(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, top_p, stops,
                                  generator)
         reply = tokenizer.decode(reply_ids)
-        if style.multi_turn:
-            history.append(("assistant", reply.strip()))
+        if chat_format.multi_turn:
+            history.append({"role": "assistant", "content": reply.strip()})
         else:
             history.clear()
 

@@ -1,4 +1,5 @@
-"""`litgpt chat`: the prompt style applied to the conversation, history kept within the context, the input loop."""
+"""`litgpt chat`: the conversation laid out by the chat template or the prompt style, history kept within the context,
+the input loop (tests/test_chat_template.py checks the template's layout against transformers)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 import litgpt.chat as chat
 from litgpt.config import Config
+from litgpt.chat_template import ChatFormat
 from litgpt.errors import UserError
 from litgpt.model import GPT
 from litgpt.prompts import PromptStyle
@@ -79,7 +81,7 @@ def run_chat(monkeypatch, checkpoint: Path, stdin_text: str, **kwargs):
     return prompts, replies
 
 
-def test_chat_formats_the_conversation_with_the_prompt_style(chat_process, chatml_checkpoint, monkeypatch, capsys):
+def test_chat_formats_the_conversation(chat_process, chatml_checkpoint, monkeypatch, capsys):
     from litgpt.tokenizer import Tokenizer
 
     prompts, replies = run_chat(monkeypatch, chatml_checkpoint, "Hello there\nWhat do llamas eat?\n!exit\n")
@@ -140,23 +142,24 @@ class CharTokenizer:
 
 def test_history_is_trimmed_to_the_context():
     style = PromptStyle.from_name("chatml")
-    tokenizer = CharTokenizer()
-    history = [("user", "a" * 20), ("assistant", "b" * 20), ("user", "c" * 20), ("assistant", "d" * 20), ("user", "e")]
+    chat_format = ChatFormat(CharTokenizer(), style)
+    turns = [("user", "a" * 20), ("assistant", "b" * 20), ("user", "c" * 20), ("assistant", "d" * 20), ("user", "e")]
+    history = [{"role": role, "content": text} for role, text in turns]
     full = len(style.apply_messages(history))
     # everything fits
-    ids = chat.encode_conversation(style, tokenizer, list(history), block_size=full + 10, max_new_tokens=10)
+    ids = chat.encode_conversation(chat_format, list(history), block_size=full + 10, max_new_tokens=10)
     assert len(ids) == full
     # room for the reply only without the oldest exchange
     kept = list(history)
-    ids = chat.encode_conversation(style, tokenizer, kept, block_size=full + 9, max_new_tokens=10)
+    ids = chat.encode_conversation(chat_format, kept, block_size=full + 9, max_new_tokens=10)
     assert kept == history[2:] and len(ids) == len(style.apply_messages(history[2:]))
     # only the last message fits, with less room than max_new_tokens: still sent
     kept = list(history)
     last = len(style.apply_messages(history[-1:]))
-    ids = chat.encode_conversation(style, tokenizer, kept, block_size=last + 3, max_new_tokens=10)
+    ids = chat.encode_conversation(chat_format, kept, block_size=last + 3, max_new_tokens=10)
     assert kept == history[-1:] and len(ids) == last
     # not even the last message fits
-    assert chat.encode_conversation(style, tokenizer, list(history), block_size=last, max_new_tokens=10) is None
+    assert chat.encode_conversation(chat_format, list(history), block_size=last, max_new_tokens=10) is None
 
 
 def test_chat_argument_errors(chatml_checkpoint):
@@ -171,4 +174,4 @@ def test_chat_cli_two_turns(chat_process):
     assert chat_process.returncode == 0, err
     assert "Traceback" not in err
     assert out.count(">> Reply: ") == 2
-    assert "chatml" in err  # the prompt style in use is announced
+    assert "the chat template of tokenizer_config.json" in err  # what lays the conversation out is announced

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -350,8 +351,14 @@ def test_codellama_70b_turns_must_alternate():
         PromptStyle.from_name("codellama-70b").apply_messages([("user", "a"), ("user", "b")])
 
 
-# The published chat templates of these models, as in their tokenizer_config.json (the branches for tool calls left
-# out: litgpt's conversations have none).
+def published(name: str) -> str:
+    """A published template of tests/chat_templates (see test_chat_template.py)."""
+    return (Path(__file__).parent / "chat_templates" / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+# Qwen2.5's template (with SYSTEM for the default system message of the Qwen2.5 variants) and Salamandra's, as in
+# their tokenizer_config.json with the branches for tool calls left out (litgpt's prompt styles have no tools); the
+# other models' templates are the published files of tests/chat_templates.
 QWEN25_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + "
     "'<|im_end|>\\n' }}\n{%- else %}\n    {{- '<|im_start|>system\\nSYSTEM<|im_end|>\\n' }}\n{%- endif %}\n"
@@ -360,47 +367,12 @@ QWEN25_TEMPLATE = (
     "message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 )
-QWQ_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + "
-    "'<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == \"user\") or "
-    "(message.role == \"system\" and not loop.first) %}\n        {{- '<|im_start|>' + message.role + '\\n' + "
-    "message.content + '<|im_end|>' + '\\n' }}\n    {%- elif message.role == \"assistant\" and not message.tool_calls "
-    "%}\n        {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n        {{- "
-    "'<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}\n"
-)
-R1_TEMPLATE = (
-    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
-    "{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] "
-    "%}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if "
-    "message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message['content'] is not none %}{% set content = message['content'] "
-    "%}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
-    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor -%}"
-    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
-)
-FALCON3_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] + "
-    "'\\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif "
-    "message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\\n' + message['content'] + eos_token + "
-    "'\\n' }}{% else %}{{ '<|assistant|>\\n' + message['content'] + eos_token }}{% endif %}{% endif %}{% if loop.last "
-    "and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}{% endfor %}"
-)
 SALAMANDRA_TEMPLATE = (
     "{%- if not date_string is defined %}{%- set date_string = \"2024-09-30\" %}{%- endif %}{%- set system_message = "
     "messages[0].content if messages[0].role == \"system\" else SYSTEM -%}{%- if messages[0].role == \"system\" -%}"
     "{%- set messages = messages[1:] -%}{%- endif -%}{{ \"<|im_start|>system\\n\" + system_message + "
     "\"<|im_end|>\\n\" }}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
     "+ '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-CODELLAMA_70B_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}{% set user_index = 1 %}{% else %}{% set user_index = 0 %}{% endif %}"
-    "{% for message in messages %}{% if (message['role'] == 'user') != ((loop.index0 - user_index) % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if loop.index0 == 0 %}{{ '<s>' }}{% endif %}{% set content = 'Source: ' + message['role'] + '\\n\\n ' + "
-    "message['content'] | trim %}{{ content + ' <step> ' }}{% endfor %}"
-    "{{'Source: assistant\\nDestination: user\\n\\n '}}"
 )
 _SALAMANDRA_DEFAULT = (
     "\"I am Salamandra, an AI language model developed at the Barcelona Supercomputing Centre (BSC) by the Language "
@@ -410,33 +382,18 @@ _SALAMANDRA_DEFAULT = (
     "model de llenguatge d'IA desenvolupat al Barcelona Supercomputing Centre (BSC) per la Language Technologies "
     "Unit.\""
 )
-MISTRAL_V3_TEMPLATE = (
-    "{%- if messages[0][\"role\"] == \"system\" %}\n    {%- set system_message = messages[0][\"content\"] %}\n"
-    "    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = messages %}\n{%- endif %}\n"
-    "{%- for message in loop_messages | rejectattr(\"role\", \"equalto\", \"tool\") %}\n    {%- if "
-    "(message[\"role\"] == \"user\") != (loop.index0 % 2 == 0) %}\n        {{- raise_exception(\"After the "
-    "optional system message, conversation roles must alternate user/assistant/user/assistant/...\") }}\n    "
-    "{%- endif %}\n{%- endfor %}\n\n{{- bos_token }}\n{%- for message in loop_messages %}\n    {%- if "
-    "message[\"role\"] == \"user\" %}\n        {%- if loop.last and system_message is defined %}\n            "
-    "{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}\n        {%- else %}\n"
-    "            {{- \"[INST] \" + message[\"content\"] + \"[/INST]\" }}\n        {%- endif %}\n    {%- elif "
-    "message[\"role\"] == \"assistant\" %}\n        {{- \" \" + message[\"content\"]|trim + eos_token}}\n    "
-    "{%- else %}\n"
-    "        {{- raise_exception(\"Only user and assistant roles are supported, with the exception of an initial "
-    "optional system message!\") }}\n    {%- endif %}\n{%- endfor %}\n"
-)
 # name -> (template, BOS token the template writes itself)
 PUBLISHED_TEMPLATES = {
     "qwen2.5": (QWEN25_TEMPLATE.replace("SYSTEM", QWEN_SYSTEM), ""),
     "qwen2.5-math": (QWEN25_TEMPLATE.replace("SYSTEM", MATH_SYSTEM.replace("\\", "\\\\")), ""),
     "qwq-preview": (QWEN25_TEMPLATE.replace("SYSTEM", QWQ_SYSTEM), ""),
-    "chatml-thinking": (QWQ_TEMPLATE, ""),
-    "deepseek-r1": (R1_TEMPLATE, "<｜begin▁of▁sentence｜>"),
+    "chatml-thinking": (published("qwq-32b"), ""),
+    "deepseek-r1": (published("deepseek-r1"), "<｜begin▁of▁sentence｜>"),
     # Falcon3's eos_token is <|endoftext|> (the test tokenizer's is </s>).
-    "falcon3": (FALCON3_TEMPLATE.replace("eos_token", "'<|endoftext|>'"), ""),
+    "falcon3": (published("falcon3-instruct").replace("eos_token", "'<|endoftext|>'"), ""),
     "salamandra": (SALAMANDRA_TEMPLATE.replace("SYSTEM", _SALAMANDRA_DEFAULT), ""),
-    "codellama-70b": (CODELLAMA_70B_TEMPLATE, "<s>"),
-    "mistral-v3": (MISTRAL_V3_TEMPLATE, "<s>"),
+    "codellama-70b": (published("codellama-70b-instruct"), "<s>"),
+    "mistral-v3": (published("mistral-instruct-v0.3"), "<s>"),
 }
 
 
@@ -459,12 +416,12 @@ def test_harmony_matches_the_published_example():
     """A system message as harmony's developer message, the way gpt-oss' published chat template renders it (with
     the blank line before <|end|> that the template writes after the instructions), and an earlier reply as its
     final channel."""
-    published = (
+    expected = (
         "<|start|>developer<|message|># Instructions\n\nAlways respond in riddles\n\n<|end|>"
         "<|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant"
     )
     style = PromptStyle.from_name("harmony")
-    assert style.apply("What is the weather like in SF?", system="Always respond in riddles") == published
+    assert style.apply("What is the weather like in SF?", system="Always respond in riddles") == expected
     turns = [("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")]
     assert style.apply_messages(turns) == (
         "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|end|>"

@@ -11,12 +11,16 @@ or a conversation:
 For an instruction, the prompt is the prompt style applied to the instruction (and its input: styles that take an
 `input` argument, such as "alpaca", place it themselves; for the others it follows the instruction after a blank
 line), and the response is the output. For a conversation, the response is the LAST assistant message and the prompt
-is the prompt style's layout of every message before it (`apply_messages`); messages after it are not used.
+every message before it; messages after it are not used. A conversation is laid out by the checkpoint's own chat
+template when its folder has one (and no --data.prompt_style is given), else by the prompt style (`apply_messages`).
 
 A sample is tokens = encode(prompt) (with BOS when the tokenizer adds one) + encode(response, bos=False) + [EOS],
 cut to max_seq_length + 1 tokens; input_ids = tokens[:-1] and labels = tokens[1:], with the labels of the prompt
 set to `ignore_index` when `mask_prompt` (the first response token, predicted from the last prompt token, keeps its
-label).
+label). With a chat template, as TRL does: tokens are the template's text of the conversation up to that reply,
+tokenized as `apply_chat_template(tokenize=True)` does (the template writes BOS and the reply's end-of-turn; no EOS is
+added), and the prompt is what the template writes before the reply (its text with the generation prompt, as far as
+the two agree).
 
 `JSON` reads a .json file (a list of records) or a .jsonl file (one record per line), or a folder with
 train.json(l) and val.json(l). `SFTDataset` and `SFTDataModule` are shared by every instruction data module (Alpaca,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 
 import torch
 
+from litgpt.chat_template import REASONING_FIELDS, ChatTemplate, encode_rendered_with_offsets
 from litgpt.data.base import IGNORE_INDEX, DataModule
 from litgpt.data.packing import PackedDataset
 from litgpt.data.token_cache import pick_validation
@@ -132,7 +138,9 @@ def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
             raise UserError(f"{where}: messages[{index}] has role {role!r}; use one of {', '.join(ROLES)}.")
         if not isinstance(content, str):
             raise UserError(f'{where}: messages[{index}]: "content" must be a string, not a {_type_name(content)}.')
-        result.append({"role": role, "content": content})
+        # A message's reasoning is kept for the chat templates of reasoning models, which show it.
+        reasoning = {k: v for k, v in message.items() if k in REASONING_FIELDS and isinstance(v, str)}
+        result.append({"role": role, "content": content, **reasoning})
     last = max((i for i, m in enumerate(result) if m["role"] == "assistant"), default=None)
     if last is None:
         raise UserError(f"{where}: the conversation has no assistant message to learn from.")
@@ -189,6 +197,29 @@ def prompt_and_response(record: Record, style: PromptStyle) -> tuple[str, str]:
     return style.apply(text), record["output"]
 
 
+def templated_text(template: ChatTemplate, messages: list[dict]) -> tuple[str, int]:
+    """The chat template's text of a conversation up to its last assistant message, and how many of its characters
+    are the prompt (what the template writes before that reply)."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    opened = template.render(messages[:last], add_generation_prompt=True)
+    whole = template.render(messages[: last + 1])
+    shared = len(os.path.commonprefix([opened, whole]))  # a reasoning template may open the reply differently
+    if shared >= len(whole):
+        raise UserError(f"The chat template of {template.where} writes nothing for the last assistant message, so "
+                        "there is no reply to learn: check the roles, or give --data.prompt_style to lay the "
+                        "conversations out with a prompt style.")
+    return whole, shared
+
+
+def templated_tokens(template: ChatTemplate, tokenizer: "Tokenizer", messages: list[dict]) -> tuple[list[int], int]:
+    """The ids of `templated_text` as `apply_chat_template(tokenize=True)` gives them, and how many of them are the
+    prompt (the tokens wholly within its prompt's characters)."""
+    whole, shared = templated_text(template, messages)
+    ids, offsets = encode_rendered_with_offsets(tokenizer, whole)
+    prompt_tokens = next((i for i, (_, end) in enumerate(offsets) if end > shared), len(ids))
+    return ids, prompt_tokens
+
+
 class SFTDataset:
     """Instruction/conversation records turned into samples on access (see the module docstring).
 
@@ -199,6 +230,7 @@ class SFTDataset:
         max_seq_length: Longest sample; longer ones are cut at the end (-1: no limit).
         mask_prompt: Leave the prompt out of the loss.
         ignore_index: The label of tokens without loss.
+        chat_template: The checkpoint's chat template, which lays out conversations instead of the prompt style.
     """
 
     def __init__(
@@ -209,6 +241,7 @@ class SFTDataset:
         max_seq_length: int = -1,
         mask_prompt: bool = True,
         ignore_index: int = IGNORE_INDEX,
+        chat_template: Optional[ChatTemplate] = None,
     ) -> None:
         if tokenizer.eos_id is None:
             raise UserError(
@@ -220,22 +253,36 @@ class SFTDataset:
         self.max_seq_length = max_seq_length
         self.mask_prompt = mask_prompt
         self.ignore_index = ignore_index
+        self.chat_template = chat_template
+        if chat_template is not None:  # a conversation the template refuses stops the run before training starts
+            for number, record in enumerate(records):
+                if "messages" in record:
+                    try:
+                        templated_text(chat_template, record["messages"])
+                    except UserError as error:
+                        raise UserError(f"Conversation {number} of the data (counting from 0): {error}") from None
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        prompt, response = prompt_and_response(self.records[index], self.prompt_style)
-        prompt_ids = self.tokenizer.encode(prompt, eos=False)
-        response_ids = self.tokenizer.encode(response, bos=False, eos=False)
-        eos = torch.tensor([self.tokenizer.eos_id], dtype=torch.long)
-        tokens = torch.cat([prompt_ids.long(), response_ids.long(), eos])
+        record = self.records[index]
+        if self.chat_template is not None and "messages" in record:
+            ids, prompt_length = templated_tokens(self.chat_template, self.tokenizer, record["messages"])
+            tokens = torch.tensor(ids, dtype=torch.long)
+        else:
+            prompt, response = prompt_and_response(record, self.prompt_style)
+            prompt_ids = self.tokenizer.encode(prompt, eos=False)
+            response_ids = self.tokenizer.encode(response, bos=False, eos=False)
+            eos = torch.tensor([self.tokenizer.eos_id], dtype=torch.long)
+            tokens = torch.cat([prompt_ids.long(), response_ids.long(), eos])
+            prompt_length = prompt_ids.numel()
         if self.max_seq_length > 0:
             tokens = tokens[: self.max_seq_length + 1]
         input_ids = tokens[:-1].clone()
         labels = tokens[1:].clone()
         if self.mask_prompt:
-            labels[: max(prompt_ids.numel() - 1, 0)] = self.ignore_index
+            labels[: max(prompt_length - 1, 0)] = self.ignore_index
         return {"input_ids": input_ids, "labels": labels}
 
 
@@ -248,6 +295,8 @@ class SFTDataModule(DataModule):
     `seed`; they implement `load()` and, when their files can be fetched, `download()`.
 
     The `prompt_style` field keeps what the user chose; the style in use after `connect` is `self.style`.
+    Conversations are laid out by the checkpoint's chat template (`self.chat_template`) when the tokenizer's folder
+    has one and the user chose no style.
     """
 
     mask_prompt: bool = True
@@ -270,6 +319,10 @@ class SFTDataModule(DataModule):
             self.style = prompt_style
         else:
             self.style = AlpacaStyle()
+        self.chat_template = None
+        folder = getattr(tokenizer, "checkpoint_dir", None)
+        if chosen is None and folder is not None:
+            self.chat_template = ChatTemplate.from_checkpoint(folder)
 
     def download(self) -> None:
         """Fetch missing source files."""
@@ -317,7 +370,8 @@ class SFTDataModule(DataModule):
         if self.tokenizer is None:
             raise RuntimeError(f"{type(self).__name__}.connect(tokenizer, max_seq_length) must be called first.")
         return SFTDataset(
-            records, self.tokenizer, self.style, self.max_seq_length, self.mask_prompt, self.ignore_index
+            records, self.tokenizer, self.style, self.max_seq_length, self.mask_prompt, self.ignore_index,
+            getattr(self, "chat_template", None),
         )
 
 

@@ -267,9 +267,7 @@ class Preference(DataModule):
         else:
             style = prompt_style or AlpacaStyle()
         self.style = style  # what checkpoints record as the style the model was tuned in
-        template = ChatTemplate.from_checkpoint(tokenizer.checkpoint_dir, _token_text(tokenizer, tokenizer.bos_id),
-                                                _token_text(tokenizer, tokenizer.eos_id))
-        self.layout = PairLayout(style, template)
+        self.layout = PairLayout(style, ChatTemplate.from_checkpoint(tokenizer.checkpoint_dir))
 
     def check_packing(self) -> None:
         if self.packing:
@@ -344,10 +342,6 @@ class Preference(DataModule):
             print_once(f"Cut {dataset.truncated:,} of {len(dataset):,} {which} pairs to --train.max_seq_length "
                        f"{self.max_seq_length} (prompts from their start, then answers from their end).")
         return dataset
-
-
-def _token_text(tokenizer: "Tokenizer", token_id: Optional[int]) -> str:
-    return "" if token_id is None else (tokenizer.id_to_token(token_id) or "")
 
 
 def _hf_rows(dataset: str, name: Optional[str], split: str):
