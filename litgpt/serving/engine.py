@@ -254,10 +254,11 @@ class BatchingEngine:
             blocks = torch.tensor(sequence.blocks, dtype=torch.long)
             slots[i, :chunk] = blocks[positions[i, :chunk] // page] * page + positions[i, :chunk] % page
             table[i, : len(sequence.blocks)] = blocks[: table.size(1)]
-        offsets = torch.arange(page)
+        every = torch.arange(length)
         self.batch.slots = slots.to(device)
-        self.batch.reads = (table[:, :, None] * page + offsets).flatten(1)[:, :length].to(device)
-        hidden = self.model(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
+        self.batch.reads = (table[:, every // page] * page + every % page).to(device)
+        forward = getattr(self.model, "decode_forward", self.model) if width == 1 else self.model  # --compile
+        hidden = forward(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
         finished = [i for i, (s, c) in enumerate(zip(rows, chunks)) if s.fed + c == s.context_length]
         for sequence, chunk in zip(rows, chunks):
             sequence.fed += chunk

@@ -182,6 +182,12 @@ def main(
 
 
 def compile_model(model):
-    """The model with a compiled forward (dynamic shapes: batches and lengths vary from pass to pass)."""
-    model.forward = torch.compile(model.forward, dynamic=True)
+    """The model with a compiled decoding pass: `decode_forward` (dynamic shapes: the batch and the cached length
+    vary from step to step, so a few graphs serve every step); prompts are prefilled eagerly, as their shapes vary
+    too much to compile well. The rotary tables are built first: building them inside the graph would compile it
+    again on the second step."""
+    device = model.transformer.wte.weight.device
+    for local in {False, model.config.rope_local_base is not None}:
+        model.rope_tables(device, local)
+    model.decode_forward = torch.compile(model.forward, dynamic=True)
     return model
