@@ -121,6 +121,26 @@ def test_paged_engine_tokens_equal_generate_alone(model_kind, setting):
     assert len(engine.pool.free) == engine.plan.num_blocks - 1  # every block back in the pool
 
 
+@pytest.mark.parametrize("mode", ["ao.nf4", "bnb.nf4"])
+def test_quantized_weights_serve_as_generate_runs_them(tmp_path, mode):
+    """`--quantize`: the model as `litgpt generate --quantize` loads it; the engine's tokens equal generate's."""
+    pytest.importorskip("torchao" if mode.startswith("ao") else "bitsandbytes")
+    folder = write_checkpoint(tmp_path / "tiny")
+    model, tokenizer = load_model_and_tokenizer(folder, precision="bf16-true", device="cpu", quantize=mode)
+    prompts = [tokenizer.encode(p).tolist() for p in ("The llama", "Hello", "Quotes like")]
+    alone = [list(generate(model, p, 10, temperature=0.0)) for p in prompts]
+    assert run_engine(model, prompts, 10, max_batch_size=3)[0] == alone
+
+
+@pytest.mark.slow
+def test_a_compiled_decoding_step_gives_the_same_tokens():
+    from litgpt.serving.server import compile_model
+
+    alone = [list(generate(tiny_model(), p, 12, temperature=0.0)) for p in PROMPTS]
+    tokens, _ = run_engine(compile_model(tiny_model()), PROMPTS, 12, max_batch_size=3, prefill_tokens=8)
+    assert tokens == alone
+
+
 def test_a_cancelled_sequence_leaves_before_the_next_pass_and_frees_its_blocks():
     import queue
 
