@@ -137,8 +137,10 @@ def test_a_compiled_decoding_step_gives_the_same_tokens():
     from litgpt.serving.server import compile_model
 
     alone = [list(generate(tiny_model(), p, 12, temperature=0.0)) for p in PROMPTS]
-    tokens, _ = run_engine(compile_model(tiny_model()), PROMPTS, 12, max_batch_size=3, prefill_tokens=8)
+    tokens, engine = run_engine(compile_model(tiny_model()), PROMPTS, 12, max_batch_size=3, prefill_tokens=8)
     assert tokens == alone
+    engine.warm_up()  # what the server runs before serving with --compile: throwaway sequences, nothing kept
+    assert engine.load() == 0 and len(engine.pool.free) == engine.plan.num_blocks - 1 and engine.largest_batch == 0
 
 
 def test_a_cancelled_sequence_leaves_before_the_next_pass_and_frees_its_blocks():

@@ -124,6 +124,17 @@ class BatchingEngine:
                 "free_kv_tokens": len(self.pool.free) * self.page_size, "kv_tokens": self.plan.tokens,
                 "preemptions": self.preemptions}
 
+    def warm_up(self) -> None:
+        """Run a few throwaway sequences alone and in pairs, before serving: a compiled decoding pass compiles its
+        graphs for one row and for several here, not on the first requests."""
+        events = queue.Queue()
+        for count in (1, 2, 3):
+            for index in range(count):
+                self.submit(Sequence([1 + index] * (2 + index), 3, 0.0, None, 1.0, [], None, events, index))
+            while self.load():
+                self.step()
+        self.largest_batch = self.preemptions = 0
+
     # ---- the worker -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         try:

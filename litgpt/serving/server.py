@@ -167,6 +167,8 @@ def main(
     service = Service(names, tokenizer, chat_format, engines, max_new_tokens, max_waiting, request_timeout)
     app = build_app(service, Limits(api_key, read_timeout))
     for engine in engines:
+        if compile:
+            engine.warm_up()
         engine.start()
     address = f"http://{host}:{sock.getsockname()[1]}"
     print(f"{engines[0].plan.describe()} on each of {', '.join(str(e.device) for e in engines)}", file=sys.stderr)
