@@ -258,9 +258,7 @@ def test_finetune_lora_merge_generate_and_convert(name, tmp_path, instructions):
 def test_serving_engine_crosses_the_longrope_switch_as_generate_does(tmp_path):
     """`litgpt serve`'s batching engine: requests in one batch, one crossing the original context of 16 and one
     starting past it, each get `generate`'s tokens alone (which equal transformers', tested above)."""
-    import queue
-
-    from litgpt.serving.engine import BatchingEngine, Sequence
+    from serving_helpers import run_engine
 
     hf = scaled_hf_model("phi4_mini")
     hf.save_pretrained(tmp_path)
@@ -269,19 +267,7 @@ def test_serving_engine_crosses_the_longrope_switch_as_generate_does(tmp_path):
     prompts = [[5, 9, 14, 3, 77, 120], list(range(30, 50)), [8, 8, 9]]
     alone = [list(generate(lit, p, 20, temperature=0)) for p in prompts]
     lit.clear_kv_cache()
-    engine = BatchingEngine(lit, max_batch_size=3)
-    events = queue.Queue()
-    for i, prompt in enumerate(prompts):
-        engine.submit(Sequence(prompt, 20, 0.0, None, 1.0, [], None, events, i))
-    engine.admit(block=False)
-    while engine.active:
-        engine.decode_step()
-    tokens = {i: [] for i in range(len(prompts))}
-    while not events.empty():
-        kind, index, value = events.get()
-        if kind == "tokens":
-            tokens[index] += value
-    assert [tokens[i] for i in range(len(prompts))] == alone
+    assert run_engine(lit, prompts, 20, max_batch_size=3, prefill_tokens=8)[0] == alone
 
 
 @torch.inference_mode()

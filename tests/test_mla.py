@@ -213,31 +213,17 @@ def test_mla_block_is_built_from_config_alone():
     assert isinstance(GPT(Config(**MLA)).transformer.h[0].attn, MultiheadLatentAttention)
 
 
-def test_serving_engine_batches_latent_caches_as_each_sequence_alone():
-    """The server's engine: prefill on its own latent cache, copy into the batch's rows, decode the rows together at
-    their own positions; a cancelled row is compacted away. Each sequence gets the tokens it gets alone."""
-    import queue
-
-    from litgpt.serving.engine import BatchingEngine, Sequence
+def test_serving_engine_pages_latent_caches_and_batches_as_each_sequence_alone():
+    """The server's paged engine keeps each token's compressed latent and rotary key (kv_lora_rank +
+    qk_rope_head_dim elements per layer), prefills the prompts together and decodes them at their own positions
+    (the latent path of one token included): each sequence gets the tokens it gets alone."""
+    from litgpt.serving.paged_cache import CacheShape
+    from serving_helpers import run_engine
 
     model = tiny_model()
+    assert CacheShape.of(model, torch.float32).layers[0] == (1, MLA["kv_lora_rank"], MLA["qk_rope_head_dim"], True)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
     alone = [list(generate(model, p, 10, temperature=0.0)) for p in prompts]
-    engine = BatchingEngine(model, max_batch_size=3)
-    assert engine.caches[0].latent and engine.prefill_caches[0].latent
-    events = queue.Queue()
-    sequences = [Sequence(p, 10, 0.0, None, 1.0, [], None, events, i) for i, p in enumerate(prompts)]
-    for sequence in sequences:
-        engine.submit(sequence)
-    engine.admit(block=False)
-    engine.decode_step()
-    sequences[0].cancelled = True
-    while engine.active:
-        engine.decode_step()
-    tokens = {0: [], 1: [], 2: []}
-    while not events.empty():
-        kind, index, value = events.get()
-        if kind == "tokens":
-            tokens[index] += value
-    assert tokens[1] == alone[1] and tokens[2] == alone[2] and tokens[0] == alone[0][: len(tokens[0])]
+    tokens, engine = run_engine(model, prompts, 10, max_batch_size=3, prefill_tokens=4)
+    assert tokens == alone and engine.plan.num_blocks - 1 == len(engine.pool.free)
     assert len(set(map(tuple, alone))) == 3  # the prompts lead to different continuations

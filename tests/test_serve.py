@@ -21,6 +21,7 @@ from litgpt.generate import generate, load_model_and_tokenizer
 from litgpt.model import GPT
 from litgpt.prompts import PromptStyle
 from litgpt.tokenizer import IncrementalDecoder
+from serving_helpers import run_engine
 
 openai = pytest.importorskip("openai")
 
@@ -76,32 +77,6 @@ def tiny_model(**changes) -> GPT:
     model.init_weights()
     make_context_matter(model)
     return model
-
-
-def run_engine(model: GPT, prompts, max_new_tokens: int, max_batch_size: int, pool_tokens=None, page: int = 4,
-               prefill_tokens: int = 512, max_seq_length=None):
-    """Every prompt through a paged engine stepped by hand to the end: the tokens each got, and the engine."""
-    import queue
-
-    from litgpt.serving.engine import BatchingEngine, Sequence
-    from litgpt.serving.paged_cache import CacheShape, plan_cache
-
-    shape = CacheShape.of(model, torch.float32)
-    budget = None if pool_tokens is None else (pool_tokens * shape.bytes_per_token + 1) / 2**30
-    plan = plan_cache(shape, model.config.block_size, page, max_batch_size, max_seq_length, budget, 0.5, 2**30)
-    engine = BatchingEngine(model, max_batch_size, plan, prefill_tokens=prefill_tokens)
-    events = queue.Queue()
-    for i, prompt in enumerate(prompts):
-        engine.submit(Sequence(prompt, max_new_tokens, 0.0, None, 1.0, [], None, events, i))
-    while engine.load():
-        engine.step()
-    tokens = {i: [] for i in range(len(prompts))}
-    while not events.empty():
-        kind, index, value = events.get()
-        assert kind != "error", value
-        if kind == "tokens":
-            tokens[index] += value
-    return [tokens[i] for i in range(len(prompts))], engine
 
 
 @pytest.mark.parametrize("model_kind", ["grouped", "latent", "sliding-softcapped"])
@@ -418,7 +393,13 @@ def raw_exchange(port: int, data: bytes) -> tuple[int, bytes]:
 
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(data)
-        head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(65536)
+        head, _, body = received.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        while len(body) < length:
+            body += sock.recv(65536)
         return int(head.split()[1]), body
 
 

@@ -219,7 +219,7 @@ class BatchingEngine:
         """A failed pass (out of memory, say) ends the requests it ran, with the error; the others go on."""
         try:
             run_pass(sequences)
-        except Exception as error:
+        except Exception as error:  # out of memory or a bug on one batch: its requests fail, the server goes on
             traceback.print_exc()
             for sequence in sequences:
                 if sequence in self.active:
@@ -238,10 +238,15 @@ class BatchingEngine:
             chunk = left if whole else min(left, self.prefill_tokens)
             if rows and (len(rows) + 1) * max(width, chunk) > self.prefill_tokens:
                 break
+            missing = self.blocks_for(sequence.fed + chunk) - len(sequence.blocks)
+            if missing > len(self.pool.free):  # (a LongRoPE restart's newest token) wait for blocks to come back
+                continue
+            sequence.blocks += self.pool.take(max(0, missing))
             rows.append(sequence)
             chunks.append(chunk)
             width = max(width, chunk)
-        self.forward(rows, chunks, width)
+        if rows:
+            self.forward(rows, chunks, width)
 
     def decode(self, sequences: list[Sequence]) -> None:
         self.decoding = len(sequences)
