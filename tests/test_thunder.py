@@ -32,7 +32,9 @@ TINY = dict(
     name="thunder-llama", block_size=64, vocab_size=256, padded_vocab_size=256, n_layer=1, n_embd=32, n_head=4,
     n_query_groups=2, intermediate_size=64, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", bias=False,
 )
-COMBINATIONS = [(sharding, bucketing) for sharding in ("ZERO3", "ZERO2") for bucketing in ("BLOCK", "LAYER", "NONE")]
+# LAYER is left out: thunder 0.2.6's FSDP transform applies no bucketing, so LAYER runs what NONE runs (the trace
+# counts below show it for BLOCK); its option is still checked (test_unknown_strategy_options).
+COMBINATIONS = [(sharding, bucketing) for sharding in ("ZERO3", "ZERO2") for bucketing in ("BLOCK", "NONE")]
 WORLD, MICRO, ACCUMULATION, STEPS, SEQ, LR, MAX_NORM = 2, 1, 2, 3, 16, 0.5, 0.5
 GLOBAL_BATCH = WORLD * MICRO * ACCUMULATION
 
@@ -412,15 +414,15 @@ def test_ddp_equals_one_eager_process(two_process_results):
 def test_what_bucketing_and_sharding_change_in_the_traces(two_process_results):
     """Collectives per step as thunder's execution traces hold them: one all-gather per parameter (or per bucket)
     in the forward, one reduce-scatter per parameter (or bucket) in the backward. Bucketing can only merge them;
-    thunder 0.2.6's FSDP transform (fsdp_v2) does not apply its bucketing pass, so the counts are the same for BLOCK,
-    LAYER and NONE there; for another release the test checks only that bucketing never adds collectives."""
+    thunder 0.2.6's FSDP transform (fsdp_v2) does not apply its bucketing pass, so the counts are the same for BLOCK
+    and NONE there; for another release the test checks only that bucketing never adds collectives."""
     parameters = len(two_process_results["ZERO3/NONE"]["shards"])
     for sharding in ("ZERO3", "ZERO2"):
-        counts = {b: two_process_results[f"{sharding}/{b}"] for b in ("BLOCK", "LAYER", "NONE")}
+        counts = {b: two_process_results[f"{sharding}/{b}"] for b in ("BLOCK", "NONE")}
         assert counts["NONE"]["forward"]["all_gather"] == parameters
         assert counts["NONE"]["backward"]["reduce_scatter"] == parameters
         for direction, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
-            assert counts["BLOCK"][direction][kind] <= counts["LAYER"][direction][kind] <= parameters
+            assert counts["BLOCK"][direction][kind] <= parameters
         if two_process_results["thunder_version"] == "0.2.6":  # measured: no bucketing in this release
             assert counts["BLOCK"]["forward"]["all_gather"] == parameters, counts
 
