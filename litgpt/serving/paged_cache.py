@@ -126,13 +126,13 @@ def plan_cache(shape: CacheShape, block_size: int, page_size: int, max_batch_siz
     blocks = min(affordable, needed)
     if max_seq_length is None:
         max_seq_length = min(block_size, blocks * page_size)
-    if blocks * page_size < max_seq_length or max_seq_length < 2:
+    if blocks * page_size < max(max_seq_length, 2):
         where = f"--kv_cache_gb {kv_cache_gb}" if kv_cache_gb is not None else (
             f"{kv_cache_fraction:.0%} of the {free_bytes / 2**30:.2f} GiB free")
         raise UserError(
             f"The KV cache budget ({where}: {budget / 2**30:.3f} GiB) holds {blocks * page_size} tokens at "
-            f"{shape.bytes_per_token} bytes a token, fewer than one sequence of {max_seq_length}: raise --kv_cache_gb "
-            "or --kv_cache_fraction, or lower --max_seq_length."
+            f"{shape.bytes_per_token} bytes a token, fewer than one sequence of {max(max_seq_length, 2)}: raise "
+            "--kv_cache_gb or --kv_cache_fraction, or lower --max_seq_length."
         )
     return CachePlan(blocks + 1, page_size, max_seq_length, (blocks + 1) * block_bytes)
 
