@@ -21,6 +21,7 @@ import torch
 
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
+from litgpt.progress import progress
 
 STRATEGIES = ("top_routed", "merge")
 REPORT_FILE = "compress_moe.json"
@@ -238,7 +239,7 @@ def collect_routing(model, batches: list[tuple]) -> Routing:
     handles = [model.transformer.h[layer].mlp.gate.register_forward_hook(hook_for(layer)) for layer in layers]
     num_samples = num_tokens = 0
     try:
-        for input_ids, lengths in batches:
+        for input_ids, lengths in progress(batches, "Calibrating the routing", unit="batch"):
             positions = torch.arange(input_ids.shape[1])
             current["mask"] = (positions[None, :] < lengths[:, None]).flatten().to(device)
             batch_weight.clear()

@@ -15,6 +15,7 @@ from litgpt.config import Config
 from litgpt.convert.families.configs import config_from_hf
 from litgpt.convert.families.weights import weight_rules
 from litgpt.errors import UserError
+from litgpt.progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some checkpoints carry that are derived, not learned.
@@ -299,24 +300,27 @@ def convert_weights(
         reference = GPT(config).state_dict()
     available = weights.keys()
     used: set[str] = set()
-    for rule in weight_rules(config, set(reference)):
-        missing = [key for key in rule.hf if key not in available]
-        if missing:
-            raise UserError(
-                f"The checkpoint in {str(weights.folder)!r} lacks {missing[0]!r}, which its config.json implies. "
-                "The weights and config.json do not belong together."
-            )
-        tensors = rule.to_lit([weights.get(key) for key in rule.hf], config)
-        for name, tensor in zip(rule.lit, tensors):
-            if tensor.shape != reference[name].shape:
+    rules = list(weight_rules(config, set(reference)))
+    with Progress(sum(len(rule.lit) for rule in rules), "Converting weights", unit="tensor") as shown:
+        for rule in rules:
+            missing = [key for key in rule.hf if key not in available]
+            if missing:
                 raise UserError(
-                    f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
-                    f"but config.json implies {tuple(reference[name].shape)} for {name}."
+                    f"The checkpoint in {str(weights.folder)!r} lacks {missing[0]!r}, which its config.json implies. "
+                    "The weights and config.json do not belong together."
                 )
-            # The routers' correction biases stay float32 (as the model keeps them: `litgpt.moe.Router`).
-            keep = dtype is None or name.endswith(".e_score_correction_bias")
-            yield name, tensor if keep else tensor.to(dtype)
-        used.update(rule.hf)
+            tensors = rule.to_lit([weights.get(key) for key in rule.hf], config)
+            for name, tensor in zip(rule.lit, tensors):
+                if tensor.shape != reference[name].shape:
+                    raise UserError(
+                        f"{'+'.join(rule.hf)} has shape {tuple(tensor.shape)} in {str(weights.folder)!r}, "
+                        f"but config.json implies {tuple(reference[name].shape)} for {name}."
+                    )
+                # The routers' correction biases stay float32 (as the model keeps them: `litgpt.moe.Router`).
+                keep = dtype is None or name.endswith(".e_score_correction_bias")
+                yield name, tensor if keep else tensor.to(dtype)
+                shown.update(1)
+            used.update(rule.hf)
     mtp = tuple(f"model.layers.{config.n_layer + i}." for i in range(mtp_layers))
     skipped = {key for key in available if mtp and key.startswith(mtp)}
     if skipped:

@@ -19,6 +19,7 @@ from litgpt.convert.families.configs import config_to_hf
 from litgpt.convert.families.weights import weight_rules
 from litgpt.convert.hf_to_litgpt import DTYPES
 from litgpt.errors import UserError
+from litgpt.progress import Progress
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -161,23 +162,26 @@ def write_safetensors(
             current, current_bytes = {}, 0
 
     total = 0
-    for rule in weight_rules(config, set(expected)):
-        for name in rule.lit:
-            if state_dict[name].shape != expected[name].shape:
-                raise UserError(
-                    f"{name} has shape {tuple(state_dict[name].shape)} in {str(source / WEIGHTS_FILE)!r}, "
-                    f"but model_config.yaml implies {tuple(expected[name].shape)}."
-                )
-        tensors = rule.to_hf([state_dict[name] for name in rule.lit], config)
-        for hf_name, tensor in zip(rule.hf, tensors):
-            tensor = (tensor.to(dtype) if dtype is not None else tensor).contiguous().clone()
-            weights_dtype = weights_dtype or tensor.dtype
-            size = tensor.numel() * tensor.element_size()
-            if current and current_bytes + size > shard_limit:
-                flush()
-            current[hf_name] = tensor
-            current_bytes += size
-            total += size
+    rules = list(weight_rules(config, set(expected)))
+    with Progress(sum(len(rule.lit) for rule in rules), "Converting weights", unit="tensor") as shown:
+        for rule in rules:
+            for name in rule.lit:
+                if state_dict[name].shape != expected[name].shape:
+                    raise UserError(
+                        f"{name} has shape {tuple(state_dict[name].shape)} in {str(source / WEIGHTS_FILE)!r}, "
+                        f"but model_config.yaml implies {tuple(expected[name].shape)}."
+                    )
+            tensors = rule.to_hf([state_dict[name] for name in rule.lit], config)
+            for hf_name, tensor in zip(rule.hf, tensors):
+                tensor = (tensor.to(dtype) if dtype is not None else tensor).contiguous().clone()
+                weights_dtype = weights_dtype or tensor.dtype
+                size = tensor.numel() * tensor.element_size()
+                if current and current_bytes + size > shard_limit:
+                    flush()
+                current[hf_name] = tensor
+                current_bytes += size
+                total += size
+            shown.update(len(rule.lit))
     flush()
 
     if len(shards) == 1:

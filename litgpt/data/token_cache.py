@@ -49,6 +49,7 @@ from litgpt.distributed.runtime import local_rank
 from litgpt.io import atomic_path, file_sha256
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
+from litgpt.progress import Progress
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -268,14 +269,16 @@ def ensure_token_cache(
             "process of each machine before the others (which only read the cache), and the cache folder must be "
             "the same for all of them."
         )
-    write_token_cache(cache, corpus.documents(), tokenizer, identity)
+    write_token_cache(cache, corpus.documents(), tokenizer, identity, what=corpus.name)
     return cache
 
 
 def write_token_cache(
-    cache: TokenCache, documents: Iterable[str], tokenizer: "Tokenizer", identity: dict[str, Any]
+    cache: TokenCache, documents: Iterable[str], tokenizer: "Tokenizer", identity: dict[str, Any],
+    what: str = "documents",
 ) -> None:
-    """Tokenize `documents` into `cache` (documents that are only whitespace are left out)."""
+    """Tokenize `documents` into `cache` (documents that are only whitespace are left out), showing the progress
+    in documents (of a known total when `documents` has a length; a stream's count otherwise)."""
     if tokenizer.eos_id is None:
         raise UserError(
             f"The tokenizer in {str(getattr(tokenizer, 'checkpoint_dir', '?'))!r} has no EOS token, which separates "
@@ -288,11 +291,13 @@ def write_token_cache(
     cache.meta_path.unlink(missing_ok=True)
 
     num_tokens = num_documents = 0
-    with atomic_path(cache.tokens_path) as tmp:
+    total = len(documents) if hasattr(documents, "__len__") else None  # type: ignore[arg-type]
+    shown = Progress(total, f"Tokenizing {what}", unit="doc")
+    with atomic_path(cache.tokens_path) as tmp, shown:
         with open(tmp, "wb") as file:
             chunk: list[np.ndarray] = []
             held = 0
-            for ids in _encode_documents(tokenizer, documents):
+            for ids in _encode_documents(tokenizer, documents, shown.update):
                 chunk.append(ids.astype(dtype))
                 held += ids.size
                 num_documents += 1
@@ -319,15 +324,19 @@ def write_token_cache(
         tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
-def _encode_documents(tokenizer: "Tokenizer", documents: Iterable[str]) -> Iterator[np.ndarray]:
+def _encode_documents(
+    tokenizer: "Tokenizer", documents: Iterable[str], on_done: Callable[[int], None] = lambda n: None
+) -> Iterator[np.ndarray]:
     """`tokenizer.encode(document, eos=True)` of each document that is not only whitespace, as numpy arrays.
 
     Documents are encoded in batches by the `tokenizers` backend (in parallel threads) with the ids `encode` puts
     around a text; the first document of every batch is checked against `encode` itself, and on any difference the
-    documents are encoded one by one.
+    documents are encoded one by one. `on_done(n)` is called after each batch with the documents it consumed (the
+    skipped blank ones included), for the progress.
     """
     batch_encode = _batch_encoder(tokenizer)
     batch: list[str] = []
+    read = 0
 
     def flush() -> Iterator[np.ndarray]:
         if batch_encode is not None:
@@ -339,14 +348,18 @@ def _encode_documents(tokenizer: "Tokenizer", documents: Iterable[str]) -> Itera
             yield tokenizer.encode(document, eos=True).numpy()
 
     for document in documents:
+        read += 1
         if not document.strip():
             continue
         batch.append(document)
         if len(batch) >= ENCODE_BATCH:
             yield from flush()
-            batch = []
+            on_done(read)
+            batch, read = [], 0
     if batch:
         yield from flush()
+    if read:
+        on_done(read)
 
 
 def _batch_encoder(tokenizer: "Tokenizer") -> Optional[Callable[[list[str]], list[np.ndarray]]]:
@@ -545,25 +558,6 @@ def hub_download(
                 f"Could not download {name!r} of the Hugging Face dataset {repo_id} ({_first_line(error)}). Download "
                 f"{url} yourself and put it at {str(folder / name)!r}.{hint}"
             ) from None
-
-
-def url_download(url: str, path: Path) -> None:
-    """Fetch `url` into `path` (under a temporary name until complete) unless the file is there."""
-    path = Path(path)
-    if path.is_file():
-        return
-    import shutil
-    import urllib.error
-    import urllib.request
-
-    try:
-        with atomic_path(path) as tmp:
-            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as file:
-                shutil.copyfileobj(response, file)
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        raise UserError(
-            f"Could not download {url} ({_first_line(error)}). Download it yourself and put it at {str(path)!r}."
-        ) from None
 
 
 def _first_line(error: BaseException) -> str:

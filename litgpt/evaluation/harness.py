@@ -17,6 +17,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from litgpt.errors import UserError
 from litgpt.generate import longrope_restart
+from litgpt.progress import Progress
 
 
 class HarnessModel(TemplateLM):
@@ -48,24 +49,32 @@ class HarnessModel(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [(context, continuation) for _, context, continuation in requests]
-        return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length)
+        with Progress(len(pairs), "Loglikelihoods", unit="request", enabled=not disable_tqdm) as shown:
+            return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length, shown)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        return [
-            sum(score for score, _ in self.rolling_scores(self.tok_encode(string, add_special_tokens=False)))
-            for (string,) in (request.args for request in requests)
-        ]
+        strings = [string for (string,) in (request.args for request in requests)]
+        with Progress(len(strings), "Rolling loglikelihoods", unit="request", enabled=not disable_tqdm) as shown:
+            totals = []
+            for string in strings:
+                tokens = self.tok_encode(string, add_special_tokens=False)
+                totals.append(sum(score for score, _ in self.rolling_scores(tokens, show_progress=False)))
+                shown.update(1)
+        return totals
 
-    def rolling_scores(self, tokens: list[int], stride: Optional[int] = None) -> list[tuple[float, bool]]:
+    def rolling_scores(self, tokens: list[int], stride: Optional[int] = None,
+                       show_progress: bool = True) -> list[tuple[float, bool]]:
         """Scores of windows covering every token of `tokens`, the first conditioned on the prefix token; each
-        window predicts `stride` new tokens (default: the whole context) after the tokens before them."""
+        window predicts `stride` new tokens (default: the whole context) after the tokens before them. The progress
+        is shown in windows (a long text's perplexity takes a while)."""
         stride = stride or self.max_length
         windows = get_rolling_token_windows(
             tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
             context_len=self.max_length - stride + 1,
         )
         pairs = [make_disjoint_window(window) for window in windows]
-        return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length)
+        with Progress(len(pairs), "Scoring windows", unit="window", enabled=show_progress) as shown:
+            return continuation_loglikelihoods(self.model, pairs, self.batch_size, self.max_length, shown)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations cut before the first stop string ("until") or the end token. Prompts of the same
@@ -76,13 +85,15 @@ class HarnessModel(TemplateLM):
         for index, (ids, _, max_gen_toks) in enumerate(prepared):
             groups.setdefault((len(ids), max_gen_toks), []).append(index)
         answers = [""] * len(prepared)
-        for (_, max_gen_toks), indices in groups.items():
-            for first in range(0, len(indices), self.batch_size):
-                batch = indices[first : first + self.batch_size]
-                texts = greedy_until(self.model, self.lit_tokenizer, [prepared[i][0] for i in batch],
-                                     [prepared[i][1] for i in batch], max_gen_toks, self.eot_token_id)
-                for index, text in zip(batch, texts):
-                    answers[index] = text
+        with Progress(len(prepared), "Generating", unit="request", enabled=not disable_tqdm) as shown:
+            for (_, max_gen_toks), indices in groups.items():
+                for first in range(0, len(indices), self.batch_size):
+                    batch = indices[first : first + self.batch_size]
+                    texts = greedy_until(self.model, self.lit_tokenizer, [prepared[i][0] for i in batch],
+                                         [prepared[i][1] for i in batch], max_gen_toks, self.eot_token_id)
+                    for index, text in zip(batch, texts):
+                        answers[index] = text
+                    shown.update(len(batch))
         return answers
 
     def prepare_generation(self, context: str, gen_kwargs: dict) -> tuple[list[int], list[str], int]:
@@ -144,12 +155,14 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
 
 @torch.inference_mode()
 def continuation_loglikelihoods(
-    model, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int, max_length: int
+    model, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int, max_length: int,
+    shown: Optional[Progress] = None,
 ) -> list[tuple[float, bool]]:
     """(sum of log-probabilities of the continuation given the context, whether greedy decoding gives it) for each
     (context ids, continuation ids) pair. The model sees at most the last `max_length` tokens of context +
     continuation (minus the last token, which is only predicted); pairs go through in batches of `batch_size`,
-    longest first (less padding), right-padded. Logits are computed only where a continuation is predicted."""
+    longest first (less padding), right-padded. Logits are computed only where a continuation is predicted.
+    `shown` is advanced by each pair done."""
     for _, continuation in pairs:
         if len(continuation) > max_length:
             raise UserError(
@@ -160,6 +173,8 @@ def continuation_loglikelihoods(
     order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation has probability 1
     order = [index for index in order if pairs[index][1]]
+    if shown is not None:
+        shown.update(len(pairs) - len(order))  # the empty continuations, done already
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
         inputs = [(list(pairs[i][0]) + list(pairs[i][1]))[-(max_length + 1) :][:-1] for i in batch]
@@ -177,6 +192,8 @@ def continuation_loglikelihoods(
         greedy = (logprobs.argmax(dim=-1) == targets).split(lengths)
         for index, scores, hits in zip(batch, token_scores, greedy):
             results[index] = (scores.sum().item(), bool(hits.all()))
+        if shown is not None:
+            shown.update(len(batch))
     return results
 
 

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
@@ -30,6 +29,7 @@ from litgpt.failpoints import failpoint
 from litgpt.generate import generate
 from litgpt.io import write_json
 from litgpt.precision import Precision
+from litgpt.progress import terminal_bar
 from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
 from litgpt.registry import ExtensionStrategy
 from litgpt.train.metrics import LogWindow, run_metrics
@@ -96,7 +96,8 @@ class Trainer:
             print_once(f"step 0 | val loss {self.validate():.4f}")
         fit_start, fit_tokens, fit_seconds = time.perf_counter(), state.tokens, state.train_seconds
         profiler = start_profiler() if self.settings.profile else None
-        progress = progress_bar(fabric.global_rank, self.total_steps, state.step)
+        # A bar on a terminal only: in log files (CI, Slurm) the log lines say it all.
+        progress = terminal_bar(self.total_steps, unit="step", initial=state.step)
         window = LogWindow(fabric.device, state.tokens)
         control = StepControl(self.settings.timeout)
         val_loss, stop_signal = None, 0
@@ -361,10 +362,3 @@ def steady_state_metrics(first_step: Optional[tuple[float, int]], tokens: int, s
         "tokens_per_sec_after_first_step": round((tokens - first_tokens) / later_seconds, 1) if later_seconds > 0
         else None,
     }
-
-
-def progress_bar(rank: int, total: int, initial: int):
-    # Only on an interactive terminal: in log files (CI, Slurm) the log lines say it all.
-    show = rank == 0 and sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, disable=not show, unit="step", dynamic_ncols=True, file=sys.stderr,
-                mininterval=1.0)
