@@ -6,9 +6,11 @@ with --include_path; the model is a random tiny checkpoint with a Llama-style to
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,12 @@ import torch
 pytest.importorskip("lm_eval")
 
 from litgpt.__main__ import main as litgpt_main  # noqa: E402
+from litgpt.chat_template import ChatFormat  # noqa: E402
+from litgpt.errors import UserError  # noqa: E402
+from litgpt.evaluate import find_tasks  # noqa: E402
 from litgpt.evaluation.harness import HarnessModel  # noqa: E402
 from litgpt.generate import load_model_and_tokenizer  # noqa: E402
+from litgpt_forkserver import run_litgpt  # noqa: E402
 from test_generate import write_lit_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -167,26 +173,57 @@ def test_generate_until_equals_plain_greedy_decoding(loaded):
         assert model_.generate_until(requests("generate_until", arguments)) == expected
 
 
+def test_sampling_options_are_honoured_and_seeded(loaded):
+    """Sampled answers repeat with the seed (at any batch size) and change with another; temperature 0, top_k 1
+    and a tiny top_p leave only the most likely token: plain greedy decoding."""
+    model, tokenizer = loaded
+    contexts = ["Q: The sky is\nA:", "Q: Fire is\nA:", "Q: Snow is\nA:"]
+    sampled = {"do_sample": True, "temperature": 2.0, "until": ["\x00"], "max_gen_toks": 8}
+
+    def answers(seed: int, batch_size: int, options: dict) -> list[str]:
+        lm = HarnessModel(model, tokenizer, batch_size=batch_size, seed=seed)
+        return lm.generate_until(requests("generate_until", [(c, dict(options)) for c in contexts]))
+
+    first = answers(1, 1, sampled)
+    assert answers(1, 3, sampled) == first
+    assert answers(2, 1, sampled) != first
+    greedy = [plain_greedy(model, tokenizer, context, 8) for context in contexts]
+    assert first != greedy
+    for options in ({}, {"temperature": 0.0}, {"do_sample": True, "temperature": 0.0}, {"temperature": 0.7,
+                    "do_sample": False}, {"do_sample": True, "top_k": 1}, {"do_sample": True, "top_p": 1e-6}):
+        assert answers(1, 2, {**options, "until": ["\x00"], "max_gen_toks": 8}) == greedy, options
+    with pytest.raises(UserError, match="num_beams"):
+        answers(1, 1, {"num_beams": 4, "max_gen_toks": 8})
+
+
+def test_task_names_with_wildcards(task_folder):
+    """A pattern stands for the names fnmatch finds among the folder's tasks and groups; a plain name for itself."""
+    written = ["tiny_mc", "tiny_gen", "tiny_all"]
+    assert find_tasks(["tiny_*"], task_folder)[1] == sorted(fnmatch.filter(written, "tiny_*"))
+    assert find_tasks(["tiny_gen", "tiny_m?"], task_folder)[1] == ["tiny_gen", "tiny_mc"]
+
+
 def test_tasks_from_include_path(checkpoint, task_folder, loaded, tmp_path):
-    """Zero-shot accuracy is the argmax of plain loglikelihoods; batch sizes 1 and 2 give the same results."""
+    """Zero-shot accuracy is the argmax of plain loglikelihoods; batch sizes 1, 2 and auto give the same results."""
     results = {}
-    for batch_size in (1, 2):
+    for batch_size in ("1", "2", "auto"):
         out = tmp_path / f"bs{batch_size}"
-        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_mc,tiny_gen", "--include_path", str(task_folder),
-                     "--num_fewshot", "0", "--limit", "3", "--batch_size", str(batch_size), "--device", "cpu",
+        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_m*,tiny_gen", "--include_path", str(task_folder),
+                     "--num_fewshot", "0", "--limit", "3", "--batch_size", batch_size, "--device", "cpu",
                      "--precision", "32-true", "--out_dir", str(out)])
         results[batch_size] = json.loads((out / "results.json").read_text())
-    assert results[1]["results"] == results[2]["results"]
-    assert results[1]["n-shot"] == {"tiny_mc": 0, "tiny_gen": 0}
-    assert results[1]["n-samples"]["tiny_mc"]["effective"] == 3
+    assert results["1"]["results"] == results["2"]["results"] == results["auto"]["results"]
+    assert results["2"]["batch_size"] == 2 and 1 <= results["auto"]["batch_size"] <= 64
+    assert results["1"]["n-shot"] == {"tiny_mc": 0, "tiny_gen": 0}
+    assert results["1"]["n-samples"]["tiny_mc"]["effective"] == 3
     model, tokenizer = loaded
     hits = [
         max(range(3), key=lambda i: plain_loglikelihood(model, tokenizer, doc["question"], f" {doc['choices'][i]}"))
         == doc["label"]
         for doc in DOCS[:3]
     ]
-    assert results[1]["results"]["tiny_mc"]["acc,none"] == pytest.approx(sum(hits) / 3)
-    assert 0 <= results[1]["results"]["tiny_gen"]["exact_match,none"] <= 1
+    assert results["1"]["results"]["tiny_mc"]["acc,none"] == pytest.approx(sum(hits) / 3)
+    assert 0 <= results["1"]["results"]["tiny_gen"]["exact_match,none"] <= 1
 
 
 @pytest.mark.slow  # a second harness run through the CLI: with the whole suite (CI)
@@ -255,11 +292,11 @@ def test_bad_input_is_one_line(checkpoint, task_folder, tmp_path, capsys):
 @pytest.mark.slow  # indexing lm-eval's own tasks, where a name not in --include_path is looked for, takes seconds
 def test_unknown_task_is_one_line(checkpoint, task_folder, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_mc,no_such_task", "--include_path",
+        litgpt_main(["evaluate", str(checkpoint), "--tasks", "tiny_mc,tiny_mcq", "--include_path",
                      str(task_folder)])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "'no_such_task'" in err and "--include_path" in err
+    assert "'tiny_mcq'" in err and "--include_path" in err and "close: tiny_mc" in err
     assert not (checkpoint / "evaluate").exists()
 
 
@@ -296,3 +333,59 @@ def test_equals_lm_evals_transformers_model(checkpoint, task_folder, loaded, tmp
                          add_bos_token=False)
     assert ours.loglikelihood_rolling(requests("loglikelihood_rolling", text)) == pytest.approx(
         no_second_bos.loglikelihood_rolling(requests("loglikelihood_rolling", text)), abs=1e-4)
+
+
+def test_chat_template_lays_out_the_prompts_as_transformers_does(checkpoint, task_folder, tmp_path):
+    """With --apply_chat_template lm-eval's prompts are the checkpoint's template rendered as transformers'
+    `apply_chat_template` renders it (system instruction included), and the model reads them as its tokens."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(checkpoint, tmp_path / "chat")
+    template = (Path(__file__).parent / "chat_templates" / "llama-2-chat.jinja").read_text()
+    (folder / "chat_template.jinja").write_text(template)
+    model, tokenizer = load_model_and_tokenizer(folder, precision="32-true", device="cpu")
+    lm = HarnessModel(model, tokenizer, batch_size=2,
+                      chat_format=ChatFormat.from_checkpoint(folder, tokenizer, model.config))
+    results = simple_evaluate(lm, tasks=["tiny_gen"], task_manager=TaskManager(include_path=str(task_folder),
+                              include_defaults=False), num_fewshot=0, limit=2, log_samples=True,
+                              apply_chat_template=True, system_instruction="Answer briefly.")
+    hf = AutoTokenizer.from_pretrained(folder)
+    for sample in results["samples"]["tiny_gen"]:
+        messages = [{"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": f"Q: {sample['doc']['question']}\nA:"}]
+        prompt = sample["arguments"][0][0]
+        assert prompt == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert lm.tok_encode(prompt) == hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                               return_dict=True)["input_ids"]
+    assert lm.chat_template(True) == template  # what lm-eval's trackers record of the run
+    out = tmp_path / "out"  # the CLI runs it too
+    litgpt_main(["evaluate", str(folder), "--tasks", "tiny_gen", "--include_path", str(task_folder), "--limit", "2",
+                 "--apply_chat_template", "true", "--device", "cpu", "--out_dir", str(out)])
+    assert "tiny_gen" in json.loads((out / "results.json").read_text())["results"]
+
+
+@pytest.mark.slow  # two ranks that each import lm-eval and load the tasks: about 40 s on two shared cores
+def test_two_processes_give_the_metrics_of_one(checkpoint, task_folder, tmp_path):
+    """--devices 2 on CPUs (gloo): each process evaluates half the documents, rank 0 reports all of them."""
+    arguments = ["evaluate", str(checkpoint), "--tasks", "tiny_mc,tiny_gen", "--include_path", str(task_folder),
+                 "--num_fewshot", "1", "--batch_size", "2", "--device", "cpu", "--precision", "32-true"]
+    litgpt_main([*arguments, "--out_dir", str(tmp_path / "one")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    run = run_litgpt([*arguments, "--devices", "2", "--out_dir", str(tmp_path / "two")], cwd=Path(__file__).parents[1],
+                     env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+    assert two["n-samples"] == one["n-samples"] == {name: {"original": 4, "effective": 4}
+                                                    for name in ("tiny_mc", "tiny_gen")}
+    for task, metrics in one["results"].items():
+        assert two["results"][task] == pytest.approx(metrics), task
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
