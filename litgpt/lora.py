@@ -401,6 +401,31 @@ def load_lora_weights(model: nn.Module, adapters: dict, source: str) -> None:
         layer.merged = False
 
 
+def adapters_from_litgpt(adapters: dict, config, settings: LoRASettings, source: str) -> dict:
+    """Adapter tensors in our names. LitGPT 0.5 keeps one `attn.qkv.lora_A` (r rows per enabled part, q then k then
+    v) and one `lora_B` (the enabled parts' output rows, stacked) where we keep a pair per part; every other key is
+    the same. Pre-0.5 `attn.attn.lora_*` factors are refused: their rows follow the old interleaved layout."""
+    if any(".attn.attn.lora_" in key for key in adapters):
+        raise UserError(f"{source} holds pre-0.5 LitGPT adapters (attn.attn.lora_* keys): merge them with the "
+                        "LitGPT version that wrote them (`litgpt merge_lora`) and use its merged lit_model.pth.")
+    rows = {"q": config.n_head * config.head_size, "k": config.n_query_groups * config.head_size,
+            "v": config.n_query_groups * config.head_size}
+    parts = [part for part, on in zip(QKV_PARTS, (settings.query, settings.key, settings.value)) if on]
+    result = {}
+    for key, tensor in adapters.items():
+        prefix, _, name = key.rpartition(".")
+        if not prefix.endswith("attn.qkv") or name not in ("lora_A", "lora_B"):
+            result[key] = tensor
+            continue
+        sizes = [settings.r] * len(parts) if name == "lora_A" else [rows[part] for part in parts]
+        if tensor.ndim != 2 or tensor.shape[0] != sum(sizes):
+            raise UserError(f"The LoRA adapters in {source} do not match the model config: {key} has shape "
+                            f"{tuple(tensor.shape)}. Check the lora_* hyperparameters and the base checkpoint.")
+        for part, piece in zip(parts, tensor.split(sizes)):
+            result[f"{prefix}.{name}_{part}"] = piece
+    return result
+
+
 # ---- merging ---------------------------------------------------------------------------------------------------------
 def merge_lora_weights(model: nn.Module) -> None:
     """Add every adapter's update into its base weight in place (W += alpha / r * B @ A, per part).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -14,8 +15,10 @@ from litgpt.precision import PRECISION_DTYPES
 
 LORA_WEIGHTS_FILE = "lit_model.pth.lora"
 HPARAMS_FILE = "hyperparameters.yaml"
-
-
+# Where a LoRA run's folder finds its base from any working directory: the base as typed, its absolute path, and its
+# path relative to this folder (for a run tree moved whole). LitGPT does not read it; hyperparameters.yaml stays a
+# valid --config of the command.
+BASE_RECORD_FILE = "base_checkpoint.yaml"
 
 def merge_lora(
     checkpoint_dir: Path, pretrained_checkpoint_dir: Optional[Path] = None, precision: Optional[str] = None
@@ -41,15 +44,16 @@ def merge_lora(
         meta_device,
         TOKENIZER_FILES,
         WEIGHTS_FILE,
+        expand_checkpoints_shorthand,
         read_model_weights,
     )
-    from litgpt.io import load_state_dict, save_state_dict
+    from litgpt.io import save_state_dict
     from litgpt.config import Config
     from litgpt.lora import LoRASettings, add_lora, load_base_weights, load_lora_weights, plain_state_dict
     from litgpt.model import GPT
 
     # ---- every check before anything is read in bulk or written ----
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = expand_checkpoints_shorthand(Path(checkpoint_dir))
     if not checkpoint_dir.is_dir():
         raise UserError(
             f"Folder {str(checkpoint_dir)!r} does not exist; pass the output folder of a LoRA finetuning run."
@@ -84,9 +88,7 @@ def merge_lora(
     add_lora(model, settings)
     base_path = base_dir / WEIGHTS_FILE
     load_base_weights(model, read_model_weights(base_path), source=str(base_path))
-    adapters = load_state_dict(lora_path)
-    if set(adapters) == {"model"} and isinstance(adapters["model"], dict):
-        adapters = adapters["model"]
+    adapters = read_lora_adapters(lora_path, config, settings)
     load_lora_weights(model, adapters, source=str(lora_path))
 
     merged = plain_state_dict(model)
@@ -105,22 +107,62 @@ def merge_lora(
 
 
 def base_checkpoint_dir(checkpoint_dir: Path, hparams: dict, pretrained_checkpoint_dir: Optional[Path]) -> Path:
-    """The base checkpoint a LoRA run's adapters belong to: `pretrained_checkpoint_dir`, else the checkpoint_dir its
-    hyperparameters.yaml records; checked to be a checkpoint folder."""
+    """The base checkpoint a LoRA run's adapters belong to: `pretrained_checkpoint_dir`, else the first folder of
+    `base_candidates` that exists; checked to be a checkpoint folder."""
     from litgpt.checkpoint.model_files import find_checkpoint_dir
 
-    if pretrained_checkpoint_dir is None:
-        recorded = hparams.get("checkpoint_dir")
-        if not recorded:
-            raise UserError(f"{str(checkpoint_dir / HPARAMS_FILE)!r} does not record the base checkpoint_dir; pass "
-                            "--pretrained_checkpoint_dir BASE_DIR.")
-        pretrained_checkpoint_dir = Path(str(recorded))
-    if not Path(pretrained_checkpoint_dir).is_dir():
-        raise UserError(
-            f"The base checkpoint folder {str(pretrained_checkpoint_dir)!r} does not exist; pass the folder the run "
-            "was finetuned from with --pretrained_checkpoint_dir."
-        )
-    return find_checkpoint_dir(Path(pretrained_checkpoint_dir))
+    if pretrained_checkpoint_dir is not None:
+        return find_checkpoint_dir(Path(pretrained_checkpoint_dir))
+    candidates = base_candidates(Path(checkpoint_dir), hparams)
+    if not candidates:
+        raise UserError(f"{str(checkpoint_dir / HPARAMS_FILE)!r} does not record the base checkpoint_dir; pass "
+                        "--pretrained_checkpoint_dir BASE_DIR.")
+    for candidate in candidates:
+        if candidate.is_dir():
+            return find_checkpoint_dir(candidate)
+    tried = ", ".join(repr(str(candidate)) for candidate in candidates)
+    raise UserError(f"The base checkpoint of {str(checkpoint_dir)!r} does not exist at {tried}; pass the folder "
+                    "the run was finetuned from with --pretrained_checkpoint_dir.")
+
+
+def base_candidates(checkpoint_dir: Path, hparams: dict) -> list[Path]:
+    """Where a run folder's base may be, in order: its checkpoint_dir as typed, from the working directory (LitGPT's
+    `ORG/NAME` as checkpoints/ORG/NAME); the absolute path it recorded; its path relative to the run folder."""
+    from litgpt.checkpoint.model_files import expand_checkpoints_shorthand
+
+    candidates = []
+    if hparams.get("checkpoint_dir"):
+        candidates.append(expand_checkpoints_shorthand(Path(str(hparams["checkpoint_dir"]))))
+    record_path = checkpoint_dir / BASE_RECORD_FILE
+    record = read_yaml_mapping(record_path) if record_path.is_file() else {}
+    if record.get("absolute"):
+        candidates.append(Path(str(record["absolute"])))
+    if record.get("from_this_folder"):
+        candidates.append(checkpoint_dir / str(record["from_this_folder"]))
+    return list(dict.fromkeys(candidates))
+
+
+def write_base_record(folder: Path, as_typed: str, base_dir: Path) -> None:
+    """Record in `folder` where its base checkpoint is (BASE_RECORD_FILE), for `base_candidates`."""
+    from litgpt.io import write_yaml
+
+    absolute = Path(base_dir).resolve()
+    write_yaml(Path(folder) / BASE_RECORD_FILE, {
+        "as_typed": str(as_typed), "absolute": str(absolute),
+        "from_this_folder": os.path.relpath(absolute, Path(folder).resolve()),
+    })
+
+
+def read_lora_adapters(path: Path, config, settings) -> dict:
+    """The adapter tensors of a lit_model.pth.lora in our names: ours, or LitGPT's ({"model": ...}, one lora_A/lora_B
+    pair for the fused q/k/v projection)."""
+    from litgpt.io import load_state_dict
+    from litgpt.lora import adapters_from_litgpt
+
+    adapters = load_state_dict(Path(path))
+    if set(adapters) == {"model"} and isinstance(adapters["model"], dict):
+        adapters = adapters["model"]
+    return adapters_from_litgpt(adapters, config, settings, source=str(path))
 
 
 def read_hparams(checkpoint_dir: Path) -> dict:
@@ -130,13 +172,18 @@ def read_hparams(checkpoint_dir: Path) -> dict:
             f"{str(checkpoint_dir)!r} has no {HPARAMS_FILE}: the LoRA settings and the base checkpoint_dir are read "
             "from it."
         )
+    return read_yaml_mapping(path)
+
+
+def read_yaml_mapping(path: Path) -> dict:
+    """A YAML file that must hold a mapping (safe_load: plain values only)."""
     try:
-        hparams = yaml.safe_load(path.read_text())
+        values = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise UserError(f"{str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
-    if not isinstance(hparams, dict):
-        raise UserError(f"{str(path)!r} must hold a mapping of hyperparameters.")
-    return hparams
+    if not isinstance(values, dict):
+        raise UserError(f"{str(path)!r} must hold a mapping of names to values.")
+    return values
 
 
 def cast_floating(state_dict: dict, dtype: torch.dtype) -> dict:

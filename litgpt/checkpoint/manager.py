@@ -84,6 +84,7 @@ class CheckpointManager:
         config, hyperparameters, tokenizer_dir: written beside the weights of every checkpoint.
         keep_last: keep only this many newest complete checkpoints (None: all).
         precision: recorded in the manifest.
+        base_checkpoint: a LoRA run's base folder, recorded in each checkpoint (`litgpt.merge_lora.write_base_record`).
 
     It is the one place that names a run's folders (`step_dir`, `final_dir`) and finds the one to resume
     (`find_resume`, before the run's model exists).
@@ -91,7 +92,7 @@ class CheckpointManager:
 
     def __init__(self, fabric, out_dir: Path, io: CheckpointIO, *, keys: KeySelector, weights_file: str,
                  config: Config, hyperparameters: dict, tokenizer_dir: Optional[Path], keep_last: Optional[int],
-                 precision: Precision) -> None:
+                 precision: Precision, base_checkpoint: Optional[Path] = None) -> None:
         self.fabric = fabric
         self.out_dir = Path(out_dir)
         self.io = io
@@ -102,6 +103,7 @@ class CheckpointManager:
         self.tokenizer_dir = tokenizer_dir
         self.keep_last = keep_last
         self.precision = precision
+        self.base_checkpoint = base_checkpoint
         self.last_saved_step = -1
 
     # ---- the run's folders -----------------------------------------------------------------------------------------
@@ -210,6 +212,10 @@ class CheckpointManager:
             failpoint("save:weights")
         self.config.save(folder / "model_config.yaml")
         write_yaml(folder / "hyperparameters.yaml", self.hyperparameters)
+        if self.base_checkpoint is not None:
+            from litgpt.merge_lora import write_base_record
+
+            write_base_record(folder, self.hyperparameters.get("checkpoint_dir", ""), self.base_checkpoint)
         if self.tokenizer_dir is not None:
             copy_tokenizer_files(self.tokenizer_dir, folder)
         training_state = {

@@ -25,9 +25,24 @@ TOKENIZER_FILES = (
 )
 
 
-def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
-    """Check that a folder holds a litgpt checkpoint and return it."""
+# Where `litgpt download ORG/NAME` puts a model; LitGPT's commands take `ORG/NAME` for `checkpoints/ORG/NAME`.
+CHECKPOINTS_DIR = Path("checkpoints")
+
+
+def expand_checkpoints_shorthand(checkpoint_dir: Path) -> Path:
+    """`checkpoints/ORG/NAME` for a relative `ORG/NAME` that is no folder here while that one is (as LitGPT reads its
+    checkpoint_dir arguments); any other path as it is."""
     checkpoint_dir = Path(checkpoint_dir)
+    under_checkpoints = CHECKPOINTS_DIR / checkpoint_dir
+    if (not checkpoint_dir.is_dir() and not checkpoint_dir.is_absolute() and checkpoint_dir.parts
+            and checkpoint_dir.parts[0] != CHECKPOINTS_DIR.name and under_checkpoints.is_dir()):
+        return under_checkpoints
+    return checkpoint_dir
+
+
+def find_checkpoint_dir(checkpoint_dir: Path) -> Path:
+    """Check that a folder (or LitGPT's `ORG/NAME` for checkpoints/ORG/NAME) holds a litgpt checkpoint; return it."""
+    checkpoint_dir = expand_checkpoints_shorthand(Path(checkpoint_dir))
     if not checkpoint_dir.is_dir():
         raise UserError(
             f"Checkpoint folder {str(checkpoint_dir)!r} does not exist. Download one with `litgpt download REPO_ID` "
@@ -57,8 +72,43 @@ def read_model_weights(path: Path) -> dict:
     state_dict = load_state_dict(Path(path))
     wrapped = state_dict.get("model")
     if isinstance(wrapped, dict) and not any(isinstance(value, torch.Tensor) for value in state_dict.values()):
-        return wrapped
+        state_dict = wrapped
+    if any(key.endswith(LEGACY_QKV_SUFFIXES) for key in state_dict):
+        state_dict = renamed_legacy_qkv(state_dict, Path(path))
     return state_dict
+
+
+# Before LitGPT 0.5 the fused q/k/v projection was `attn.attn`, its rows interleaved per query group.
+LEGACY_QKV_SUFFIXES = (".attn.attn.weight", ".attn.attn.bias")
+
+
+def renamed_legacy_qkv(state_dict: dict, path: Path) -> dict:
+    """A pre-0.5 LitGPT state dict with each `attn.attn` as today's `attn.qkv`: the rows [q.., k, v] of each query
+    group regrouped into [all q | all k | all v] (what LitGPT 0.5 does on load), by the model_config.yaml beside it."""
+    from litgpt.config import Config
+
+    if not (path.parent / CONFIG_FILE).is_file():
+        raise UserError(
+            f"{str(path)!r} holds pre-0.5 LitGPT weights (attn.attn keys), whose q/k/v rows are regrouped by the "
+            f"model's config, and no {CONFIG_FILE} is beside it: put the model's {CONFIG_FILE} next to it."
+        )
+    config = Config.from_checkpoint(path.parent)
+    if getattr(config, "latent_attention", None):
+        raise UserError(f"{str(path)!r} holds pre-0.5 LitGPT attn.attn weights for a model without fused q/k/v "
+                        "attention: convert it with LitGPT 0.5 (load it in LitGPT and save its state_dict) first.")
+    q_rows = config.head_size * config.n_head // config.n_query_groups
+    renamed = {}
+    for key, tensor in state_dict.items():
+        if key.endswith(LEGACY_QKV_SUFFIXES):
+            if tensor.shape[0] != config.n_query_groups * (q_rows + 2 * config.head_size):
+                raise UserError(f"{key} in {str(path)!r} has {tensor.shape[0]} rows; the {CONFIG_FILE} beside it "
+                                "gives another q/k/v size: check that the config belongs to these weights.")
+            groups = tensor.reshape(config.n_query_groups, q_rows + 2 * config.head_size, *tensor.shape[1:])
+            q, k, v = groups.split([q_rows, config.head_size, config.head_size], dim=1)
+            tensor = torch.cat([part.reshape(-1, *tensor.shape[1:]) for part in (q, k, v)])
+            key = key.replace(".attn.attn.", ".attn.qkv.")
+        renamed[key] = tensor
+    return renamed
 
 
 def copy_tokenizer_files(source: Path, destination: Path) -> None:

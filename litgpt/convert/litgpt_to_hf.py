@@ -64,7 +64,7 @@ def convert_lit_checkpoint(
     )
 
     lora_run = lora_run_export(Path(checkpoint_dir), peft, pretrained_checkpoint_dir)
-    checkpoint_dir = Path(checkpoint_dir) if lora_run else find_checkpoint_dir(Path(checkpoint_dir))
+    checkpoint_dir = lora_run.run_dir if lora_run else find_checkpoint_dir(Path(checkpoint_dir))
     weights_dir = lora_run.base_dir if lora_run else checkpoint_dir
     output_dir = Path(output_dir)
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):

@@ -195,10 +195,10 @@ def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
     checkpoint of a LoRA run); a folder with merged weights (a run's final/) converts as the merged model unless
     `peft` is True.
     """
-    from litgpt.checkpoint.model_files import WEIGHTS_FILE
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE, expand_checkpoints_shorthand
     from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, base_checkpoint_dir, read_hparams
 
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = expand_checkpoints_shorthand(Path(checkpoint_dir))
     has_adapters = (checkpoint_dir / LORA_WEIGHTS_FILE).is_file()
     merged = (checkpoint_dir / WEIGHTS_FILE).is_file()
     if peft is None:
@@ -225,14 +225,41 @@ def lora_run_export(checkpoint_dir: Path, peft: Optional[bool],
 def exported_adapter(export: LoRARunExport, config: Config,
                      dtype: Optional[torch.dtype]) -> tuple[dict[str, torch.Tensor], dict]:
     """The run's adapters as PEFT tensors and adapter_config.json values (read and checked before any write)."""
-    from litgpt.io import load_state_dict
-    from litgpt.merge_lora import LORA_WEIGHTS_FILE
+    from litgpt.merge_lora import LORA_WEIGHTS_FILE, read_lora_adapters
 
     path = export.run_dir / LORA_WEIGHTS_FILE
-    adapters = load_state_dict(path)
-    if set(adapters) == {"model"} and isinstance(adapters["model"], dict):
-        adapters = adapters["model"]
+    adapters = read_lora_adapters(path, config, export.settings)
     return peft_adapter(config, export.settings, adapters, dtype, source=str(path))
+
+
+def read_initial_adapter(folder: Path, config: Config,
+                         requested: LoRASettings) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
+    """The LoRA settings and adapter tensors (our names) a run continues from (finetune_lora --initial_adapter_dir):
+    a PEFT adapter folder (adapter_config.json; convert_from_litgpt --peft writes one under adapter/), or a folder
+    with lit_model.pth.lora and hyperparameters.yaml (one imported with convert_to_litgpt, a LoRA run's checkpoint,
+    ours or LitGPT's). The adapter's rank, scale and targets win over the command's --lora_*; its dropout does not."""
+    import dataclasses
+
+    from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, read_hparams, read_lora_adapters
+
+    folder = Path(folder)
+    if not is_peft_folder(folder) and is_peft_folder(folder / ADAPTER_DIR):
+        folder = folder / ADAPTER_DIR
+    if (folder / LORA_WEIGHTS_FILE).is_file():
+        settings = LoRASettings.from_hparams(read_hparams(folder), source=str(folder / HPARAMS_FILE))
+        tensors = read_lora_adapters(folder / LORA_WEIGHTS_FILE, config, settings)
+    elif is_peft_folder(folder):
+        modules, _ = read_peft_tensors(folder)
+        settings, tensors, _ = litgpt_adapters(config, read_peft_config(folder), modules, str(folder))
+    else:
+        raise UserError(f"--initial_adapter_dir {str(folder)!r} holds neither a PEFT adapter ({ADAPTER_CONFIG}) nor "
+                        f"{LORA_WEIGHTS_FILE}: pass a folder that `convert_from_litgpt --peft` or "
+                        "`convert_to_litgpt ADAPTER_DIR` wrote, or a LoRA run's checkpoint.")
+    settings = dataclasses.replace(settings, dropout=requested.dropout)
+    if settings != requested:
+        print(f"Continuing from the adapter in {folder}: r={settings.r}, alpha={settings.alpha} and its targets "
+              "replace the --lora_* options.")
+    return settings, tensors
 
 
 # ---- import: PEFT -> litgpt -------------------------------------------------------------------------------------------
@@ -466,7 +493,7 @@ def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path]
     every check comes before any write."""
     from litgpt.checkpoint.model_files import CONFIG_FILE, TOKENIZER_FILES, WEIGHTS_FILE
     from litgpt.io import atomic_copy, save_state_dict, write_yaml
-    from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE
+    from litgpt.merge_lora import HPARAMS_FILE, LORA_WEIGHTS_FILE, write_base_record
 
     folder = Path(folder)
     peft_values = read_peft_config(folder)
@@ -491,6 +518,7 @@ def convert_peft_adapter(folder: Path, pretrained_checkpoint_dir: Optional[Path]
     for name in TOKENIZER_FILES:
         if not (folder / name).exists() and (base_dir / name).is_file():
             atomic_copy(base_dir / name, folder / name)
+    write_base_record(folder, str(base_dir), base_dir)
     # Last: hyperparameters.yaml is what makes the folder a LoRA run's for merge_lora.
     write_yaml(folder / HPARAMS_FILE, {"checkpoint_dir": str(base_dir.resolve()), **settings.to_hparams()})
     switched = ", ".join(f"lora_{name}" for name in ("query", "key", "value", "projection", "mlp", "head")

@@ -11,9 +11,10 @@ if TYPE_CHECKING:
 
 
 def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[LoRASettings]" = None,
-                 quantize: Optional[str] = None) -> "Job":
-    """The job of a finetuning command's arguments: the recipe starts from the checkpoint's weights, the data is laid
-    out in the checkpoint's prompt style, and the tokenizer is the checkpoint's."""
+                 quantize: Optional[str] = None, initial_adapter_dir: Optional[Path] = None) -> "Job":
+    """The job of a finetuning command's arguments: the recipe starts from the checkpoint's weights (and, with
+    `initial_adapter_dir`, from that LoRA adapter's), the data is laid out in the checkpoint's prompt style, and the
+    tokenizer is the checkpoint's."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
     from litgpt.compat import check_litgpt_arguments, tie_embeddings, untie_for_lora_head
     from litgpt.config import Config
@@ -28,6 +29,12 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     arguments["train"].check()
     checkpoint_dir = find_checkpoint_dir(Path(arguments["checkpoint_dir"]))
     config = tie_embeddings(Config.from_checkpoint(checkpoint_dir), arguments["train"], finetuning=True)
+    initial_adapters = None
+    if initial_adapter_dir is not None:
+        from litgpt.convert.peft import read_initial_adapter
+
+        lora, initial_adapters = read_initial_adapter(Path(initial_adapter_dir), config, lora)
+        hyperparameters.update(lora.to_hparams())  # what the checkpoints' adapters are: merge_lora reads them
     config = untie_for_lora_head(config, lora)
     data = arguments["data"]
     if data is None:
@@ -35,7 +42,7 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
 
         data = Alpaca()
     recipe = Recipe(name=name, config=config, initialization="checkpoint", initial_weights=checkpoint_dir / WEIGHTS_FILE,
-                    lora=lora, quantize=quantize)
+                    lora=lora, quantize=quantize, initial_adapters=initial_adapters)
     return Job(
         recipe=recipe, out_dir=Path(arguments["out_dir"]), data=data, tokenizer_dir=checkpoint_dir,
         train=arguments["train"], eval=arguments["eval"], hyperparameters=hyperparameters,
@@ -44,4 +51,5 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
         timeout=arguments["fsdp"].timeout,
         # Instruction data takes a chat model's own style; on a base model, the data's default (alpaca).
         prompt_style=PromptStyle.for_finetuning(config),
+        base_checkpoint=checkpoint_dir.resolve() if lora is not None else None,
     )

@@ -28,6 +28,7 @@ def setup(
     lora_mlp: bool = False,
     lora_head: bool = False,
     resume: Union[bool, Literal["auto"], Path] = False,
+    initial_adapter_dir: Optional[Path] = None,
     data: Optional[DataModule] = None,
     train: TrainArgs = TrainArgs(
         save_interval=1000,
@@ -74,6 +75,9 @@ def setup(
         lora_head: Adapt the output head.
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
+        initial_adapter_dir: Start the adapters from an earlier adapter instead of a fresh initialization (a new run,
+            the optimizer starts afresh): a PEFT adapter folder, one `convert_to_litgpt` imported, or a LoRA run's
+            checkpoint (ours or LitGPT's). Its rank, alpha and targets replace the --lora_* options.
         train: Training schedule and batch sizes.
         eval: Validation settings.
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).
@@ -88,7 +92,8 @@ def setup(
     """
     from litgpt.finetune import finetune_job
 
-    job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=lora_settings(locals()), quantize=quantize)
+    job = finetune_job(setup, dict(locals()), name="finetune_lora", lora=lora_settings(locals()), quantize=quantize,
+                       initial_adapter_dir=initial_adapter_dir)
 
     from litgpt.distributed.fsdp import FSDPStrategy
     from litgpt.train.job import launch

@@ -53,6 +53,8 @@ class Job:
     # torch.compile the training loss whole: the model's forward, the chunked head and the loss in one graph
     # (--compiler torch/auto on one CPU process, where it beats compiling each block)
     compile_loss: bool = False
+    # A LoRA run's base checkpoint (absolute), recorded in each checkpoint so merge/export find it from anywhere.
+    base_checkpoint: Optional[Path] = None
 
 
 def launch(fabric, job: Job) -> dict:
@@ -110,7 +112,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     checkpoints = CheckpointManager(
         fabric, job.out_dir, io, keys=recipe.trains, weights_file=recipe.weights_file, config=recipe.config,
         hyperparameters=job.hyperparameters, tokenizer_dir=job.tokenizer_dir, keep_last=train.keep_last,
-        precision=job.precision,
+        precision=job.precision, base_checkpoint=job.base_checkpoint,
     )
     optimizer = fabric.setup_optimizers(build_optimizer(job.optimizer, io.parameters(model), fabric.device))
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value

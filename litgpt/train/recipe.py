@@ -41,6 +41,8 @@ class Recipe:
         quantize: QLoRA: the frozen base is stored quantized (`litgpt.quantize.QUANTIZE_MODES`; under FSDP only
             ao.nf4, torchao's NF4, which FSDP2 shards and all-gathers in 4 bits).
         loss: the name of the loss in `litgpt.train.loss.LOSSES`.
+        initial_adapters: LoRA adapter tensors (our names) that replace the adapters' initialization: training
+            continues from an earlier adapter (finetune_lora --initial_adapter_dir).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Recipe:
     lora: Optional[LoRASettings] = None
     quantize: Optional[str] = None
     loss: str = "cross_entropy"
+    initial_adapters: Optional[dict] = None
 
     # What `litgpt plan` counts of this kind of training: the sequences of one sample (two for a preference pair),
     # and whether the frozen models' outputs live on into the trained model's loss (a teacher's final hidden states)
@@ -127,14 +130,18 @@ class Recipe:
         from litgpt.distributed.parallelize import parallelize
 
         if self.quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
-            return self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
-                                                       compile_blocks)
-        if self.quantize is not None:
-            return self._materialize_quantized(fabric, model, precision, activation_checkpointing)
-        model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
-        if self.initial_weights is not None and load_initial:
-            path = Path(self.initial_weights)
-            copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
+            model = self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
+                                                        compile_blocks)
+        elif self.quantize is not None:
+            model = self._materialize_quantized(fabric, model, precision, activation_checkpointing)
+        else:
+            model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
+            if self.initial_weights is not None and load_initial:
+                path = Path(self.initial_weights)
+                copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
+        if self.initial_adapters is not None:  # a resumed checkpoint's adapters replace these afterwards
+            copy_weights(model, self.initial_adapters, "the initial adapter", is_lora_key,
+                         subject="The LoRA adapters", fix="Check that the adapter belongs to this base model.")
         return model
 
     def _materialize_quantized(self, fabric, model: nn.Module, precision: Precision,
