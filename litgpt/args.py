@@ -1,5 +1,5 @@
-"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --kd.*, --log.*) and their checks, in
-one place (LitGPT's names, so commands and YAML files carry over). What a run records of its arguments is
+"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --kd.*, --logger.*, --log.*) and their
+checks, in one place (LitGPT's names, so commands and YAML files carry over). What a run records of its arguments is
 `litgpt.train.run_record`."""
 
 from __future__ import annotations
@@ -358,10 +358,59 @@ class DPOArgs:
                             "--dpo.precompute_reference.")
 
 
+# The trackers --logger_name picks, and the --logger.* settings each of them has (the others refuse them).
+LOGGER_FIELDS = {
+    "csv": ("name",),
+    "tensorboard": ("name",),
+    "wandb": ("project", "name", "entity", "group", "tags"),
+    "mlflow": ("project", "name", "tags"),
+}
+
+
+@dataclass
+class LoggerArgs:
+    """The experiment tracker's run (--logger.*); --logger_name picks the tracker. A tracker takes only the settings
+    it has: csv and tensorboard a name, W&B all five, MLflow a project (its experiment), a name and tags.
+
+    Args:
+        project: The W&B project, or the MLflow experiment (default: litgpt).
+        name: The run's name (default: the command and the model, e.g. pretrain-pythia-14m); csv and tensorboard
+            name the folder of the run's logs with it.
+        entity: The W&B team or user the run belongs to (default: your W&B default entity).
+        group: The W&B group of related runs.
+        tags: Tags of the run, e.g. `--logger.tags '[baseline, 1b]'` (MLflow: tags with an empty value).
+    """
+
+    project: Optional[str] = None
+    name: Optional[str] = None
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: Optional[list[str]] = None
+
+    def check(self, logger_name: str) -> None:
+        """UserError for an unknown tracker, a setting it does not have, or a value of the wrong type."""
+        if logger_name not in LOGGER_FIELDS:
+            raise UserError(f"--logger_name {logger_name!r} is not one of {', '.join(LOGGER_FIELDS)}.")
+        for field in ("project", "name", "entity", "group"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise UserError(f"--logger.{field} {value!r} must be a non-empty string.")
+        if self.tags is not None and (isinstance(self.tags, str) or not isinstance(self.tags, (list, tuple))
+                                      or not all(isinstance(tag, str) and tag for tag in self.tags)):
+            raise UserError(f"--logger.tags {self.tags!r} must be a list of non-empty strings, e.g. "
+                            "--logger.tags '[baseline, 1b]'.")
+        given = [field for field in ("project", "name", "entity", "group", "tags") if getattr(self, field) is not None]
+        unknown = [field for field in given if field not in LOGGER_FIELDS[logger_name]]
+        if unknown:
+            raise UserError(f"--logger.{unknown[0]} is not a setting of the {logger_name} logger: it takes "
+                            f"{', '.join('--logger.' + f for f in LOGGER_FIELDS[logger_name])}.")
+
+
 @dataclass
 class LogArgs:
-    """LitGPT's logger settings, read so that its recipes and scripts work as written; they have no effect here (the
-    wandb logger runs offline under out_dir and names the run itself) and a note says so when one is set.
+    """LitGPT's logger settings, read so that its recipes and scripts work as written. With --logger_name wandb,
+    project, run and group name the W&B run as in LitGPT (where --logger.project, --logger.name and --logger.group
+    are not given); the others, and all of them with another tracker, have no effect and a note says so.
 
     Args:
         project: Weights & Biases project.

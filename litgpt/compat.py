@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from litgpt.args import EvalArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.errors import UserError
 
 if TYPE_CHECKING:
@@ -42,7 +42,23 @@ def check_litgpt_arguments(arguments: dict) -> dict:
         )
     for note in litgpt_notes(arguments):
         print_once(f"Note: {note}")
+    arguments = {**arguments, "logger": litgpt_logger_args(arguments)} if "logger" in arguments else arguments
     return {**arguments, "access_token": None} if "access_token" in arguments else arguments
+
+
+# LitGPT's --log.* fields that name its W&B run, and the --logger.* field each one fills.
+LITGPT_WANDB_FIELDS = {"project": "project", "run": "name", "group": "group"}
+
+
+def litgpt_logger_args(arguments: dict) -> LoggerArgs:
+    """--logger.* with LitGPT's log.project, log.run and log.group filled in where the W&B logger runs (as LitGPT
+    names its W&B run) and the --logger.* field is not given."""
+    logger, log = arguments["logger"], arguments.get("log")
+    if log is None or arguments.get("logger_name") != "wandb":
+        return logger
+    filled = {ours: getattr(log, theirs) for theirs, ours in LITGPT_WANDB_FIELDS.items()
+              if getattr(log, theirs) is not None and getattr(logger, ours) is None}
+    return dataclasses.replace(logger, **filled)
 
 
 def litgpt_notes(arguments: dict) -> list[str]:
@@ -69,11 +85,14 @@ def litgpt_notes(arguments: dict) -> list[str]:
         )
     log = arguments.get("log")
     if log is not None:
-        changed = [f.name for f in dataclasses.fields(LogArgs) if getattr(log, f.name) != f.default]
+        named = LITGPT_WANDB_FIELDS if arguments.get("logger_name") == "wandb" else {}
+        changed = [f.name for f in dataclasses.fields(LogArgs)
+                   if getattr(log, f.name) != f.default and f.name not in named]
         if changed:
             notes.append(
-                f"log.{', log.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect here: the wandb "
-                "logger runs offline under out_dir and names the run itself; nothing is uploaded."
+                f"log.{', log.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect here: the tracker's "
+                "run is set with --logger.* (project, name, entity, group, tags; LitGPT's log.project, log.run and "
+                "log.group name a --logger_name wandb run)."
             )
     if arguments.get("access_token"):
         notes.append(

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, KDArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, KDArgs, LoggerArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -47,6 +47,7 @@ def setup(
     fsdp: FSDPArgs = FSDPArgs(),
     tokenizer_dir: Optional[Path] = None,
     logger_name: LoggerName = "csv",
+    logger: LoggerArgs = LoggerArgs(),
     seed: int = 42,
     profile: bool = False,
     compiler: str = "auto",
@@ -78,7 +79,10 @@ def setup(
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the student and the teacher (--fsdp.sharding_strategy, ...).
         tokenizer_dir: The folder with tokenizer.json (default: student_dir, else teacher_dir).
-        logger_name: csv, tensorboard or wandb (offline).
+        logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
+            mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
+        logger: The tracker's run: --logger.project, --logger.name, --logger.entity, --logger.group,
+            --logger.tags, as the tracker has them.
         seed: Seed of a random student's initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: auto (as `litgpt pretrain`'s: torch on CUDA GPUs, and on CPUs for runs of at least 100 steps),
@@ -95,7 +99,7 @@ def setup(
     from litgpt.train.launch import run_fabric
 
     # whole_loss False: torch compiles the teacher's blocks too, as the student's.
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
                       run_name=f"distill-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy,
                       whole_loss=False), job)
 

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import DPOArgs, EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from litgpt.args import DPOArgs, EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
 from litgpt.loggers import LoggerName
@@ -50,6 +50,7 @@ def setup(
     eval: EvalArgs = EvalArgs(interval=100, max_new_tokens=100, max_iters=100),
     optimizer: Union[str, dict] = {"class_path": "AdamW", "init_args": {"lr": 5e-6}},
     logger_name: LoggerName = "csv",
+    logger: LoggerArgs = LoggerArgs(),
     seed: int = 1337,
     profile: bool = False,
     compiler: str = "none",
@@ -90,7 +91,10 @@ def setup(
         train: Training schedule and batch sizes (a sample is one pair).
         eval: Validation settings (validation reports the loss and val_rewards/*).
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (default: AdamW, lr 5e-6).
-        logger_name: csv, tensorboard or wandb (offline).
+        logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
+            mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
+        logger: The tracker's run: --logger.project, --logger.name, --logger.entity, --logger.group,
+            --logger.tags, as the tracker has them.
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: none (eager; the default), auto or torch (each transformer block compiled).
@@ -107,7 +111,7 @@ def setup(
     from litgpt.train.launch import run_fabric
 
     # whole_loss False: the reference's forward runs beside the policy's, so torch compiles each block instead.
-    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
                         run_name=f"dpo-{method}-{job.recipe.config.name or 'model'}", compiler=compiler,
                         whole_loss=False)
     if quantize is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -46,6 +46,7 @@ def setup(
     fsdp: FSDPArgs = FSDPArgs(),
     tokenizer_dir: Optional[Path] = None,
     logger_name: LoggerName = "csv",
+    logger: LoggerArgs = LoggerArgs(),
     seed: int = 42,
     profile: bool = False,
     compiler: str = "auto",
@@ -70,7 +71,10 @@ def setup(
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
-        logger_name: csv, tensorboard or wandb (offline).
+        logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
+            mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
+        logger: The tracker's run: --logger.project, --logger.name, --logger.entity, --logger.group,
+            --logger.tags, as the tracker has them.
         seed: Seed of the initialization and of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: auto (torch on CUDA GPUs, and on CPUs for runs of at least 100 steps; none for shorter CPU
@@ -90,7 +94,7 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
                       run_name=f"pretrain-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy),
            job)
 
@@ -117,7 +121,8 @@ def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     return Job(
         recipe=recipe, out_dir=Path(a.out_dir), data=data, tokenizer_dir=tokenizer_dir, train=a.train, eval=a.eval,
         hyperparameters=hyperparameters, precision=Precision.resolve(a.precision), resume=a.resume,
-        optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout,
+        optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout, logger_name=a.logger_name,
+        logger=a.logger,
     )
 
 

@@ -48,7 +48,8 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
         train=arguments["train"], eval=arguments["eval"], hyperparameters=hyperparameters,
         precision=Precision.resolve(arguments["precision"]), resume=arguments["resume"],
         optimizer=arguments["optimizer"], seed=arguments["seed"], profile=arguments["profile"],
-        timeout=arguments["fsdp"].timeout,
+        timeout=arguments["fsdp"].timeout, logger_name=arguments["logger_name"],
+        logger=arguments["logger"],
         # Instruction data takes a chat model's own style; on a base model, the data's default (alpaca).
         prompt_style=PromptStyle.for_finetuning(config),
         base_checkpoint=checkpoint_dir.resolve() if lora is not None else None,

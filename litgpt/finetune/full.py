@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -31,6 +31,7 @@ def setup(
     eval: EvalArgs = EvalArgs(interval=600, max_new_tokens=100, max_iters=100),
     optimizer: Union[str, dict] = "AdamW",
     logger_name: LoggerName = "csv",
+    logger: LoggerArgs = LoggerArgs(),
     seed: int = 1337,
     profile: bool = False,
     compiler: str = "none",
@@ -52,7 +53,10 @@ def setup(
         train: Training schedule and batch sizes.
         eval: Validation settings.
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).
-        logger_name: csv, tensorboard or wandb (offline).
+        logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
+            mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
+        logger: The tracker's run: --logger.project, --logger.name, --logger.entity, --logger.group,
+            --logger.tags, as the tracker has them.
         seed: Seed of the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: none (eager; the default), auto or torch (as `litgpt pretrain`'s), or the name of a compiler
@@ -68,5 +72,5 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
                       run_name=f"finetune-full-{job.recipe.config.name or 'model'}", compiler=compiler), job)

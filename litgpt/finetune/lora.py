@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -42,6 +42,7 @@ def setup(
     eval: EvalArgs = EvalArgs(interval=100, max_new_tokens=100, max_iters=100),
     optimizer: Union[str, dict] = "AdamW",
     logger_name: LoggerName = "csv",
+    logger: LoggerArgs = LoggerArgs(),
     seed: int = 1337,
     profile: bool = False,
     compiler: str = "none",
@@ -81,7 +82,10 @@ def setup(
         train: Training schedule and batch sizes.
         eval: Validation settings.
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).
-        logger_name: csv, tensorboard or wandb (offline).
+        logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
+            mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
+        logger: The tracker's run: --logger.project, --logger.name, --logger.entity, --logger.group,
+            --logger.tags, as the tracker has them.
         seed: Seed of the adapters' initialization, the dropout and the data order.
         profile: Record a torch.profiler trace of a few steps into out_dir/profile/.
         compiler: none (eager; the default), auto or torch (as `litgpt pretrain`'s), or the name of a compiler
@@ -99,7 +103,7 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, logger_name=logger_name,
+    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
                         run_name=f"finetune-lora-{job.recipe.config.name or 'model'}", compiler=compiler)
     if quantize is not None:
         job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, EvalArgs, LoggerArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, check_disk_space, unwrap
 from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable
 from litgpt.data.base import MicroBatches
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
+from litgpt.loggers import start_tracking
 from litgpt.precision import Precision
 from litgpt.preemption import slurm_job_id
 from litgpt.registry import ExtensionStrategy
@@ -53,6 +54,8 @@ class Job:
     # torch.compile the training loss whole: the model's forward, the chunked head and the loss in one graph
     # (--compiler torch/auto on one CPU process, where it beats compiling each block)
     compile_loss: bool = False
+    logger_name: str = "csv"  # the experiment tracker (--logger_name) and its run (--logger.*)
+    logger: LoggerArgs = dataclasses.field(default_factory=LoggerArgs)
     # A LoRA run's base checkpoint (absolute), recorded in each checkpoint so merge/export find it from anywhere.
     base_checkpoint: Optional[Path] = None
 
@@ -67,6 +70,10 @@ def run_job(fabric, job: Job) -> dict:
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
         resume_dir = CheckpointManager.find_resume(job.out_dir, job.resume)
+        # Before the slow work: a tracker that cannot start (no W&B login) stops the run at once.
+        with rank_zero_alone("starting the experiment tracker") as worker:
+            if worker:
+                start_tracking(fabric.loggers, job.hyperparameters)
         if job.train.requeue and slurm_job_id() is None:
             print_once("Note: --train.requeue acts only in a Slurm job; here a stop signal saves and stops the run.")
         max_seq_length = job.train.seq_length(job.recipe.config)

@@ -12,9 +12,11 @@ if TYPE_CHECKING:
     from litgpt.train.job import Job
 
 
-def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, logger_name: str, run_name: str,
+def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name: str,
                compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True):
-    """The job's Fabric. `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
+    """The job's Fabric, logging to the job's tracker (`run_name` unless --logger.name names the run).
+
+    `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
     an extension itself (its own entry point passes one with its options); the extension checks the job first and
     gives the Fabric strategy (`strategy`: --strategy auto|fsdp|ddp). `whole_loss`: torch.compile may compile the
     whole loss on one CPU process (a recipe with frozen models compiles their blocks instead)."""
@@ -29,7 +31,7 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, logger_na
     from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
     from litgpt.loggers import build_logger
 
-    loggers = [build_logger(logger_name, job.out_dir, run_name)]
+    loggers = [build_logger(job.logger_name, job.out_dir, run_name, job.logger)]
     if extension is not None:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))

@@ -28,6 +28,7 @@ from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.generate import generate
 from litgpt.io import write_json
+from litgpt.loggers import finish_tracking, log_final_metrics
 from litgpt.precision import Precision
 from litgpt.progress import terminal_bar
 from litgpt.preemption import StepControl, StopSignals, requeue_slurm_job
@@ -128,9 +129,9 @@ class Trainer:
         metrics["wall_seconds"] = round(time.perf_counter() - fit_start, 3)  # this session, with eval and saving
         metrics.update(steady_state_metrics(self.first_step, state.tokens - fit_tokens,
                                             state.train_seconds - fit_seconds))
-        fabric.log_dict({f"run/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=state.step)
-        for logger in fabric.loggers:
-            logger.finalize("success")  # flush what the logger buffers
+        if fabric.global_rank == 0:
+            log_final_metrics(fabric.loggers, metrics, state.step)
+        finish_tracking(fabric.loggers)
         if fabric.global_rank == 0:
             write_json(self.settings.out_dir / "metrics.json", metrics)
         return metrics
@@ -270,8 +271,7 @@ class Trainer:
         """After the checkpoint a stop signal asked for: say where it is and, with --train.requeue under Slurm,
         requeue."""
         folder = self.checkpoints.step_dir(self.state.step)
-        for logger in self.fabric.loggers:
-            logger.finalize("success")
+        finish_tracking(self.fabric.loggers)
         if self.fabric.global_rank == 0:
             then = requeue_slurm_job() if self.train.requeue else "continue it with the same command and --resume auto"
             print(f"Stopped by {self.stopped_by} after step {self.state.step}: saved {folder}; {then}.", flush=True)
