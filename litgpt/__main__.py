@@ -269,11 +269,13 @@ def run_cli(function, args: list[str], prog: str) -> None:
     """Parse `args` for `function` and call it; every failure the user can fix becomes one line and exit code 1."""
     from jsonargparse import CLI, ArgumentError
 
+    from litgpt.class_paths import check_class_paths
     from litgpt.distributed.runtime import print_error_once
     from litgpt.errors import UserError
 
     try:
         check_config_files(args)
+        check_class_paths(args)  # before the parser, which imports a class path's module as it reads it
         args = model_config_files_read(args)
         CLI(function, args=args, prog=prog, as_positional=True, exit_on_error=False)
     except ArgumentError as error:

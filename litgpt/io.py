@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from litgpt.errors import UserError
+from litgpt.safe_paths import inside
 
 
 @contextmanager
@@ -196,7 +197,7 @@ def read_sharded_metadata(path: Path):
     try:
         with open(file, "rb") as f:
             metadata = _ShardedMetadataUnpickler(f).load()
-        check_storage_paths(metadata)
+        check_storage_paths(metadata, Path(path), file)
         return metadata
     except FileNotFoundError:
         raise UserError(f"{str(path)!r} is not a sharded checkpoint: it has no .metadata file.") from None
@@ -210,9 +211,7 @@ def read_sharded_metadata(path: Path):
         ) from None
 
 
-def check_storage_paths(metadata) -> None:
+def check_storage_paths(metadata, folder: Path, file: Path) -> None:
     """Refuse metadata that points the reader at a file outside its own folder (`../../secret`, `/etc/...`)."""
     for info in (getattr(metadata, "storage_data", None) or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise pickle.UnpicklingError(f"it points to {name!r}, a file outside its folder")
+        inside(folder, getattr(info, "relative_path", None), source=file)

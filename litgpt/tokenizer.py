@@ -28,6 +28,7 @@ import torch
 from tokenizers import Tokenizer as _Backend
 
 from litgpt.errors import UserError
+from litgpt.safe_paths import inside
 
 IdsLike = Union[torch.Tensor, Sequence[int], int]
 
@@ -283,6 +284,11 @@ def _convert_sentencepiece(checkpoint_dir: Path):
         raise UserError(
             f"{str(checkpoint_dir)!r} only has a sentencepiece tokenizer.model, no tokenizer.json. {how_to_fix}"
         ) from None
+    # Older transformers open a `*_file` entry of tokenizer_config.json as written (/etc/..., ../..).
+    config_path = checkpoint_dir / "tokenizer_config.json"
+    for key, value in _read_json_object(config_path).items():
+        if key.endswith("_file") and value is not None:
+            inside(checkpoint_dir, value, source=config_path)
     import logging
 
     transformers_logger = logging.getLogger("transformers")

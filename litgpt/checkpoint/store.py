@@ -23,6 +23,7 @@ from litgpt.distributed.runtime import distributed_is_up, every_rank, global_ran
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.io import atomic_write_text, file_sha256, fsync_dir, read_sharded_metadata
+from litgpt.safe_paths import inside
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -150,8 +151,12 @@ def verify_checkpoint(folder: Path, checksums: bool = True, part: tuple[int, int
         entries = [(name, int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"its {MANIFEST_FILE} is unreadable"
+    try:  # nothing is read before every name is known to stay inside the folder
+        paths = {name: inside(folder, name, source=folder / MANIFEST_FILE) for name, _, _ in entries}
+    except UserError as refused:
+        return str(refused).rstrip(".")
     for name, size, _ in entries:
-        path = folder / name
+        path = paths[name]
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
@@ -159,7 +164,7 @@ def verify_checkpoint(folder: Path, checksums: bool = True, part: tuple[int, int
     if checksums:
         index, count = part
         for name, _, sha256 in entries[index::count]:
-            if file_sha256(folder / name) != sha256:
+            if file_sha256(paths[name]) != sha256:
                 return f"{name} does not match its SHA-256 in the manifest (the file was damaged)"
     return None
 

@@ -15,6 +15,7 @@ from litgpt.config import Config
 from litgpt.convert.families.configs import config_from_hf
 from litgpt.convert.families.weights import weight_rules
 from litgpt.errors import UserError
+from litgpt.safe_paths import inside
 from litgpt.progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +57,9 @@ class HFWeights:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as error:
                 raise UserError(f"{str(index)!r} is not a valid weight index ({error}).") from None
-            paths = sorted({self.folder / name for name in weight_map.values()})
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{str(index)!r} is not a valid weight index (its weight_map is not a mapping).")
+            paths = sorted({inside(self.folder, name, source=index) for name in weight_map.values()})
             missing = [p.name for p in paths if not p.is_file()]
             if missing:
                 raise UserError(f"{str(index)!r} lists shard {missing[0]!r}, which is missing: download it again.")

@@ -8,6 +8,7 @@ from typing import Iterable, Union
 
 import torch
 
+from litgpt.class_paths import may_import
 from litgpt.errors import UserError
 
 
@@ -35,9 +36,8 @@ def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parame
 def optimizer_class(class_path: str) -> type:
     """The `torch.optim.Optimizer` subclass a class path names ("AdamW" is torch.optim.AdamW).
 
-    A module outside torch.optim is imported only if it belongs to an installed distribution (torchao.optim,
-    bitsandbytes.optim, ...): importing runs a module's top-level code, and a name from the standard library or a file
-    in the working directory must not get that far on the strength of a config file.
+    Its module is imported only if it belongs to an installed distribution (torch.optim, torchao.optim,
+    bitsandbytes.optim, ...): `may_import`, the check every class path gets (litgpt/class_paths.py).
     """
     module_name, _, class_name = class_path.rpartition(".")
     not_an_optimizer = UserError(
@@ -45,11 +45,8 @@ def optimizer_class(class_path: str) -> type:
         "torch.optim.SGD or bitsandbytes.optim.AdamW8bit)."
     )
     module_name = module_name or "torch.optim"
-    if module_name != "torch.optim" and not module_name.startswith("torch.optim."):
-        from importlib.metadata import packages_distributions
-
-        if module_name.partition(".")[0] not in packages_distributions():
-            raise not_an_optimizer
+    if not may_import(module_name):
+        raise not_an_optimizer
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError):
