@@ -67,8 +67,10 @@ SERVER = r"""
 import gc, importlib, json, os, runpy, selectors, socket, sys
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(sys.argv[1])
+listener.bind(sys.argv[1] + ".binding")
 listener.listen(64)  # clients that connect while the imports run wait in the backlog
+# Only a listening socket gets its name: one that a client finds bound but not listening yet refuses it.
+os.rename(sys.argv[1] + ".binding", sys.argv[1])
 RUN_TIME_VARIABLES = set(json.loads(sys.argv[2]))
 SHIM = sys.argv[3]
 started_with = dict(os.environ)
@@ -278,7 +280,8 @@ class ForkServer:
             cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self._count = 0
-        # The socket exists once bound, before the imports end: clients that connect earlier wait in its backlog.
+        # The socket has its name once it listens, before the imports end: clients that connect earlier wait in
+        # its backlog.
         while not os.path.exists(self.socket_path):
             assert self.process.poll() is None, f"the fork server did not start:\n{self.log()}"
             time.sleep(0.01)

@@ -158,6 +158,7 @@ def test_mlflow_run_holds_arguments_every_step_and_the_final_metrics(where, reci
     uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
     if where == "MLFLOW_TRACKING_URI":
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.chdir(tmp_path)  # such a store keeps artifacts in ./mlruns, as MLflow's default artifact root
     else:
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
         uri = f"sqlite:///{tmp_path / 'out' / 'mlruns' / 'mlflow.db'}"

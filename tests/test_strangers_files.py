@@ -66,6 +66,25 @@ def test_inside_keeps_names_in_the_folder_and_refuses_each_way_out(tmp_path):
         assert "\n" not in str(refused.value) and str(source) in str(refused.value)
 
 
+def test_a_hugging_face_cache_snapshot_may_link_into_its_blobs(tmp_path):
+    """The hub client's own layout: a snapshot's files are symlinks into ../../blobs; elsewhere they stay refused."""
+    repo = tmp_path / "models--org--name"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "0123").write_text("weights")
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs/0123"))
+    source = snapshot / "model.safetensors.index.json"
+    assert inside(snapshot, "model.safetensors", source) == snapshot / "model.safetensors"
+    with pytest.raises(UserError, match="is not inside its folder"):
+        inside(snapshot, "../../blobs/0123", source)  # a name that climbs is refused even there
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").symlink_to(blobs / "0123")
+    with pytest.raises(UserError, match="is not inside its folder"):
+        inside(plain, "model.safetensors", plain / "index.json")
+
+
 # ---- a Hugging Face weight index -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("way", ["dotdot", "absolute", "symlink"])
 def test_a_weight_index_naming_a_file_outside_its_folder_is_refused(way, tmp_path):

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from litgpt import download
-from litgpt.download import url_download
+from litgpt import fetch
+from litgpt.fetch import url_download
 from litgpt.errors import UserError
 
 DATA = random.Random(0).randbytes(300_000)
@@ -78,7 +78,7 @@ class Server:
 def server(monkeypatch):
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")  # urllib would send the requests to a proxy
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setattr(download, "BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr(fetch, "BACKOFF_SECONDS", 0.01)
     serving = Server()
     yield serving
     serving.http.shutdown()
@@ -138,6 +138,6 @@ def test_an_existing_file_is_kept_without_the_network(server, tmp_path):
 
 
 def test_gives_up_after_the_last_try(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(download, "DOWNLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(fetch, "DOWNLOAD_ATTEMPTS", 2)
     with pytest.raises(UserError, match=r"HTTP 503 .*gave up after 2 tries"):
         url_download(server.url("busy"), tmp_path / "data.bin")

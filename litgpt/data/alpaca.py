@@ -18,7 +18,7 @@ from typing import Optional
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.data.json_data import Record, SFTDataModule, load_records, normalize_record
 from litgpt.data.token_cache import hub_download
-from litgpt.download import url_download
+from litgpt.fetch import url_download
 from litgpt.errors import UserError
 
 ALPACA_URL = "https://raw.githubusercontent.com/tloen/alpaca-lora/main/alpaca_data_cleaned_archive.json"

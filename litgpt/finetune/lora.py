@@ -75,10 +75,10 @@ def setup(
         lora_mlp: Adapt the MLP (every expert's in a mixture of experts).
         lora_head: Adapt the output head.
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
-        data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         initial_adapter_dir: Start the adapters from an earlier adapter instead of a fresh initialization (a new run,
             the optimizer starts afresh): a PEFT adapter folder, one `convert_to_litgpt` imported, or a LoRA run's
             checkpoint (ours or LitGPT's). Its rank, alpha and targets replace the --lora_* options.
+        data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         train: Training schedule and batch sizes.
         eval: Validation settings.
         optimizer: An optimizer name (AdamW) or a mapping {class_path, init_args} (lr, weight_decay, betas).

@@ -24,7 +24,7 @@ from litgpt.preemption import slurm_job_id
 from litgpt.registry import ExtensionStrategy
 from litgpt.tokenizer import Tokenizer, check_vocab_fits
 from litgpt.train.objective import Objective
-from litgpt.train.optimizer import base_learning_rate, build_optimizer
+from litgpt.train.optimizer import base_learning_rate, build_optimizer, optimizer_spec
 from litgpt.train.recipe import Recipe
 from litgpt.train.run_record import write_run_args
 from litgpt.train.state import TrainState
@@ -67,6 +67,7 @@ def launch(fabric, job: Job) -> dict:
 
 def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
+    optimizer_spec(job.optimizer)  # a bad --optimizer stops the run before the tracker or out_dir exist
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
         resume_dir = CheckpointManager.find_resume(job.out_dir, job.resume)

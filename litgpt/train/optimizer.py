@@ -14,6 +14,18 @@ from litgpt.errors import UserError
 
 def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parameter], device: torch.device):
     """An optimizer from a name ("AdamW") or {"class_path": ..., "init_args": {...}}; fused AdamW where supported."""
+    class_path, cls, init_args = optimizer_spec(spec)
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in init_args and device.type in ("cuda", "cpu"):
+        init_args["fused"] = True
+    try:
+        return cls([p for p in parameters if p.requires_grad], **init_args)
+    except TypeError as error:
+        raise UserError(f"--optimizer {class_path}: {error}") from None
+
+
+def optimizer_spec(spec: Union[str, dict]) -> tuple[str, type, dict]:
+    """The class path, class and keyword arguments of an --optimizer value, checked (a run calls this before it writes
+    anything, so that a bad optimizer leaves no trace)."""
     if isinstance(spec, str):
         class_path, init_args = spec, {}
     elif isinstance(spec, dict):
@@ -24,13 +36,7 @@ def build_optimizer(spec: Union[str, dict], parameters: Iterable[torch.nn.Parame
         init_args.update({key: flag_value(value) for key, value in flat.items()})
     else:
         raise UserError(f"--optimizer must be a name such as AdamW or a class_path/init_args mapping, got {spec!r}.")
-    cls = optimizer_class(class_path)
-    if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in init_args and device.type in ("cuda", "cpu"):
-        init_args["fused"] = True
-    try:
-        return cls([p for p in parameters if p.requires_grad], **init_args)
-    except TypeError as error:
-        raise UserError(f"--optimizer {class_path}: {error}") from None
+    return class_path, optimizer_class(class_path), init_args
 
 
 def optimizer_class(class_path: str) -> type:
