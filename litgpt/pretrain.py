@@ -102,7 +102,7 @@ def setup(
 def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     """The pretraining job of `setup`'s arguments (also distillation's, whose recipe adds a teacher), checked before
     anything heavy is imported."""
-    from litgpt.checkpoint.model_files import WEIGHTS_FILE
+    from litgpt.checkpoint.model_files import WEIGHTS_FILE, find_checkpoint_dir
     from litgpt.compat import check_litgpt_arguments, tie_embeddings
     from litgpt.precision import Precision
     from litgpt.train.job import Job
@@ -113,6 +113,8 @@ def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     a = SimpleNamespace(**arguments)
     hyperparameters = record_arguments(record_arguments_of, arguments)
     a.train.check()
+    if a.initial_checkpoint_dir is not None:  # LitGPT's ORG/NAME is checkpoints/ORG/NAME
+        a.initial_checkpoint_dir = find_checkpoint_dir(a.initial_checkpoint_dir)
     config, data, tokenizer_dir = resolve_inputs(a.model_name, a.model_config, a.initial_checkpoint_dir, a.data,
                                                  a.tokenizer_dir)
     config = tie_embeddings(config, a.train, finetuning=False)
@@ -145,10 +147,6 @@ def resolve_inputs(model_name, model_config, initial_checkpoint_dir, data, token
     if model_config is not None and model_name is not None:
         # LitGPT's recipes give both (its pretrain needs a name); as in LitGPT, the config wins.
         print_once(f"Note: --model_config (name {model_config.name!r}) is used; --model_name {model_name!r} is not.")
-    if initial_checkpoint_dir is not None:
-        from litgpt.checkpoint.model_files import find_checkpoint_dir
-
-        find_checkpoint_dir(initial_checkpoint_dir)
     if model_config is not None:
         config = model_config
     elif model_name is not None:

@@ -245,7 +245,7 @@ CASES = [
     case("merge-plain-checkpoint", ["merge_lora", "{w}/base"], "and no lit_model.pth.lora: it is a plain checkpoint"),
     case("merge-malformed-hyperparameters", ["merge_lora", "{w}/lora_bad_yaml"],
          "hyperparameters.yaml' is not valid YAML"),
-    case("merge-base-gone", ["merge_lora", "{w}/lora_no_base"], "The base checkpoint folder '{w}/gone' does not exist",
+    case("merge-base-gone", ["merge_lora", "{w}/lora_no_base"], "does not exist at '{w}/gone'",
          slow=True),
     case("merge-adapters-do-not-fit", ["merge_lora", "{w}/lora_run"], "The LoRA adapters in"),
 ]

@@ -71,10 +71,6 @@ def run_job(fabric, job: Job) -> dict:
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
         resume_dir = CheckpointManager.find_resume(job.out_dir, job.resume)
-        # Before the slow work: a tracker that cannot start (no W&B login) stops the run at once.
-        with rank_zero_alone("starting the experiment tracker") as worker:
-            if worker:
-                start_tracking(fabric.loggers, job.hyperparameters)
         if job.train.requeue and slurm_job_id() is None:
             print_once("Note: --train.requeue acts only in a Slurm job; here a stop signal saves and stops the run.")
         max_seq_length = job.train.seq_length(job.recipe.config)
@@ -130,6 +126,10 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     if fabric.global_rank == 0:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         write_run_args(job.out_dir, job.hyperparameters)
+    # Once every input is checked and the model loaded: a bad input leaves nothing on disk, the tracker's run included.
+    with rank_zero_alone("starting the experiment tracker") as worker:
+        if worker:
+            start_tracking(fabric.loggers, job.hyperparameters)
     settings = TrainerSettings(train=train, eval=job.eval, out_dir=job.out_dir, precision=job.precision,
                                profile=job.profile, timeout=job.timeout, compiles_blocks=job.compile_blocks)
     trainer = Trainer(
