@@ -131,21 +131,13 @@ def main(
 
     from litgpt.chat_template import ChatFormat
     from litgpt.checkpoint.model_files import find_checkpoint_dir
-    from litgpt.generate import check_quantize, load_model_and_tokenizer
+    from litgpt.generate import check_quantize
     from litgpt.serving.app import Limits, build_app
-    from litgpt.serving.engine import BatchingEngine
     from litgpt.serving.generation import Service
-    from litgpt.serving.paged_cache import CacheShape, free_memory, plan_cache
 
-    positive = dict(max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, prefill_tokens=prefill_tokens,
-                    max_waiting=max_waiting, max_connections=max_connections)
-    for name, value in positive.items():
-        if value < 1:
-            raise UserError(f"{name} must be >= 1, got {value}.")
-    for name, value in dict(request_timeout=request_timeout, read_timeout=read_timeout,
-                            idle_timeout=idle_timeout).items():
-        if not value > 0:
-            raise UserError(f"{name} must be > 0 seconds, got {value}.")
+    check_limits(max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, prefill_tokens=prefill_tokens,
+                 max_waiting=max_waiting, max_connections=max_connections, request_timeout=request_timeout,
+                 read_timeout=read_timeout, idle_timeout=idle_timeout)
     check_quantize(quantize)
     api_key = api_key or os.environ.get("LITGPT_API_KEY") or None
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
@@ -153,16 +145,10 @@ def main(
     names = names or [default_model_name(checkpoint_dir)]
     targets = engine_devices(device, devices)
     sock = bind(host, port)
-    engines, tokenizer = [], None
-    for target in targets:
-        model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, target, quantize=quantize)
-        dtype, where = model.transformer.wte.weight.dtype, model.transformer.wte.weight.device
-        fraction = kv_cache_fraction or (0.9 if where.type == "cuda" else 0.5)
-        plan = plan_cache(CacheShape.of(model, dtype), model.config.block_size, kv_block_size, max_batch_size,
-                          max_seq_length, kv_cache_gb, fraction, free_memory(where))
-        if compile:
-            model = compile_model(model)
-        engines.append(BatchingEngine(model, max_batch_size, plan, prefill_tokens))
+    cache = dict(page_size=kv_block_size, max_seq_length=max_seq_length, kv_cache_gb=kv_cache_gb,
+                 kv_cache_fraction=kv_cache_fraction)
+    engines, tokenizer = load_engines(checkpoint_dir, targets, precision, quantize, compile, max_batch_size,
+                                      prefill_tokens, cache)
     chat_format = ChatFormat.from_checkpoint(checkpoint_dir, tokenizer, engines[0].model.config)
     service = Service(names, tokenizer, chat_format, engines, max_new_tokens, max_waiting, request_timeout)
     app = build_app(service, Limits(api_key, read_timeout))
@@ -181,6 +167,36 @@ def main(
                             timeout_keep_alive=idle_timeout, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     print("litgpt serve: stopped", file=sys.stderr)
+
+
+def check_limits(**limits: float) -> None:
+    """Counts must be >= 1, timeouts (the *_timeout names) > 0 seconds."""
+    for name, value in limits.items():
+        if name.endswith("_timeout") and not value > 0:
+            raise UserError(f"{name} must be > 0 seconds, got {value}.")
+        if not name.endswith("_timeout") and value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}.")
+
+
+def load_engines(checkpoint_dir: Path, targets: list[str], precision: Optional[str], quantize: Optional[str],
+                 compile: bool, max_batch_size: int, prefill_tokens: int, cache: dict):
+    """One model, its paged KV cache (sized by the memory left on its device after loading) and engine per device;
+    and the tokenizer."""
+    from litgpt.generate import load_model_and_tokenizer
+    from litgpt.serving.engine import BatchingEngine
+    from litgpt.serving.paged_cache import CacheShape, free_memory, plan_cache
+
+    engines, tokenizer = [], None
+    for target in targets:
+        model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, target, quantize=quantize)
+        dtype, where = model.transformer.wte.weight.dtype, model.transformer.wte.weight.device
+        fraction = cache["kv_cache_fraction"] or (0.9 if where.type == "cuda" else 0.5)
+        plan = plan_cache(CacheShape.of(model, dtype), model.config.block_size, cache["page_size"], max_batch_size,
+                          cache["max_seq_length"], cache["kv_cache_gb"], fraction, free_memory(where))
+        if compile:
+            model = compile_model(model)
+        engines.append(BatchingEngine(model, max_batch_size, plan, prefill_tokens))
+    return engines, tokenizer
 
 
 def compile_model(model):
