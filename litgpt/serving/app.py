@@ -67,8 +67,9 @@ def build_app(service: Service, limits: Limits) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         failure = service.failure()
-        body = {"status": "ok" if failure is None else "unavailable", "model": service.name, **service.stats(),
-                "requests_in_flight": service.stats()["sequences_in_flight"]}
+        stats = service.stats()
+        body = {"status": "ok" if failure is None else "unavailable", "model": service.name, **stats,
+                "requests_in_flight": stats["sequences_in_flight"]}
         if failure is not None:
             body["reason"] = failure
         return JSONResponse(body, status_code=200 if failure is None else 503)
