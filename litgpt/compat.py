@@ -64,8 +64,9 @@ def litgpt_logger_args(arguments: dict) -> LoggerArgs:
 def litgpt_notes(arguments: dict) -> list[str]:
     """One line for each LitGPT-only setting in `arguments` that has no effect here."""
     notes = []
-    workers = getattr(arguments.get("data"), "num_workers", None)
-    if workers is not None:
+    data = arguments.get("data")
+    workers = getattr(data, "num_workers", None)
+    if workers is not None and not getattr(data, "loader_workers", False):
         notes.append(
             f"data.num_workers {workers} has no effect here: there are no loader workers (samples are tokenized once "
             "into a cache and collated in the training process)."

@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "litgpt-0.5.13"
 HUB = FIXTURES / "config_hub"
 RECIPES = sorted(HUB.rglob("*.yaml"))
-# LitGPT's data modules for these two read litdata-optimized SlimPajama: not carried (data/litgpt_only.py).
-LITDATA_RECIPES = {"pretrain/tinyllama.yaml", "pretrain/microllama.yaml"}
 TINY_TOKENIZER = ROOT / "litgpt" / "data" / "tiny" / "tokenizer"
 
 
@@ -84,14 +82,7 @@ def test_the_fixtures_hold_litgpts_46_recipes():
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
 def test_recipe_parses_and_every_key_is_built_as_written(recipe):
     written = flatten(yaml.safe_load(recipe.read_text()))
-    if recipe_id(recipe) in LITDATA_RECIPES:
-        with pytest.raises(Exception) as info:  # jsonargparse wraps what the data module raised
-            build(recipe)
-        assert "is LitGPT's and is not carried here" in str(info.value) and "--data TextFiles" in str(info.value)
-        args = build(recipe, "--data", "Tiny")  # the one swap it needs; the rest as written
-        written.pop("data")
-    else:
-        args = build(recipe)
+    args = build(recipe)
     for key, value in written.items():
         built = args
         for part in key.split("."):
@@ -163,7 +154,7 @@ def test_keys_we_cannot_follow_are_refused_in_one_line(flag, value, message, tmp
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
-@pytest.mark.parametrize("name", ["TinyLlama", "MicroLlama", "LitData", "Deita", "FLAN", "LongForm"])
+@pytest.mark.parametrize("name", ["Deita", "FLAN", "LongForm"])
 def test_litgpt_data_modules_we_do_not_carry_say_which_of_ours_to_use(name, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(["pretrain", "pythia-14m", "--data", f"litgpt.data.{name}", "--out_dir", str(tmp_path / "o")])

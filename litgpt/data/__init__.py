@@ -4,13 +4,17 @@ Pretraining (text tokenized once into a memory-mapped token cache, cut into wind
 `Tiny` (bundled, in `litgpt/data/tiny/`), `TextFiles` (your folder of .txt files), `TinyStories`, `OpenWebText`,
 `RedPajama`.
 
+Pretraining at scale (token ids prepared once into litdata's optimized folders, local or in an object store, each
+rank streaming its own share, resumed exactly from every rank's loader position): `LitData`, `TinyLlama`,
+`MicroLlama` (`lit_data.py`, over `streaming.py`).
+
 Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
 `JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `AlpacaGPT4`, `Dolly`, `LIMA`.
 
 Preference optimization (`litgpt dpo`: a prompt with a chosen and a rejected answer): `Preference` (JSON/JSONL files
 or a Hugging Face dataset, in TRL's text or conversational format).
 
-LitGPT's names that are not carried here (`TinyLlama`, `MicroLlama`, `LitData`, `Deita`, `FLAN`, `LongForm`,
+LitGPT's names that are not carried here (`Deita`, `FLAN`, `LongForm`,
 `litgpt_only.py`) parse with LitGPT's init args and stop with one line naming the module to use instead.
 
 `base.MicroBatches` turns any of their datasets into resumable micro-batches. `scripts/make_tiny_corpus.py` (in the
@@ -22,7 +26,8 @@ from litgpt.data.base import DataModule, MicroBatches
 from litgpt.data.dolly import Dolly
 from litgpt.data.json_data import JSON, SFTDataModule, SFTDataset
 from litgpt.data.lima import LIMA
-from litgpt.data.litgpt_only import FLAN, Deita, LitData, LongForm, MicroLlama, TinyLlama
+from litgpt.data.lit_data import LitData, MicroLlama, TinyLlama
+from litgpt.data.litgpt_only import FLAN, Deita, LongForm
 from litgpt.data.openwebtext import OpenWebText
 from litgpt.data.preference import Preference
 from litgpt.data.redpajama import RedPajama

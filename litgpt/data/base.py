@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, ClassVar, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -33,8 +33,9 @@ class SampleDataset(Protocol):
 @dataclass
 class LoaderOptions:
     """LitGPT's loader option, which every data module of ours accepts (keyword only, after its own fields) so that
-    LitGPT's recipes read as written. It has no effect: samples are tokenized once into a cache and collated in the
-    training process, so there are no loader workers; `litgpt.compat` says so when it is set. And the packing switch,
+    LitGPT's recipes read as written. It has no effect on the token caches: samples are tokenized once into a cache
+    and collated in the training process, so there are no loader workers; `litgpt.compat` says so when it is set
+    (streamed data, `loader_workers`, has workers and uses it). And the packing switch,
     accepted everywhere so that data which cannot be packed says so in one line (`check_packing`).
 
     Args:
@@ -45,6 +46,7 @@ class LoaderOptions:
 
     num_workers: Optional[int] = field(default=None, kw_only=True)
     packing: bool = field(default=False, kw_only=True)
+    loader_workers: ClassVar[bool] = False  # whether `num_workers` has an effect
 
 
 class DataModule(LoaderOptions, ABC):
@@ -79,6 +81,11 @@ class DataModule(LoaderOptions, ABC):
 
     @abstractmethod
     def val_dataset(self) -> SampleDataset: ...
+
+    def batches(self, dataset: SampleDataset, micro_batch_size: int, seed: int, rank: int,
+                world_size: int) -> "MicroBatches":
+        """One rank's training micro-batches of `dataset` (streamed data has a loader of its own)."""
+        return MicroBatches(dataset, micro_batch_size, seed, rank, world_size)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
@@ -140,6 +147,13 @@ class MicroBatches:
         usable = self.per_epoch * self.micro_batch_size * self.world_size
         mine = order[:usable][self.rank :: self.world_size]
         return mine.view(self.per_epoch, self.micro_batch_size)
+
+    def state_dict(self) -> None:
+        """None: the order is a function of (seed, epoch), so the trainer's epoch and position say where it is."""
+        return None
+
+    def load_state_dict(self, positions: Sequence[Optional[dict]]) -> None:
+        """Nothing to load (see `state_dict`)."""
 
     def iterate(self, epoch: int = 0, position: int = 0) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
         """Yield (epoch, index within the epoch, batch) forever, starting at (epoch, position)."""

@@ -1,6 +1,6 @@
 """LitGPT 0.5.13's data modules that litgpt does not carry, under their names and with their init args.
 
-A recipe of LitGPT's that names one (`data: TinyLlama`, `class_path: litgpt.data.FLAN`) parses as written, and
+A recipe of LitGPT's that names one (`data: Deita`, `class_path: litgpt.data.FLAN`) parses as written, and
 building the module stops with one line that says which of our data modules to use instead. Overriding `--data` on
 the command line after `--config` replaces it before it is built, so the rest of such a recipe still runs.
 """
@@ -9,16 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Optional
 
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
-
-PRETRAINING_TEXT = (
-    "use --data TextFiles --data.train_data_path FOLDER on the text itself (our token cache does what litdata's "
-    "preprocessing did), or --data RedPajama (a 1B-token sample of the same kinds of sources)"
-)
-
 
 class NotCarried(DataModule):
     """A LitGPT data module that is refused with `instead` when it is built."""
@@ -33,34 +27,6 @@ class NotCarried(DataModule):
         raise NotImplementedError
 
     train_dataset = val_dataset = prepare
-
-
-@dataclass
-class TinyLlama(NotCarried):
-    """LitGPT's SlimPajama + Starcoder mix, read from litdata-optimized folders (not carried)."""
-
-    data_path: Union[str, Path] = Path("data/")
-    seed: int = 42
-    use_starcoder: bool = True
-    instead: ClassVar[str] = f"its data are SlimPajama and Starcoder preprocessed by litdata; {PRETRAINING_TEXT}"
-
-
-@dataclass
-class MicroLlama(TinyLlama):
-    """LitGPT's SlimPajama, read from litdata-optimized folders (not carried)."""
-
-    use_starcoder: bool = False
-    instead: ClassVar[str] = f"its data are SlimPajama preprocessed by litdata; {PRETRAINING_TEXT}"
-
-
-@dataclass
-class LitData(NotCarried):
-    """LitGPT's reader of any litdata-optimized folder (not carried)."""
-
-    data_path: Union[str, Path] = Path("data/")
-    split_names: Optional[tuple[str, str]] = None
-    seed: int = 42
-    instead: ClassVar[str] = f"litdata's streaming format is not read here; {PRETRAINING_TEXT}"
 
 
 @dataclass

@@ -16,7 +16,6 @@ from litgpt.args import ActivationCheckpointing, EvalArgs, LoggerArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, check_disk_space, unwrap
 from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable
-from litgpt.data.base import MicroBatches
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
 from litgpt.loggers import start_tracking
 from litgpt.precision import Precision
@@ -134,7 +133,8 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
                                profile=job.profile, timeout=job.timeout, compiles_blocks=job.compile_blocks)
     trainer = Trainer(
         fabric, model, optimizer, objective, settings, tokenizer, checkpoints, state, base_lr,
-        train_data=MicroBatches(train_data, train.micro_batch_size, job.seed, fabric.global_rank, fabric.world_size),
+        train_data=job.data.batches(train_data, train.micro_batch_size, job.seed, fabric.global_rank,
+                                    fabric.world_size),
         val_data=val_data,
     )
     metrics = trainer.fit()

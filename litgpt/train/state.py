@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -15,3 +16,6 @@ class TrainState:
     tokens: int = 0  # tokens trained on, all ranks together
     train_seconds: float = 0.0  # time spent in steps, over every session of the run
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient (--train.on_nonfinite skip)
+    # Streamed data: every rank's loader position (litdata's state_dict), in rank order; None for map-style data,
+    # whose order (seed, epoch, epoch_samples) already says where it is.
+    data_positions: Optional[list] = None

@@ -23,7 +23,7 @@ from litgpt.args import EvalArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, unwrap
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.data.packing import PackedDataset
-from litgpt.distributed.runtime import print_once
+from litgpt.distributed.runtime import every_rank, print_once
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.generate import generate
@@ -85,6 +85,8 @@ class Trainer:
         """Train until the step limit, validating, logging and checkpointing on the way; returns the run's metrics."""
         fabric, state = self.fabric, self.state
         self.check_data()
+        if state.data_positions is not None:
+            self.train_data.load_state_dict(state.data_positions)
         batches = self.train_data.iterate(state.epoch, self.start_position())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
@@ -117,7 +119,7 @@ class Trainer:
         if profiler is not None:
             stop_profiler(profiler, self.settings.out_dir, fabric.global_rank)
         if self.checkpoints.last_saved_step != state.step:
-            self.checkpoints.save(self.model, self.optimizer, state)
+            self.save()
         if stop_signal:
             self.stopped_by = signal.Signals(stop_signal).name
             return self.stop_for_signal()
@@ -259,8 +261,14 @@ class Trainer:
                 self.say(progress, f"sample prompt: {prompt!r}")
                 self.say(progress, f"sample: {continuation!r}")
         if self.train.save_interval is not None and step % self.train.save_interval == 0 and not last:
-            self.checkpoints.save(self.model, self.optimizer, self.state)
+            self.save()
         return val_loss
+
+    def save(self) -> None:
+        """A checkpoint of this step, with every rank's data position when the data has one (collective)."""
+        position = self.train_data.state_dict()
+        self.state.data_positions = every_rank(position) if position is not None else None
+        self.checkpoints.save(self.model, self.optimizer, self.state)
 
     def say(self, progress, text: str) -> None:
         """A log line on rank 0, above the progress bar when one is shown."""
