@@ -48,3 +48,12 @@ def tinyllama_layout(root: Path) -> Path:
     optimize_folder(root / "slimpajama" / "val", texts[300:340])
     optimize_folder(root / "starcoder", texts[340:500])
     return root
+
+
+def block_corpus(output_dir: Path, blocks: int, block_size: int, blocks_per_chunk: int) -> torch.Tensor:
+    """A folder of `blocks` items of exactly `block_size` ids of the stories (one block each), `blocks_per_chunk` to
+    a chunk, so that a stream of blocks of that size drops nothing; returns the blocks in order."""
+    ids = torch.cat([tokenizer().encode(story, eos=True) for story in stories()[:200]]).to(torch.int32)
+    pieces = ids[: blocks * block_size].view(blocks, block_size)
+    optimize_folder(output_dir, list(pieces), fn=fixed_blocks, chunk_size=blocks_per_chunk, chunk_bytes=None)
+    return pieces

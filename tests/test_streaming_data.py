@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from streaming_helpers import tinyllama_layout
+from streaming_helpers import block_corpus, tinyllama_layout
 from test_litgpt_recipes import HUB
 from test_training import OPTIMIZER, SMALL, assert_same_weights, drop_after, weights
 
@@ -143,3 +145,53 @@ def test_a_path_litdata_cannot_reach_is_one_line(tmp_path):
     data.connect(Tokenizer(TOKENIZER_DIR), max_seq_length=32)
     with pytest.raises(UserError, match="Cannot read the litdata folder .*nowhere/slimpajama/train"):
         data.train_dataset()
+
+
+# ---- each rank reads its own part ------------------------------------------------------------------------------------
+def torchrun(nodes: int, folder: str, out: Path, micro_batches: str, *extra, caches: list[Path]) -> None:
+    """`nodes` torchrun launches of 2 processes each on this machine, each node with its own litdata cache folder."""
+    from test_fault_tolerance import child_environment, free_port
+
+    port, launches = free_port(), []
+    for node_rank in range(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", "2",
+                   "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   str(Path(__file__).parent / "streaming_ranks.py"), folder, str(out), micro_batches, *extra]
+        environment = child_environment(LITDATA_CACHE_DIR=str(caches[node_rank]))
+        launches.append(subprocess.Popen(command, env=environment, text=True, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE))
+    for process in launches:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+
+
+def rows(blocks: torch.Tensor) -> list[tuple]:
+    return sorted(tuple(row.tolist()) for row in blocks)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_read_every_block_once_and_resume_on_another_world_size(tmp_path):
+    """2 nodes x 2 processes stream a folder through node-local caches (litdata's `local:` remote): the blocks the
+    four ranks consume in an epoch are exactly the folder's, none twice, none missing, and no node fetched every
+    shard. Stopped halfway and resumed on one node of 2 processes, the rest of the epoch is the blocks not yet read."""
+    folder = tmp_path / "corpus"
+    blocks = block_corpus(folder, blocks=128, block_size=33, blocks_per_chunk=4)
+    caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
+    epoch = tmp_path / "epoch"
+    epoch.mkdir()
+    torchrun(2, f"local:{folder}", epoch, "epoch", caches=caches)
+    consumed = [torch.load(epoch / f"blocks-{rank}.pt") for rank in range(4)]
+    assert [len(part) for part in consumed] == [32] * 4
+    assert rows(torch.cat(consumed)) == rows(blocks)
+    shards = len(list(folder.glob("chunk-*.bin")))
+    for cache in caches:
+        fetched = len(list(cache.rglob("chunk-*.bin")))
+        assert 0 < fetched < shards, (fetched, shards)
+
+    first, rest = tmp_path / "first", tmp_path / "rest"
+    first.mkdir(), rest.mkdir()
+    torchrun(2, str(folder), first, "8", caches=caches)  # half an epoch: 8 micro-batches of 2 on each of 4 ranks
+    torchrun(1, str(folder), rest, "16", str(first / "positions.pt"), caches=caches)  # the other half on 2 ranks
+    read = [torch.load(first / f"blocks-{rank}.pt") for rank in range(4)]
+    read += [torch.load(rest / f"blocks-{rank}.pt") for rank in range(2)]
+    assert rows(torch.cat(read)) == rows(blocks)

@@ -25,6 +25,7 @@ INDEX_FILE = "index.json"
 # Written by `litgpt prepare` beside index.json: the tokenizer the ids come from.
 TOKENIZER_RECORD = "litgpt_tokenizer.json"
 REMOTE_PREFIXES = ("s3://", "gs://", "gcs://", "azure://", "hf://")
+LOCAL_THROUGH_CACHE = "local:"
 
 
 def import_litdata():
@@ -82,7 +83,7 @@ def check_local_folder(folder: str, what: str) -> dict:
 def check_tokenizer_record(folder: str, tokenizer) -> None:
     """Refuse a folder whose ids came from another tokenizer (when `litgpt prepare` recorded which one)."""
     record_path = Path(folder).expanduser() / TOKENIZER_RECORD
-    if is_remote(folder) or not record_path.is_file():
+    if not record_path.is_file():
         return
     record = json.loads(record_path.read_text(encoding="utf-8"))
     mine = tokenizer_record(tokenizer)
@@ -101,10 +102,12 @@ def tokenizer_record(tokenizer) -> dict:
 
 
 def check_folder(folder: str, what: str, tokenizer) -> None:
-    """A local folder is checked whole (index, every shard's size, tokenizer); a remote one is left to litdata."""
+    """A local folder is checked whole (index, every shard's size, tokenizer); a remote one is left to litdata.
+    `local:FOLDER` is litdata's way to read a local (e.g. shared network) folder through the node's cache."""
+    folder = str(folder).removeprefix(LOCAL_THROUGH_CACHE)
     if not is_remote(folder):
         check_local_folder(folder, what)
-    check_tokenizer_record(folder, tokenizer)
+        check_tokenizer_record(folder, tokenizer)
 
 
 def open_dataset(folder: str, block_size: int, shuffle: bool, seed: int):
