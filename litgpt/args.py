@@ -358,6 +358,73 @@ class DPOArgs:
                             "--dpo.precompute_reference.")
 
 
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class GRPOArgs:
+    """Online reinforcement learning with verifiable rewards (`litgpt grpo`): each prompt's group of sampled
+    completions is scored, and each completion's advantage is its reward against the group's.
+
+    Args:
+        num_generations: Completions sampled per prompt (the group; at least 2).
+        max_new_tokens: The longest completion, in tokens.
+        temperature: Sampling temperature of the rollouts (above 0).
+        top_k: Sample among the k most likely tokens only (None: all).
+        top_p: Nucleus sampling's probability mass (1: all).
+        loss: grpo (each completion's mean token loss, advantages scaled by the group's std; DeepSeekMath), dr_grpo
+            (token sums over completions x max_new_tokens, advantages not scaled; Dr. GRPO) or dapo (every token of
+            the step weighs the same, clip-higher, groups whose rewards all agree dropped; DAPO).
+        epsilon: The ratio's lower clip (1 - epsilon), and its upper one unless epsilon_high is given.
+        epsilon_high: The ratio's upper clip (1 + epsilon_high); default: epsilon, 0.28 for dapo.
+        beta: Weight of the KL penalty to the reference (the initial weights); 0 holds no reference.
+        steps_per_generation: Optimizer steps on one generation of rollouts (the ratio to the policy that sampled
+            them corrects the later ones).
+        max_batch_size: Sequences the generation engine decodes together.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    loss: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    steps_per_generation: int = 1
+    max_batch_size: int = 64
+
+    @property
+    def upper_clip(self) -> float:
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return 0.28 if self.loss == "dapo" else self.epsilon
+
+    def check(self) -> None:
+        """UserError for a setting that cannot train."""
+        if self.loss not in GRPO_LOSSES:
+            raise UserError(f"--grpo.loss {self.loss!r}: use one of {', '.join(GRPO_LOSSES)}.")
+        if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) or \
+                self.num_generations < 2:
+            raise UserError(f"--grpo.num_generations {self.num_generations}: a group needs at least 2 completions "
+                            "(advantages compare each with its group's others); 8 is usual.")
+        for name in ("max_new_tokens", "steps_per_generation", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--grpo.{name} {getattr(self, name)} must be at least 1.")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise UserError(f"--grpo.temperature {self.temperature} must be a finite number above 0: rollouts are "
+                            "sampled (greedy completions of a group would all agree).")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--grpo.top_k {self.top_k} must be at least 1, or None.")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--grpo.top_p {self.top_p} must be in (0, 1].")
+        if not 0 < self.epsilon < 1 or not 0 < self.upper_clip:
+            raise UserError(f"--grpo.epsilon {self.epsilon} must be in (0, 1) and --grpo.epsilon_high above 0.")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise UserError(f"--grpo.beta {self.beta} must be a finite number >= 0 (0: no KL penalty, no reference).")
+
+
 # The trackers --logger_name picks, and the --logger.* settings each of them has (the others refuse them).
 LOGGER_FIELDS = {
     "csv": ("name",),

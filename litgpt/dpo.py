@@ -103,38 +103,22 @@ def setup(
         log: LitGPT's logger settings (--log.project, ...), read so that its recipes work; no effect here.
         access_token: LitGPT's token for downloading checkpoint_dir; no effect here (`litgpt download` takes it).
     """
-    job = dpo_job(dict(locals()))
+    arguments = dict(locals())
+    from litgpt.finetune import launch_tuning
 
-    from litgpt.distributed.fsdp import FSDPStrategy
-    from litgpt.finetune.lora import quantization_for
-    from litgpt.train.job import launch
-    from litgpt.train.launch import run_fabric
-
-    # whole_loss False: the reference's forward runs beside the policy's, so torch compiles each block instead.
-    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
-                        run_name=f"dpo-{method}-{job.recipe.config.name or 'model'}", compiler=compiler,
-                        whole_loss=False)
-    if quantize is not None:
-        job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
-    launch(fabric, job)
+    launch_tuning(dpo_job(arguments), arguments, "dpo")
 
 
 def dpo_job(arguments: dict):
     """Finetuning's job (LoRA or full) with the preference recipe, every input checked before Lightning loads."""
-    from litgpt.finetune import finetune_job
+    from litgpt.finetune import check_tuning_method, finetune_job
     from litgpt.finetune.lora import lora_settings
-    from litgpt.registry import CORE_COMPILERS
     from litgpt.train.recipes.dpo import REFERENCE_FILE, DPORecipe, PreferenceSettings
 
     args: DPOArgs = arguments["dpo"]
     args.check()
+    check_tuning_method(arguments, "dpo")
     method, quantize = arguments["method"], arguments["quantize"]
-    if method not in ("lora", "full"):
-        raise UserError(f"--method {method!r}: use lora (adapters, QLoRA with --quantize) or full (every weight).")
-    if method == "full" and quantize is not None:
-        raise UserError(f"--quantize {quantize} stores a frozen base for LoRA adapters: use it with --method lora.")
-    if arguments["compiler"] not in CORE_COMPILERS:
-        raise UserError(f"--compiler {arguments['compiler']}: litgpt dpo compiles with none, auto or torch.")
     if arguments["data"] is None:
         raise UserError("Give the preference pairs: --data Preference --data.json_path FILE (a .json or .jsonl of "
                         "prompt/chosen/rejected rows) or --data.dataset NAME.")

@@ -54,3 +54,34 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
         prompt_style=PromptStyle.for_finetuning(config),
         base_checkpoint=checkpoint_dir.resolve() if lora is not None else None,
     )
+
+
+def check_tuning_method(arguments: dict, command: str) -> None:
+    """The checks of the commands that tune a checkpoint either way (dpo, grpo): --method lora|full, --quantize only
+    with lora, a core compiler."""
+    from litgpt.errors import UserError
+    from litgpt.registry import CORE_COMPILERS
+
+    method, quantize = arguments["method"], arguments["quantize"]
+    if method not in ("lora", "full"):
+        raise UserError(f"--method {method!r}: use lora (adapters, QLoRA with --quantize) or full (every weight).")
+    if method == "full" and quantize is not None:
+        raise UserError(f"--quantize {quantize} stores a frozen base for LoRA adapters: use it with --method lora.")
+    if arguments["compiler"] not in CORE_COMPILERS:
+        raise UserError(f"--compiler {arguments['compiler']}: litgpt {command} compiles with none, auto or torch.")
+
+
+def launch_tuning(job: "Job", arguments: dict, command: str) -> None:
+    """Start a dpo or grpo job: Fabric (blocks compiled, not the whole loss: a reference or the rollouts run beside
+    the policy), the quantized base's storage for the strategy, and the processes."""
+    from litgpt.distributed.fsdp import FSDPStrategy
+    from litgpt.finetune.lora import quantization_for
+    from litgpt.train.job import launch
+    from litgpt.train.launch import run_fabric
+
+    fabric = run_fabric(job, devices=arguments["devices"], num_nodes=arguments["num_nodes"], fsdp=arguments["fsdp"],
+                        run_name=f"{command}-{arguments['method']}-{job.recipe.config.name or 'model'}",
+                        compiler=arguments["compiler"], whole_loss=False)
+    if arguments["quantize"] is not None:
+        job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)
+    launch(fabric, job)

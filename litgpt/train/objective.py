@@ -8,7 +8,7 @@ kind of training needs (a teacher, a reference model, a reward).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from litgpt.data.base import IGNORE_INDEX
 Batch = dict[str, torch.Tensor]
 Losses = dict[str, torch.Tensor]
 BatchLoss = Callable[[nn.Module, Batch], Losses]
+# (fabric, model, the data's micro-batches as (epoch, index, batch), their dataset, micro-batches per optimizer step)
+# -> the micro-batches the loss runs on, as (epoch, index, batch) with the data's epoch and index.
+MakeBatches = Callable[[Any, nn.Module, Iterator, Any, int], Iterator]
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,22 @@ class Objective:
         validation_loss: the loss of one validation micro-batch: "loss" is the validation loss (logged as val_loss),
             the other entries are logged as val_<name>.
         compiles_train_loss: whether `train_loss` is compiled (the trainer says what the first step paid for it).
+        make_batches: what turns the data's micro-batches into those the losses run on, for training and validation
+            alike (None: the data's own); online training makes them from the model as it is, e.g. GRPO's sampled
+            and scored completions of the data's prompts. It is called with the model in the mode of the loss that
+            follows (train or eval).
     """
 
     train_loss: BatchLoss
     validation_loss: BatchLoss
     compiles_train_loss: bool = False
+    make_batches: Optional[MakeBatches] = None
+
+    def batches(self, fabric, model: nn.Module, batches: Iterator, dataset, per_step: int) -> Iterator:
+        """The micro-batches the losses run on, made from the data's `batches` (see `make_batches`)."""
+        if self.make_batches is None:
+            return batches
+        return self.make_batches(fabric, model, batches, dataset, per_step)
 
     def compiled(self) -> "Objective":
         """This objective with `torch.compile` of its training loss (forward, head and loss in one graph)."""

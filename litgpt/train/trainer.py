@@ -87,7 +87,8 @@ class Trainer:
         self.check_data()
         if state.data_positions is not None:
             self.train_data.load_state_dict(state.data_positions)
-        batches = self.train_data.iterate(state.epoch, self.start_position())
+        data = self.train_data.iterate(state.epoch, self.start_position())
+        batches = self.objective.batches(fabric, self.model, data, self.train_data.dataset, self.accumulation)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
         print_once(
@@ -304,7 +305,8 @@ class Trainer:
         model.eval()
         batches = self.validation_batches()
         losses, names = [], None  # per micro-batch: the validation loss and its other parts, in `names`' order
-        for _, _, batch in itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch)):
+        data = itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch))
+        for _, _, batch in self.objective.batches(self.fabric, model, data, self.val_data, per_step=1):
             batch = {name: self.fabric.to_device(value) for name, value in batch.items()}
             with self.fabric.autocast():
                 parts = self.objective.validation_loss(model, batch)

@@ -1,0 +1,316 @@
+"""`litgpt grpo`: online reinforcement learning with verifiable rewards as a recipe of the shared job and trainer.
+
+References: a float64 hand computation (Python loops over tokens) of each loss and of the group advantages; TRL's
+own GRPOTrainer loss (`_compute_loss`, driven on the same fixed tensors); REINFORCE with the group mean as baseline,
+written out by hand on the model's whole logits; `litgpt.generate.generate` for what the engine samples; TRL's own
+reward functions for the reward signature.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
+
+from litgpt.args import GRPOArgs
+from litgpt.config import Config
+from litgpt.data.base import IGNORE_INDEX
+from litgpt.errors import UserError
+from litgpt.model import GPT
+from litgpt.train.grpo_loss import group_advantages, policy_loss
+from litgpt.train.rewards import Rewards, exact_answer, final_answer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(name="sums", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=2, n_embd=32, n_head=4,
+             n_query_groups=2, intermediate_size=64)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def litgpt(*args, timeout: int = 600, **env):
+    return run_litgpt(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=timeout)
+
+
+def sum_rows(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randrange(5), rng.randrange(5)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("grpo") / "base", Config(**SMALL), seed=4)
+
+
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("sums") / "sums.jsonl", sum_rows(64, seed=0))
+
+
+def grpo_args(base: Path, data: Path, out: Path, *extra) -> list:
+    return ["grpo", base, "--data", "Prompts", "--data.json_path", data, "--out_dir", out, "--precision", "32-true",
+            "--devices", "1", "--train.max_steps", "2", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "2", "--grpo.num_generations", "4", "--grpo.max_new_tokens", "6",
+            "--train.max_seq_length", "32", "--eval.interval", "1000", "--eval.max_iters", "1",
+            "--eval.final_validation", "false", *extra]
+
+
+def logged_rows(out_dir: Path) -> list[dict]:
+    (path,) = (out_dir / "logs").rglob("metrics.csv")
+    with open(path) as f:
+        return [row for row in csv.DictReader(f) if row.get("reward")]
+
+
+# ---- advantages and losses on fixed tensors -------------------------------------------------------------------------
+def test_advantages_are_the_group_normalized_rewards():
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5, -1.0, 3.0, 0.0]
+    advantages, agree = group_advantages(torch.tensor(rewards, dtype=torch.float64), 4, scale=True)
+    centered, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), 4, scale=False)
+    expected, expected_centered = [], []
+    for start in range(0, len(rewards), 4):
+        group = rewards[start:start + 4]
+        mean, std = statistics.fmean(group), statistics.stdev(group)
+        expected += [(r - mean) / (std + 1e-4) for r in group]
+        expected_centered += [r - mean for r in group]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-12)
+    assert centered.tolist() == pytest.approx(expected_centered, abs=1e-12)
+    assert agree.tolist() == [False, True, False]
+
+
+def fixed_batch(seed: int = 0, rows: int = 6, length: int = 7):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(rows, length, generator=generator, dtype=torch.float64) * 3
+    old = logps + (torch.rand(rows, length, generator=generator, dtype=torch.float64) - 0.5) * 0.8
+    ref = logps + (torch.rand(rows, length, generator=generator, dtype=torch.float64) - 0.5)
+    lengths = torch.randint(1, length + 1, (rows,), generator=generator)
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    advantages = torch.randn(rows, generator=generator, dtype=torch.float64)
+    return logps, old, ref, mask, advantages
+
+
+def hand_loss(logps, old, ref, mask, advantages, args: GRPOArgs, max_new_tokens: int) -> float:
+    """The loss written out token by token in Python floats."""
+    rows, length = logps.shape
+    low, high = 1 - args.epsilon, 1 + args.upper_clip
+    per_row, total, tokens = [], 0.0, 0
+    for i in range(rows):
+        row_sum, row_tokens = 0.0, 0
+        for t in range(length):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(float(logps[i, t]) - float(old[i, t]))
+            a = float(advantages[i])
+            term = -min(ratio * a, min(max(ratio, low), high) * a)
+            d = float(ref[i, t]) - float(logps[i, t])
+            term += args.beta * (math.exp(d) - d - 1)
+            row_sum, row_tokens = row_sum + term, row_tokens + 1
+        per_row.append(row_sum / row_tokens)
+        total, tokens = total + row_sum, tokens + row_tokens
+    if args.loss == "grpo":
+        return sum(per_row) / rows
+    if args.loss == "dr_grpo":
+        return total / (rows * max_new_tokens)
+    return total / tokens
+
+
+def trl_loss(logps, old, ref, mask, advantages, loss_type: str, beta: float, epsilon: float, epsilon_high: float):
+    """TRL's GRPOTrainer._compute_loss on these tensors: its model's log-probabilities replaced by `logps`."""
+    from trl import GRPOTrainer
+
+    trainer = object.__new__(GRPOTrainer)
+    rows, length = logps.shape
+    accelerator = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                  gather_for_metrics=lambda x: x, sync_gradients=True)
+    trainer.__dict__.update(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high, use_vllm=False,
+        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=length, accelerator=accelerator,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+    )
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
+    inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1),
+              "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask.double(),
+              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    return trainer._compute_loss(None, inputs), trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("loss, beta", [("grpo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("dapo", 0.0),
+                                        ("dapo", 0.1)])
+def test_each_loss_equals_a_float64_hand_computation_and_trls_grpo_trainer(loss, beta):
+    logps, old, ref, mask, advantages = fixed_batch()
+    args = GRPOArgs(loss=loss, beta=beta, max_new_tokens=logps.size(1))
+    ours = logps.clone().requires_grad_(True)
+    parts = policy_loss(ours, old, ref if beta else None, advantages, mask, args, mask.sum().double())
+    parts["loss"].backward()
+
+    expected = hand_loss(logps, old, ref, mask, advantages, args, logps.size(1))
+    assert parts["loss"].item() == pytest.approx(expected, rel=1e-12)
+    # The gradient of the hand computation, by central differences in float64.
+    step, flat = 1e-6, logps.flatten()
+    numeric = torch.zeros_like(flat)
+    for k in range(flat.numel()):
+        if not mask.flatten()[k]:
+            continue
+        up, down = flat.clone(), flat.clone()
+        up[k] += step
+        down[k] -= step
+        numeric[k] = (hand_loss(up.view_as(logps), old, ref, mask, advantages, args, logps.size(1))
+                      - hand_loss(down.view_as(logps), old, ref, mask, advantages, args, logps.size(1))) / (2 * step)
+    torch.testing.assert_close(ours.grad.flatten(), numeric, rtol=1e-6, atol=1e-8)
+
+    theirs_logps = logps.clone().requires_grad_(True)
+    theirs, metrics = trl_loss(theirs_logps, old, ref, mask, advantages, loss, beta, args.epsilon, args.upper_clip)
+    theirs.backward()
+    assert parts["loss"].item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(ours.grad, theirs_logps.grad, rtol=1e-10, atol=1e-14)
+    assert parts["clip_fraction"].item() == pytest.approx(metrics["clip_ratio/region_mean"][0], rel=1e-12)
+    if beta:
+        assert parts["kl"].item() == pytest.approx(metrics["kl"][0], rel=1e-12)
+
+
+def test_one_step_per_generation_has_ratio_one_and_the_reinforce_with_baseline_gradient():
+    torch.manual_seed(0)
+    model = GPT(Config(**SMALL)).double()
+    model.init_weights()
+    prompt_length, rows, length = 3, 4, 9
+    tokens = torch.randint(0, 4096, (rows, length))
+    lengths = [8, 5, 6, 3]  # completion tokens (labels) of each row, after the prompt
+    labels = tokens[:, 1:].clone()
+    input_ids = tokens[:, :-1]
+    for i, n in enumerate(lengths):
+        labels[i, : prompt_length - 1] = IGNORE_INDEX
+        labels[i, prompt_length - 1 + n:] = IGNORE_INDEX
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    advantages, _ = group_advantages(rewards, rows, scale=True)
+
+    from litgpt.train.grpo_loss import completion_logps
+
+    batch = {"input_ids": input_ids, "labels": labels}
+    logps = completion_logps(model, batch, None, True)
+    mask = labels != IGNORE_INDEX
+    ratio = torch.exp(logps - logps.detach())
+    assert torch.equal(ratio[mask], torch.ones_like(ratio[mask]))
+    policy_loss(logps, None, None, advantages, mask, GRPOArgs())["loss"].backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    # REINFORCE with the group mean as baseline: -mean_i A_i * mean_t log pi(o_t), on the whole logits.
+    log_probs = F.log_softmax(model(input_ids), dim=-1)
+    objective = 0.0
+    for i in range(rows):
+        picked = [log_probs[i, t, labels[i, t]] for t in range(length - 1) if labels[i, t] != IGNORE_INDEX]
+        objective = objective + advantages[i] * torch.stack(picked).mean()
+    (-objective / rows).backward()
+    # The loss's head runs in float32 (`litgpt.train.loss`): equal to float32's rounding over the whole gradient.
+    ours, expected = torch.cat([g.flatten() for g in ours]), torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert (ours - expected).norm() <= 1e-6 * expected.norm()
+
+
+# ---- rewards --------------------------------------------------------------------------------------------------------
+def test_exact_answer_reads_boxed_or_last_number():
+    assert final_answer("so it is \\boxed{\\frac{1}{2}} ok") == "\\frac{1}{2}"
+    assert final_answer("3 apples and 1,250 pears") == "1,250"
+    assert final_answer("no number") is None
+    completions = ["the sum is 7", "\\boxed{7.0}", "7 or 8", "\\boxed{8} not 7", [{"role": "assistant",
+                                                                                    "content": "= 7"}]]
+    assert exact_answer(None, completions, answer=["7"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_users_reward_file_and_trls_own_reward_functions_work_unchanged(tmp_path):
+    module = tmp_path / "my_rewards.py"
+    module.write_text("def seen(prompts, completions, answer, level, **kwargs):\n"
+                      "    return [float(len(c) + int(a) + l) for c, a, l in zip(completions, answer, level)]\n")
+    rewards = Rewards.from_specs([f"{module}:seen", "trl.rewards:think_format_reward"], [0.5, 2.0])
+    completions = [[{"role": "assistant", "content": "<think>\nhm\n</think>\n4"}],
+                   [{"role": "assistant", "content": "4"}]]
+    scores = rewards.score([[{"role": "user", "content": "2+2="}]] * 2, completions,
+                           {"answer": ["4", "4"], "level": [1, 2]})
+    assert scores.tolist() == [[1 + 4 + 1, 1.0], [1 + 4 + 2, 0.0]]
+    assert rewards.total(scores).tolist() == [0.5 * 6 + 2.0, 0.5 * 7]
+    assert rewards.names == ["seen", "think_format_reward"]
+
+
+# ---- rollouts -------------------------------------------------------------------------------------------------------
+def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
+    from litgpt.generate import generate
+    from litgpt.train.rollout import sample_completions
+
+    torch.manual_seed(1)
+    model = GPT(Config(**SMALL))
+    model.init_weights()
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [5, 6, 7]]
+    # top_k 1 samples the most likely token: the greedy continuation `litgpt generate` gives, prompt by prompt.
+    sampled = sample_completions(model, prompts, list(range(4)), 5, 1.0, 1, 1.0, [], 32, 3)
+    for prompt, completion in zip(prompts, sampled):
+        expected = list(generate(model, torch.tensor(prompt), 5, temperature=0.0))
+        model.clear_kv_cache()
+        assert completion == expected
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # other weights: other continuations
+    assert sample_completions(model, prompts, list(range(4)), 5, 1.0, 1, 1.0, [], 32, 3) != sampled
+    # Sampled, each completion follows its own seed, whatever it is batched with.
+    alone = sample_completions(model, prompts[:1], [7], 5, 1.0, None, 1.0, [], 32, 1)
+    together = sample_completions(model, prompts, [7, 1, 2, 3], 5, 1.0, None, 1.0, [], 32, 4)
+    assert together[0] == alone[0]
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+def test_a_run_trains_on_its_rollouts_and_logs_rewards_and_both_throughputs(tmp_path, base, sums):
+    out = tmp_path / "out"
+    result = litgpt(*grpo_args(base, sums, out, "--reward", "[exact_answer, length_penalty=3]",
+                                "--reward_weights", "[1.0, 0.5]", "--grpo.beta", "0.04"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = logged_rows(out)
+    assert len(rows) == 2
+    for name in ("reward", "reward_std", "rewards/exact_answer", "rewards/length_penalty", "zero_std_fraction",
+                 "completion_length", "clip_fraction", "kl", "generation_tokens_per_sec", "training_tokens_per_sec"):
+        assert all(math.isfinite(float(row[name])) for row in rows), name
+    assert 1 <= float(rows[0]["completion_length"]) <= 6
+    assert float(rows[0]["kl"]) == 0.0  # the first step's policy is the reference (the adapters start at zero)
+    assert float(rows[1]["training_tokens_per_sec"]) > 0
+    assert (out / "final" / "lit_model.pth").is_file()
+
+
+@pytest.mark.parametrize("extra, data_rows, message", [
+    (("--reward", "no_such_module_xyz:f"), None, "importing no_such_module_xyz failed"),
+    (("--reward", "os.path:nothing_here"), None, "has no function 'nothing_here'"),
+    (("--reward", "REWARD_FILE:wrong_count"), None, "must return one finite number per completion"),
+    (("--grpo.num_generations", "1"), None, "a group needs at least 2 completions"),
+    ((), [{"prompt": "1+1=" * 40, "answer": "2"}] * 8, "leaving no room for a completion"),
+    ((), [{"question": "1+1=", "answer": "2"}] * 8, 'has no "prompt" field'),
+])
+def test_bad_input_is_one_line(tmp_path, base, sums, extra, data_rows, message):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def wrong_count(prompts, completions, **kwargs):\n    return [1.0]\n")
+    extra = [str(rewards) + arg[len("REWARD_FILE"):] if arg.startswith("REWARD_FILE") else arg for arg in extra]
+    data = sums if data_rows is None else write_jsonl(tmp_path / "rows.jsonl", data_rows)
+    result = litgpt(*grpo_args(base, data, tmp_path / "out", *extra))
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert message in lines[-1], result.stderr[-2000:]
+    assert not (tmp_path / "out" / "final").exists()
