@@ -378,8 +378,10 @@ class GRPOArgs:
         epsilon: The ratio's lower clip (1 - epsilon), and its upper one unless epsilon_high is given.
         epsilon_high: The ratio's upper clip (1 + epsilon_high); default: epsilon, 0.28 for dapo.
         beta: Weight of the KL penalty to the reference (the initial weights); 0 holds no reference.
-        steps_per_generation: Optimizer steps on one generation of rollouts (the ratio to the policy that sampled
-            them corrects the later ones).
+        steps_per_generation: Optimizer steps on one generation of rollouts, each on its own share of them (the
+            ratio to the policy that sampled them corrects the later ones). A run resumes bit-exact from a checkpoint
+            at the end of a generation (--train.save_interval a multiple of it); from one within, the rest of the
+            generation's prompts are sampled anew from the resumed weights.
         max_batch_size: Sequences the generation engine decodes together.
     """
 

@@ -27,7 +27,7 @@ from litgpt_forkserver import run_litgpt
 from litgpt.args import GRPOArgs
 from litgpt.config import Config
 from litgpt.data.base import IGNORE_INDEX
-from litgpt.errors import UserError
+from litgpt.io import load_state_dict
 from litgpt.model import GPT
 from litgpt.train.grpo_loss import group_advantages, policy_loss
 from litgpt.train.rewards import Rewards, exact_answer, final_answer
@@ -66,6 +66,14 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sums(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("sums") / "sums.jsonl", sum_rows(64, seed=0))
+
+
+@pytest.fixture(scope="module")
+def char_reward(tmp_path_factory) -> str:
+    """A reward that varies within every group of a random model's completions: their length in characters."""
+    path = tmp_path_factory.mktemp("rewards") / "chars.py"
+    path.write_text("def count(prompts, completions, **fields):\n    return [len(c) / 20 for c in completions]\n")
+    return f"{path}:count"
 
 
 def grpo_args(base: Path, data: Path, out: Path, *extra) -> list:
@@ -314,3 +322,53 @@ def test_bad_input_is_one_line(tmp_path, base, sums, extra, data_rows, message):
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert message in lines[-1], result.stderr[-2000:]
     assert not (tmp_path / "out" / "final").exists()
+
+
+# ---- several steps per generation, several processes, resume --------------------------------------------------------
+LOGGED = ("loss", "reward", "reward_std", "clip_fraction", "completion_length")
+
+
+def logged_values(out_dir: Path, names=LOGGED) -> torch.Tensor:
+    return torch.tensor([[float(row[name]) for name in names] for row in logged_rows(out_dir)])
+
+
+@pytest.mark.slow
+def test_a_generation_for_two_steps_starts_at_ratio_one_and_two_processes_equal_one(tmp_path, base, sums,
+                                                                                   char_reward):
+    common = ["--train.max_steps", "2", "--optimizer.lr", "0.05", "--reward", char_reward, "--grpo.beta", "0.04"]
+    once = litgpt(*grpo_args(base, sums, tmp_path / "once", *common))
+    assert once.returncode == 0, once.stderr[-3000:]
+    shared = litgpt(*grpo_args(base, sums, tmp_path / "shared", *common, "--grpo.steps_per_generation", "2"))
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    once_values, shared_values = logged_values(tmp_path / "once"), logged_values(tmp_path / "shared")
+    # Step 1 samples the same completions from the same weights; the sampling policy's log-probabilities are then the
+    # policy's own (ratio 1). Step 2 trains on the first generation's other half, sampled by step 1's weights.
+    torch.testing.assert_close(shared_values[0], once_values[0], rtol=0, atol=1e-6)
+    assert shared_values[1, LOGGED.index("clip_fraction")] >= 0 and not torch.equal(shared_values[1], once_values[1])
+
+    two = litgpt(*grpo_args(base, sums, tmp_path / "two", *common, "--devices", "2", "--fsdp.sharding_strategy",
+                            "FULL_SHARD", "--train.micro_batch_size", "2", "--method", "full"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = litgpt(*grpo_args(base, sums, tmp_path / "one", *common, "--method", "full"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    torch.testing.assert_close(logged_values(tmp_path / "two"), logged_values(tmp_path / "one"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bit_exact(tmp_path, base, sums, char_reward):
+    common = ["--train.max_steps", "4", "--train.save_interval", "2", "--optimizer.lr", "0.05",
+              "--reward", char_reward, "--grpo.loss", "dapo"]
+    whole = litgpt(*grpo_args(base, sums, tmp_path / "whole", *common))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = tmp_path / "killed"
+    run = litgpt(*grpo_args(base, sums, killed, *common), LITGPT_FAILPOINT="step:end@3", LITGPT_FAILPOINTS_ARMED="1")
+    assert run.returncode != 0 and not (killed / "final").exists()
+    run = litgpt(*grpo_args(base, sums, killed, *common, "--resume", "auto"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step-000002" in run.stdout
+    ours, theirs = (load_state_dict(out / "final" / "lit_model.pth") for out in (killed, tmp_path / "whole"))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    initial = load_state_dict(base / "lit_model.pth")
+    assert any(not torch.equal(ours[key], initial[key]) for key in initial)  # it trained

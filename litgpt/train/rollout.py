@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import queue
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,25 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
+
+
+def whole_policy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """The policy to sample from: the model itself on one device; sharded (FSDP), a copy with every weight gathered
+    (`build` makes the empty model on the meta device), made once per generation and freed after it. Generation needs
+    every weight at every decoding step, so gathering them once beats gathering each block at each step, and keeps
+    the ranks free to decode completions of different lengths without waiting for each other."""
+    from torch.distributed.tensor import DTensor
+
+    from litgpt.checkpoint.manager import unwrap
+
+    gpt = unwrap(model)
+    if not any(isinstance(p, DTensor) for p in gpt.parameters()):
+        return gpt
+    state = {name: value.full_tensor() if isinstance(value, DTensor) else value
+             for name, value in gpt.state_dict().items()}  # the same order on every rank: collective by collective
+    copy = build()
+    copy.load_state_dict(state, assign=True)
+    return copy.requires_grad_(False)
 
 
 def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], max_new_tokens: int,

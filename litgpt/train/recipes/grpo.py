@@ -16,13 +16,12 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from litgpt.args import GRPOArgs
-from litgpt.checkpoint.manager import unwrap
 from litgpt.config import Config
 from litgpt.data.base import IGNORE_INDEX, collate
 from litgpt.precision import Precision
@@ -30,7 +29,7 @@ from litgpt.train.grpo_loss import completion_logps, group_advantages, policy_lo
 from litgpt.train.objective import Batch, Objective
 from litgpt.train.recipe import Recipe
 from litgpt.train.rewards import Rewards
-from litgpt.train.rollout import completion_seed, evaluating, sample_completions
+from litgpt.train.rollout import completion_seed, evaluating, sample_completions, whole_policy
 
 
 @dataclass(frozen=True)
@@ -87,13 +86,13 @@ class GRPORecipe(Recipe):
 
         def loss(model: nn.Module, batch: Batch):
             logps = completion_logps(model, batch, chunk_size, chunked)
-            mask = batch["labels"] != IGNORE_INDEX
+            mask = (batch["labels"] != IGNORE_INDEX) & batch["kept"].unsqueeze(1)
             losses = policy_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                                  args, batch.get("token_normalizer"))
             logged = {name[len("log/"):]: value for name, value in batch.items() if name.startswith("log/")}
             return {**losses, **logged}
 
-        rollouts = Rollouts(self.grpo, frozen.get("reference"), self.reference, chunk_size, chunked)
+        rollouts = Rollouts(self.grpo, frozen.get("reference"), self.reference, chunk_size, chunked, self.build_model)
         return Objective(train_loss=loss, validation_loss=loss, make_batches=rollouts)
 
 
@@ -101,9 +100,10 @@ class Rollouts:
     """`Objective.make_batches` of GRPO: each generation's prompts become micro-batches of scored completions."""
 
     def __init__(self, settings: GRPOSettings, reference: Optional[nn.Module], kind: str,
-                 chunk_size: Optional[int], chunked: bool) -> None:
+                 chunk_size: Optional[int], chunked: bool, build_model: Callable[[], nn.Module]) -> None:
         self.args, self.rewards, self.seed = settings.args, settings.rewards, settings.seed
         self.reference, self.kind, self.chunk_size, self.chunked = reference, kind, chunk_size, chunked
+        self.build_model = build_model  # the policy on the meta device, to gather a sharded one into
         self.training_time = (0.0, 0)  # (seconds, tokens) the latest generation's micro-batches trained in
 
     def __call__(self, fabric, model: nn.Module, batches: Iterator, dataset, per_step: int) -> Iterator:
@@ -133,19 +133,23 @@ class Rollouts:
         start = time.perf_counter()
         with torch.no_grad(), fabric.autocast():
             completions = sample_completions(
-                unwrap(model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                whole_policy(model, self.build_model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                 list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1, args.max_batch_size)
         generation_seconds = time.perf_counter() - start
         scores, rewards, advantages, agree = self.score(dataset, rows, completions)
         sequences = [shifted(prompt, completion) for prompt, completion in zip(prompts, completions)]
-        logged = self.logged(scores, rewards, agree, completions, generation_seconds, fabric.device)
         made, per_micro = [], len(window[0][2]["index"]) * group
+        per_step_sequences = per_micro * per_step
         for m, (epoch, index, _) in enumerate(window):
             members = range(m * per_micro, (m + 1) * per_micro)
+            if m % per_step == 0:  # each step logs its own share of the generation
+                step = slice(m * per_micro, m * per_micro + per_step_sequences)
+                logged = self.logged(scores[step], rewards[step], agree[step.start // group:step.stop // group],
+                                     completions[step], generation_seconds * per_step / len(window), fabric.device)
             batch = collate([sequences[i] for i in members])
-            if args.loss == "dapo":  # dynamic sampling: groups whose rewards all agree teach nothing; drop them
-                keep = ~agree.repeat_interleave(group)[members.start:members.stop]
-                batch["labels"][~keep] = IGNORE_INDEX
+            # dapo's dynamic sampling: groups whose rewards all agree teach nothing; the loss leaves them out.
+            dropped = agree.repeat_interleave(group)[members.start:members.stop] & (args.loss == "dapo")
+            batch["kept"] = ~dropped
             batch["advantages"] = advantages[members.start:members.stop].float()
             made.append((epoch, index, {**batch, **logged}))
         self.add_log_probabilities(fabric, model, [batch for _, _, batch in made], per_step)
@@ -200,7 +204,8 @@ class Rollouts:
         if args.loss == "dapo":
             for start in range(0, len(batches), per_step):
                 step = batches[start:start + per_step]
-                tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in step).double().to(fabric.device)
+                tokens = sum(((b["labels"] != IGNORE_INDEX) & b["kept"].unsqueeze(1)).sum() for b in step)
+                tokens = tokens.double().to(fabric.device)
                 total = fabric.all_reduce(tokens, reduce_op="sum") if fabric.world_size > 1 else tokens
                 for batch in step:
                     batch["token_normalizer"] = (total / (len(step) * fabric.world_size)).float()
