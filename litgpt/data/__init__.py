@@ -6,7 +6,8 @@ Pretraining (text tokenized once into a memory-mapped token cache, cut into wind
 
 Pretraining at scale (token ids prepared once into litdata's optimized folders, local or in an object store, each
 rank streaming its own share, resumed exactly from every rank's loader position): `LitData`, `TinyLlama`,
-`MicroLlama` (`lit_data.py`, over `streaming.py`).
+`MicroLlama` (`lit_data.py`, over `streaming.py`); `HFDataset` (a Hugging Face dataset from the hub or a local
+folder, streamed, split by node and rank, tokenized on the fly and packed).
 
 Finetuning (instruction or chat records, prompt laid out by a prompt style, prompt tokens masked from the loss):
 `JSON` (your .json/.jsonl files), `Alpaca`, `Alpaca2k`, `AlpacaGPT4`, `Dolly`, `LIMA`.
@@ -24,6 +25,7 @@ repository, not in the installed package) regenerates the bundled corpus and its
 from litgpt.data.alpaca import Alpaca, Alpaca2k, AlpacaGPT4
 from litgpt.data.base import DataModule, MicroBatches
 from litgpt.data.dolly import Dolly
+from litgpt.data.hf_dataset import HFDataset
 from litgpt.data.json_data import JSON, SFTDataModule, SFTDataset
 from litgpt.data.lima import LIMA
 from litgpt.data.lit_data import LitData, MicroLlama, TinyLlama
@@ -44,6 +46,7 @@ __all__ = [
     "Deita",
     "Dolly",
     "FLAN",
+    "HFDataset",
     "JSON",
     "LIMA",
     "LitData",
