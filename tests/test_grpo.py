@@ -372,3 +372,59 @@ def test_a_killed_run_resumes_bit_exact(tmp_path, base, sums, char_reward):
         assert torch.equal(ours[key], theirs[key]), key
     initial = load_state_dict(base / "lit_model.pth")
     assert any(not torch.equal(ours[key], initial[key]) for key in initial)  # it trained
+
+
+# ---- it learns ------------------------------------------------------------------------------------------------------
+def supervised_sums(folder: Path) -> Path:
+    """A tiny model taught the answer's layout by a short SFT, and the sum only roughly: its answers to a+b= (a, b in
+    0..2) are drawn from {a+b-1, a+b, a+b+1} (|.|), so a third of them are right and the rest is headroom."""
+    from litgpt.io import save_state_dict
+    from litgpt.tokenizer import Tokenizer
+
+    write_random_checkpoint(folder, Config(**SMALL), seed=4)
+    tokenizer = Tokenizer(folder)
+    torch.manual_seed(0)
+    model = GPT(Config(**SMALL))
+    model.load_state_dict(load_state_dict(folder / "lit_model.pth"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(3) for b in range(3)]
+    for _ in range(300):
+        rows = []
+        for a, b in pairs:
+            prompt = tokenizer.encode(f"{a}+{b}=", bos=True, eos=False).tolist()
+            answer = tokenizer.encode(f" {abs(a + b + rng.choice((-1, 0, 1)))}", bos=False, eos=True).tolist()
+            rows.append((prompt, answer))
+        width = max(len(p) + len(a) for p, a in rows) - 1
+        inputs, labels = torch.zeros(len(rows), width, dtype=torch.long), torch.full((len(rows), width), IGNORE_INDEX)
+        for i, (prompt, answer) in enumerate(rows):
+            tokens = torch.tensor(prompt + answer)
+            inputs[i, : len(tokens) - 1] = tokens[:-1]
+            labels[i, len(prompt) - 1: len(tokens) - 1] = tokens[len(prompt):]
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    save_state_dict(model.state_dict(), folder / "lit_model.pth")
+    return folder
+
+
+@pytest.mark.slow
+def test_it_learns_one_digit_sums_on_two_fully_sharded_processes(tmp_path):
+    base = supervised_sums(tmp_path / "base")
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows * 8)
+    write_jsonl(tmp_path / "data" / "val.jsonl", rows)
+    out = tmp_path / "out"
+    run = litgpt(*grpo_args(base, tmp_path / "data", out, "--method", "full", "--devices", "2",
+                            "--fsdp.sharding_strategy", "FULL_SHARD", "--train.max_steps", "30", "--train.epochs",
+                            "100", "--train.global_batch_size", "16", "--train.micro_batch_size", "8",
+                            "--grpo.num_generations", "8", "--grpo.max_new_tokens", "4", "--train.max_seq_length",
+                            "16", "--optimizer.lr", "0.006", "--train.min_lr", "0.006", "--train.max_norm", "1.0"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rewards = logged_values(out, ("reward",)).squeeze(1)
+    assert len(rewards) == 30
+    start = rewards[:3].mean().item()
+    assert 0.2 < start < 0.5  # the SFT's third, give or take the sampling
+    best = rewards.unfold(0, 5, 1).mean(1).max().item()  # the best mean over 5 consecutive steps
+    assert best - start >= 0.5 * (1 - start), [round(r, 2) for r in rewards.tolist()]
