@@ -286,6 +286,25 @@ def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
     assert together[0] == alone[0]
 
 
+# ---- the plan -------------------------------------------------------------------------------------------------------
+def test_the_plan_counts_a_group_per_prompt_and_a_reference_only_with_beta():
+    """A prompt is its group of completions in one forward pass: 2 prompts of 4 completions plan as 8 sequences of
+    finetuning; full finetuning with beta > 0 adds the frozen reference in the compute dtype."""
+    from litgpt.args import TrainArgs
+    from litgpt.plan.command import plan_for
+
+    config = Config(**{**SMALL, "n_layer": 4, "n_embd": 128, "intermediate_size": 256})
+    prompts, sequences = TrainArgs(micro_batch_size=2, max_seq_length=64), TrainArgs(micro_batch_size=8,
+                                                                                     max_seq_length=64)
+    for method in ("lora", "full"):
+        plain = plan_for(config, method=method, train=sequences)
+        assert plan_for(config, method=method, train=prompts, grpo=GRPOArgs(num_generations=4)).peak == plain.peak
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in GPT(config).parameters())
+    held = plan_for(config, method="full", train=prompts, grpo=GRPOArgs(num_generations=4, beta=0.04))
+    assert held.peak == plan_for(config, method="full", train=sequences).peak + 2 * parameters
+
+
 # ---- the command ----------------------------------------------------------------------------------------------------
 def test_a_run_trains_on_its_rollouts_and_logs_rewards_and_both_throughputs(tmp_path, base, sums):
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from litgpt.args import DPOArgs, FSDPArgs, TrainArgs
+from litgpt.args import DPOArgs, FSDPArgs, GRPOArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
@@ -82,6 +82,7 @@ def plan_for(
     quantize: Optional[str] = None,
     teacher_config: Optional[Config] = None,
     dpo: Optional[DPOArgs] = None,
+    grpo: Optional[GRPOArgs] = None,
     devices: int = 1,
     num_nodes: int = 1,
     accumulate_gradients: bool = True,
@@ -106,6 +107,9 @@ def plan_for(
         dpo: Preference optimization (`litgpt dpo`), e.g. --dpo.loss sigmoid: each sample is a pair of sequences,
             and with method full a frozen reference is held beside the model (none with
             --dpo.precompute_reference true or a reference-free loss; LoRA's is the base with the adapters off).
+        grpo: GRPO (`litgpt grpo`), e.g. --grpo.num_generations 8: each sample is a prompt's group of that many
+            completions, trained on together, and with method full and --grpo.beta > 0 a frozen reference is held
+            (the generation's KV cache, and under FSDP the policy gathered whole while it samples, are not counted).
         devices: Devices per node.
         num_nodes: Nodes of the run.
         accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch
@@ -116,7 +120,7 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
-    recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo)
+    recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
         device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients,
@@ -125,23 +129,28 @@ def plan_for(
 
 def recipe_for(config: Config, method: str = "full", lora: Optional[LoRASettings] = None,
                quantize: Optional[str] = None, teacher_config: Optional[Config] = None,
-               dpo: Optional[DPOArgs] = None) -> "Recipe":
+               dpo: Optional[DPOArgs] = None, grpo: Optional[GRPOArgs] = None) -> "Recipe":
     """The recipe the planned run trains: `config` whole (full) or its LoRA adapters (lora: `lora`, default
     settings when None) on a base stored as `quantize`, distilled from a frozen `teacher_config` or aligned on
-    preference pairs (`dpo`). The one place the plan builds a `Recipe`."""
+    preference pairs (`dpo`) or on rewards of sampled groups (`grpo`). The one place the plan builds a `Recipe`."""
     from litgpt.args import KDArgs
     from litgpt.train.recipe import Recipe
     from litgpt.train.recipes.distill import DistillRecipe, TeacherSettings
     from litgpt.train.recipes.dpo import DPORecipe, PreferenceSettings
+    from litgpt.train.recipes.grpo import GRPORecipe, GRPOSettings
 
     if method not in METHODS:
         raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}.")
-    if dpo is not None and teacher_config is not None:
-        raise UserError("Plan distillation (--teacher_config) or preference optimization (--dpo.*), not both.")
+    if sum(kind is not None for kind in (dpo, grpo, teacher_config)) > 1:
+        raise UserError("Plan one kind of training: distillation (--teacher_config), preference optimization "
+                        "(--dpo.*) or GRPO (--grpo.*).")
     lora = (lora or LoRASettings()) if method == "lora" else None
     if dpo is not None:
         dpo.check()
         return DPORecipe("dpo", config, lora=lora, quantize=quantize, preference=PreferenceSettings(dpo))
+    if grpo is not None:  # the plan calls no reward
+        grpo.check()
+        return GRPORecipe("grpo", config, lora=lora, quantize=quantize, grpo=GRPOSettings(grpo, rewards=None))
     if teacher_config is not None:  # the plan reads no weights, and the KD settings change no memory
         teacher = TeacherSettings(config=teacher_config, weights=Path("unused"), kd=KDArgs())
         return DistillRecipe("distill", config, lora=lora, quantize=quantize, teacher=teacher)

@@ -38,7 +38,7 @@ class GRPOSettings:
     sampling streams."""
 
     args: GRPOArgs
-    rewards: Rewards
+    rewards: Optional[Rewards]  # None where nothing is scored (`litgpt plan`)
     seed: int = 0
 
 
