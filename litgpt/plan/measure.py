@@ -6,8 +6,9 @@ requiring gradients), gives it fake parameters (`torch._subclasses.fake_tensor.F
 strides, no memory) and runs one forward pass under `torch.autograd.graph.saved_tensors_hooks`. The hooks see every
 tensor autograd keeps for the backward pass; each distinct storage counts once (views share theirs), and a saved
 parameter is not an activation (under FSDP the run's parameters stand for the gathered ones, a row of their own).
-Forward hooks on the blocks say which block saved what, and what each block received as its input. The result is kept
-per model config and settings for the rest of the process.
+A wrapper of each block's forward says which block saved what, and what each block received as its input; blocks of
+one kind (structure, rope and mask) save the same, so only two of each kind run (see `measured_once`). The result is
+kept per model config and settings for the rest of the process.
 
 The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how it adjusts
 for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `math_attention`):
@@ -166,13 +167,52 @@ class _SavedTensors:
         self.kept: dict[int, tuple[object, int]] = {}  # `KEPT_OPS`' output storages: (block made in, bytes)
         self.seen: set[int] = set()
         self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
+        self.figures: dict[tuple, dict] = {}  # a block's structure and arguments -> what its last run saved
+        self.runs: dict[tuple, int] = {}  # -> how many blocks of the kind ran
         for index, block in enumerate(model.transformer.h):
-            block.register_forward_pre_hook(lambda module, args, index=index: self.enter(index, args[0]))
-            block.register_forward_hook(lambda module, args, out: setattr(self, "where", "root"))
+            block.forward = self.measured_once(index, block, block.forward)
 
-    def enter(self, index: int, x: torch.Tensor) -> None:
-        self.where = index
-        self.inputs.append(x.untyped_storage().nbytes())
+    def measured_once(self, index: int, block: torch.nn.Module, forward):
+        """`forward` of block `index`, which notes what the block saves. Blocks of one structure (modules, parameter
+        shapes and what trains) called with the same rope and mask save the same bytes, except that the first of them
+        also counts what they share (the rope cache, the mask): the first two run (a fake pass of a 32-block model
+        takes seconds), the others repeat the second's figures and return a tensor like its output. Layer kinds
+        (sliding windows, NoPE, dense or routed MLPs) differ in these arguments or in structure."""
+        structure = (repr(block), tuple((name, tuple(p.shape), p.dtype, p.requires_grad)
+                                        for name, p in block.named_parameters()))
+
+        def measured(x, rope, mask, input_pos=None):
+            self.where = index
+            self.inputs.append(x.untyped_storage().nbytes())
+            # The same rope and mask objects serve every layer of a kind (GPT.forward makes one per kind).
+            key = (structure, id(rope), id(mask), id(input_pos), tuple(x.shape), x.dtype, x.requires_grad)
+            if self.runs.get(key, 0) == 2:
+                out = self.repeat(index, self.figures[key])
+            else:
+                self.runs[key] = self.runs.get(key, 0) + 1
+                cached = self.cached
+                out = forward(x, rope, mask, input_pos)
+                self.figures[key] = dict(
+                    saved=self.saved.get(index, 0), copies=self.saved_copies.get(index, 0),
+                    kept_saved=self.saved_kept.get(index, 0), cached=self.cached - cached,
+                    kept=sum(n for where, n in self.kept.values() if where == index),
+                    out=(tuple(out.shape), out.dtype, out.requires_grad),
+                )
+            self.where = "root"
+            return out
+
+        return measured
+
+    def repeat(self, index: int, figures: dict) -> torch.Tensor:
+        """Block `index` saves what an earlier block of its kind saved; returns a fresh tensor like that one's output
+        (a storage of its own, as a block's output is, that the next block may save)."""
+        for table, name in ((self.saved, "saved"), (self.saved_copies, "copies"), (self.saved_kept, "kept_saved")):
+            if figures[name]:
+                table[index] = figures[name]
+        self.cached += figures["cached"]
+        self.kept[("repeated", index)] = (index, figures["kept"])
+        shape, dtype, requires_grad = figures["out"]
+        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
 
     def copied(self, source: torch.Tensor, copy: torch.Tensor) -> None:
         """A cast (`_to_copy`) ran: under autocast, a 16-bit copy of a parameter is a weight copy."""
