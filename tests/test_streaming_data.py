@@ -99,6 +99,26 @@ def test_litgpts_own_recipes_run_with_only_the_data_path_and_sizes_changed(corpu
     assert "data.num_workers" not in capsys.readouterr().out  # it has an effect here: no note says otherwise
 
 
+def test_a_mixture_saved_by_other_ranks_says_so_in_one_line_and_goes_on_with_its_next_pass(corpus, capsys):
+    """litdata re-divides a single folder's epoch among a new number of ranks, not a weighted mixture's."""
+    data = TinyLlama(corpus, num_workers=0)
+    data.connect(Tokenizer(TOKENIZER_DIR), max_seq_length=32)
+    first = data.batches(data.train_dataset(), micro_batch_size=2, seed=0, rank=0, world_size=1)
+    stream = first.iterate()
+    for _ in range(3):
+        next(stream)
+    saved = first.state_dict()
+    for child in saved["dataset"].values():
+        child["world_size"] = 2  # as two ranks would have saved it
+    again = data.batches(data.train_dataset(), micro_batch_size=2, seed=0, rank=0, world_size=1)
+    again.load_state_dict([saved, saved])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "saved with 2 rank(s) cannot be carried over to 1 rank(s)" in out
+    fresh = data.batches(data.train_dataset(), micro_batch_size=2, seed=0, rank=0, world_size=1)
+    second_pass = next(batch for epoch, _, batch in fresh.iterate() if epoch == 1)
+    assert torch.equal(next(again.iterate())[2]["input_ids"], second_pass["input_ids"])
+
+
 # ---- bad input: one line each, nothing lost ---------------------------------------------------------------------------
 def broken_copy(corpus: Path, tmp_path: Path, damage) -> Path:
     root = tmp_path / "copy"

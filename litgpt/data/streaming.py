@@ -211,5 +211,6 @@ class StreamingBatches:
         try:
             self.loader.load_state_dict(mine)
         except ValueError as error:  # litdata re-stripes a single dataset, not a mixture
-            print_once(f"Warning: the data position of the checkpoint ({len(positions)} ranks) cannot be carried to "
-                       f"{self.world_size} ranks ({str(error).splitlines()[0]}); the data starts a new pass.")
+            print_once(f"Warning: the data position the checkpoint saved with {len(positions)} rank(s) cannot be "
+                       f"carried over to {self.world_size} rank(s) and {self.loader.num_workers} loader worker(s) "
+                       f"({str(error).splitlines()[0]}); the data goes on with its next pass.")
