@@ -262,6 +262,31 @@ def test_a_users_reward_file_and_trls_own_reward_functions_work_unchanged(tmp_pa
     assert rewards.names == ["seen", "think_format_reward"]
 
 
+def test_prompts_from_a_hugging_face_dataset_equal_its_json_file_and_reach_the_rewards(tmp_path, base):
+    from litgpt.tokenizer import Tokenizer
+    from litgpt.train.prompt_data import Prompts
+
+    rows = sum_rows(12, seed=3) + [{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4", "level": 3}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    datasets = []
+    for module in (Prompts(json_path=path, val_split_fraction=0.25), Prompts(dataset=str(path),
+                                                                           val_split_fraction=0.25)):
+        module.connect(Tokenizer(base), 32)
+        module.prepare()
+        datasets.append((module.train_dataset(), module.val_dataset()))
+    for ours, theirs in zip(*datasets):
+        assert [ids.tolist() for ids in ours.ids] == [ids.tolist() for ids in theirs.ids]
+        # A dataset has every column in every row (None where a row lacks it): the same values, read so.
+        everything = list(range(len(ours)))
+        given = [{name: column for name, column in dataset.fields(everything).items()
+                  if any(v is not None for v in column)} for dataset in (ours, theirs)]
+        assert given[0] == given[1]
+        assert [row["prompt"] for row in ours.rows] == [row["prompt"] for row in theirs.rows]
+    train = datasets[0][0]
+    chat = next(i for i, row in enumerate(train.rows) if not isinstance(row["prompt"], str))
+    assert train.fields([0, chat]) == {"answer": [train.rows[0]["answer"], "4"], "level": [None, 3]}
+
+
 # ---- rollouts -------------------------------------------------------------------------------------------------------
 def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
     from litgpt.generate import generate

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from litgpt.data.base import IGNORE_INDEX, DataModule, collate
-from litgpt.data.json_data import _check_messages, find_split_file, iter_json, split_records
+from litgpt.data.json_data import find_split_file, iter_json, split_records
 from litgpt.data.preference import _hf_rows
 from litgpt.errors import UserError
-from litgpt.prompts import PromptStyle
+from litgpt.prompts import ROLES, PromptStyle
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -36,7 +36,11 @@ def prompt_row(raw: Any, where: str) -> Row:
     prompt = raw["prompt"]
     if isinstance(prompt, str):
         return dict(raw)
-    return {**raw, "prompt": _check_messages(prompt, f"{where} prompt")}
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt):
+        raise UserError(f'{where}: "prompt" must be text or a non-empty list of {{"role", "content"}} messages '
+                        f"(roles: {', '.join(ROLES)}).")
+    return dict(raw)
 
 
 class PromptDataset:

@@ -133,8 +133,9 @@ class Rollouts:
         start = time.perf_counter()
         with torch.no_grad(), fabric.autocast():
             completions = sample_completions(
-                whole_policy(model, self.build_model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1, args.max_batch_size)
+                whole_policy(model, self.build_model), prompts, seeds, args.max_new_tokens, args.temperature,
+                args.top_k, args.top_p, list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1,
+                args.max_batch_size)
         generation_seconds = time.perf_counter() - start
         scores, rewards, advantages, agree = self.score(dataset, rows, completions)
         sequences = [shifted(prompt, completion) for prompt, completion in zip(prompts, completions)]
