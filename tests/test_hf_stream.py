@@ -38,13 +38,13 @@ def hf_data(folder: Path, **options) -> HFDataset:
 
 
 def test_a_resumed_run_ends_bit_equal_to_an_uninterrupted_one(tmp_path):
-    write_shards(tmp_path / "data", shards=2, per_shard=3)  # ~1,000 tokens: 8 steps of 4 blocks pass the end
-    long_run = dict(max_steps=8, save_interval=3)
+    write_shards(tmp_path / "data", shards=2, per_shard=2)  # ~700 tokens: 6 steps of 4 blocks pass the end
+    long_run = dict(max_steps=6, save_interval=3)
     pretrain(tmp_path / "whole", hf_data(tmp_path / "data"), **long_run)
     pretrain(tmp_path / "stopped", hf_data(tmp_path / "data"), **long_run)
     drop_after(tmp_path / "stopped", 3)
     pretrain(tmp_path / "stopped", hf_data(tmp_path / "data"), resume="auto", **long_run)
-    whole, resumed = training_state(tmp_path / "whole", 8), training_state(tmp_path / "stopped", 8)
+    whole, resumed = training_state(tmp_path / "whole", 6), training_state(tmp_path / "stopped", 6)
     assert whole["data_positions"][0]["epoch"] >= 1, "the run should pass the end of the data"
     assert whole["data_positions"] == resumed["data_positions"]
     assert_same_weights(weights(tmp_path / "whole" / "final"), weights(tmp_path / "stopped" / "final"), 0)

@@ -190,28 +190,24 @@ def rows(blocks: torch.Tensor) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_ranks_read_every_block_once_and_resume_on_another_world_size(tmp_path):
-    """2 nodes x 2 processes stream a folder through node-local caches (litdata's `local:` remote): the blocks the
-    four ranks consume in an epoch are exactly the folder's, none twice, none missing, and no node fetched every
-    shard. Stopped halfway and resumed on one node of 2 processes, the rest of the epoch is the blocks not yet read."""
+def test_two_nodes_of_two_ranks_read_their_own_blocks_and_resume_on_another_world_size(tmp_path):
+    """2 nodes x 2 processes stream a folder through node-local caches (litdata's `local:` remote) for half an epoch,
+    then one node of 2 processes resumes from their positions for the other half: the blocks the six ranks consumed
+    are exactly the folder's, none twice, none missing, and no node fetched every shard."""
     folder = tmp_path / "corpus"
     blocks = block_corpus(folder, blocks=128, block_size=33, blocks_per_chunk=4)
     caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
-    epoch = tmp_path / "epoch"
-    epoch.mkdir()
-    torchrun(2, f"local:{folder}", epoch, "epoch", caches=caches)
-    consumed = [torch.load(epoch / f"blocks-{rank}.pt") for rank in range(4)]
-    assert [len(part) for part in consumed] == [32] * 4
-    assert rows(torch.cat(consumed)) == rows(blocks)
+    first, rest = tmp_path / "first", tmp_path / "rest"
+    first.mkdir(), rest.mkdir()
+    torchrun(2, f"local:{folder}", first, "8", caches=caches)  # 8 micro-batches of 2 on each of 4 ranks: half
+    read = [torch.load(first / f"blocks-{rank}.pt") for rank in range(4)]
+    assert [len(part) for part in read] == [16] * 4
+    assert len(set(rows(torch.cat(read)))) == 64  # four disjoint parts
     shards = len(list(folder.glob("chunk-*.bin")))
     for cache in caches:
         fetched = len(list(cache.rglob("chunk-*.bin")))
         assert 0 < fetched < shards, (fetched, shards)
-
-    first, rest = tmp_path / "first", tmp_path / "rest"
-    first.mkdir(), rest.mkdir()
-    torchrun(2, str(folder), first, "8", caches=caches)  # half an epoch: 8 micro-batches of 2 on each of 4 ranks
-    torchrun(1, str(folder), rest, "16", str(first / "positions.pt"), caches=caches)  # the other half on 2 ranks
-    read = [torch.load(first / f"blocks-{rank}.pt") for rank in range(4)]
+    torchrun(1, f"local:{folder}", rest, "16", str(first / "positions.pt"), caches=caches)  # the other half
     read += [torch.load(rest / f"blocks-{rank}.pt") for rank in range(2)]
+    assert [len(part) for part in read[4:]] == [32, 32]
     assert rows(torch.cat(read)) == rows(blocks)
