@@ -46,7 +46,7 @@ LONGEST_MODULES = (
     "test_bad_input.py", "test_fsdp_prefetch.py", "test_training.py", "test_config_registry.py", "test_mla_cli.py",
     "test_convert.py", "test_download.py", "test_training_cli.py", "test_safe_loading.py", "test_compress_moe.py",
     "test_litgpt_recipes.py", "test_evaluate.py", "test_loggers.py", "test_run_folders.py", "test_strangers_files.py",
-    "test_serve.py",
+    "test_serve.py", "test_streaming_data.py", "test_hf_stream.py", "test_prepare.py",
 )
 
 
