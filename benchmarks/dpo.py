@@ -109,14 +109,28 @@ def run_litgpt(model: Path, data: Path, out: Path, method: str, batch: int, step
             "--train.lr_warmup_steps", "0", "--train.log_interval", "1", "--train.save_interval", "1000000",
             "--eval.interval", "1000000", "--eval.final_validation", "false", "--eval.max_new_tokens", "0",
             "--lora_dropout", "0", "--optimizer.lr", "1e-4"]
-    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        raise SystemExit(f"litgpt dpo failed:\n{done.stderr[-3000:]}")
-    (log,) = out.joinpath("logs").rglob("metrics.csv")
-    rows = [row for row in csv.DictReader(open(log)) if row.get("tokens_per_sec")]
+    rows = litgpt_step_rows(args, out, "litgpt dpo")
     step_seconds = [step_tokens(rows, i) / float(row["tokens_per_sec"]) for i, row in enumerate(rows)]
     peak_mb = json.loads(out.joinpath("metrics.json").read_text())["peak_memory_mb"]  # the process's own maxrss
     return {"seconds": sum(step_seconds[1:]), "steps": len(rows) - 1, "peak_mb": peak_mb}
+
+
+def litgpt_step_rows(args: list, out: Path, what: str) -> list[dict]:
+    """Run a litgpt command (one thread) and return its log's rows of training steps."""
+    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    (log,) = out.joinpath("logs").rglob("metrics.csv")
+    return [row for row in csv.DictReader(open(log)) if row.get("tokens_per_sec")]
+
+
+def run_script(script: str, payload: dict, what: str) -> dict:
+    """Run `script` in a child interpreter (one thread) with `payload` as its JSON argument; its last line's JSON."""
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(payload)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def step_tokens(rows: list[dict], index: int) -> float:
@@ -128,11 +142,7 @@ def step_tokens(rows: list[dict], index: int) -> float:
 def run_trl(model: Path, data: Path, out: Path, method: str, batch: int, steps: int) -> dict:
     payload = dict(model=str(model), data=str(data), out=str(out), method=method, batch=batch, steps=steps,
                    tokenizer=str(TOKENIZER_DIR / "tokenizer.json"))
-    done = subprocess.run([sys.executable, "-c", TRL_RUN, json.dumps(payload)], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        raise SystemExit(f"TRL failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(TRL_RUN, payload, "TRL")
 
 
 def main() -> None:
