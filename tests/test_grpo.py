@@ -246,6 +246,10 @@ def test_exact_answer_reads_boxed_or_last_number():
     completions = ["the sum is 7", "\\boxed{7.0}", "7 or 8", "\\boxed{8} not 7", [{"role": "assistant",
                                                                                     "content": "= 7"}]]
     assert exact_answer(None, completions, answer=["7"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    layout = Rewards.from_specs(["regex_format", "regex_format=\\d+", "length_penalty=4"], None)
+    scores = layout.score(["p"] * 3, ["<think>a</think> <answer>7</answer>", "12", "123456789"], {})
+    assert scores.tolist() == [[1.0, 0.0, -1.0], [0.0, 1.0, 0.0], [0.0, 1.0, -1.0]]
+    assert layout.names == ["regex_format_0", "regex_format_1", "length_penalty"]
 
 
 def test_a_users_reward_file_and_trls_own_reward_functions_work_unchanged(tmp_path):
@@ -379,7 +383,8 @@ def logged_values(out_dir: Path, names=LOGGED) -> torch.Tensor:
 @pytest.mark.slow
 def test_a_generation_for_two_steps_starts_at_ratio_one_and_two_processes_equal_one(tmp_path, base, sums,
                                                                                    char_reward):
-    common = ["--train.max_steps", "2", "--optimizer.lr", "0.05", "--reward", char_reward, "--grpo.beta", "0.04"]
+    common = ["--train.max_steps", "2", "--optimizer.lr", "0.05", "--reward", char_reward, "--grpo.beta", "0.04",
+              "--method", "full"]
     once = litgpt(*grpo_args(base, sums, tmp_path / "once", *common))
     assert once.returncode == 0, once.stderr[-3000:]
     shared = litgpt(*grpo_args(base, sums, tmp_path / "shared", *common, "--grpo.steps_per_generation", "2"))
@@ -390,12 +395,11 @@ def test_a_generation_for_two_steps_starts_at_ratio_one_and_two_processes_equal_
     torch.testing.assert_close(shared_values[0], once_values[0], rtol=0, atol=1e-6)
     assert shared_values[1, LOGGED.index("clip_fraction")] >= 0 and not torch.equal(shared_values[1], once_values[1])
 
+    # The same global batch on 2 processes (FULL_SHARD, the frozen reference sharded like the policy).
     two = litgpt(*grpo_args(base, sums, tmp_path / "two", *common, "--devices", "2", "--fsdp.sharding_strategy",
-                            "FULL_SHARD", "--train.micro_batch_size", "2", "--method", "full"))
+                            "FULL_SHARD", "--train.micro_batch_size", "2"))
     assert two.returncode == 0, two.stderr[-3000:]
-    one = litgpt(*grpo_args(base, sums, tmp_path / "one", *common, "--method", "full"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    torch.testing.assert_close(logged_values(tmp_path / "two"), logged_values(tmp_path / "one"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logged_values(tmp_path / "two"), once_values, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
