@@ -21,6 +21,7 @@ from litgpt.data.base import DataModule
 from litgpt.data.streaming import block_sample
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
+from litgpt.fetch import first_line
 
 # Documents held out for validation when there is no validation split: those whose text hashes below this, per mille.
 HELD_OUT_PER_MILLE = 10
@@ -28,11 +29,6 @@ HELD_OUT_PER_MILLE = 10
 
 def held_out(text: str) -> bool:
     return zlib.crc32(text.encode("utf-8")) % 1000 < HELD_OUT_PER_MILLE
-
-
-def one_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 class PackedStream:
@@ -161,7 +157,7 @@ class HFDataset(DataModule):
             dataset = datasets.load_dataset(self.path, self.name, split=split, streaming=self.streaming,
                                             data_files=self.data_files)
         except Exception as error:  # the hub client, the builders and fsspec raise their own kinds
-            raise UserError(f"Cannot read split {split!r} of the dataset {self.path!r}: {one_line(error)}") from None
+            raise UserError(f"Cannot read split {split!r} of the dataset {self.path!r}: {first_line(error)}") from None
         return dataset if self.streaming else dataset.to_iterable_dataset()
 
     def check_first_record(self, dataset, split: str) -> None:

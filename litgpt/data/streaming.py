@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from litgpt.distributed.runtime import print_once
+from litgpt.fetch import first_line
 from litgpt.errors import UserError
 
 INDEX_FILE = "index.json"
@@ -119,8 +120,7 @@ def open_dataset(folder: str, block_size: int, shuffle: bool, seed: int):
             drop_last=True, seed=seed,
         )
     except Exception as error:  # litdata's storage clients raise their own kinds
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"Cannot read the litdata folder {str(folder)!r}: {reason}") from None
+        raise UserError(f"Cannot read the litdata folder {str(folder)!r}: {first_line(error)}") from None
 
 
 def block_sample(block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -213,4 +213,4 @@ class StreamingBatches:
         except ValueError as error:  # litdata re-stripes a single dataset, not a mixture
             print_once(f"Warning: the data position the checkpoint saved with {len(positions)} rank(s) cannot be "
                        f"carried over to {self.world_size} rank(s) and {self.loader.num_workers} loader worker(s) "
-                       f"({str(error).splitlines()[0]}); the data goes on with its next pass.")
+                       f"({first_line(error)}); the data goes on with its next pass.")
