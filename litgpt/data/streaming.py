@@ -19,8 +19,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from litgpt.distributed.runtime import print_once
-from litgpt.fetch import first_line
 from litgpt.errors import UserError
+from litgpt.fetch import first_line
 
 INDEX_FILE = "index.json"
 # Written by `litgpt prepare` beside index.json: the tokenizer the ids come from.
