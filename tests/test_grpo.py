@@ -476,3 +476,17 @@ def test_it_learns_one_digit_sums_on_two_fully_sharded_processes(tmp_path):
     assert 0.2 < start < 0.5  # the SFT's third, give or take the sampling
     best = rewards.unfold(0, 5, 1).mean(1).max().item()  # the best mean over 5 consecutive steps
     assert best - start >= 0.5 * (1 - start), [round(r, 2) for r in rewards.tolist()]
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp_samples_from_its_gathered_nf4_base(tmp_path, sums):
+    """--quantize ao.nf4 on 2 processes: each rank samples from the base gathered in NF4 and decoded, and with the
+    adapters still at zero the policy is its reference (KL 0)."""
+    pytest.importorskip("torchao")
+    wide = write_random_checkpoint(tmp_path / "wide", Config(**{**SMALL, "n_embd": 256, "intermediate_size": 512}))
+    out = tmp_path / "out"
+    run = litgpt(*grpo_args(wide, sums, out, "--quantize", "ao.nf4", "--devices", "2", "--train.max_steps", "1",
+                            "--train.micro_batch_size", "2", "--grpo.beta", "0.1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = logged_rows(out)
+    assert float(row["kl"]) == 0.0 and float(row["completion_length"]) > 0

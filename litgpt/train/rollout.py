@@ -48,12 +48,15 @@ def whole_policy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
     from torch.distributed.tensor import DTensor
 
     from litgpt.checkpoint.manager import unwrap
+    from litgpt.nf4 import is_nf4
 
     gpt = unwrap(model)
     if not any(isinstance(p, DTensor) for p in gpt.parameters()):
         return gpt
     state = {name: value.full_tensor() if isinstance(value, DTensor) else value
              for name, value in gpt.state_dict().items()}  # the same order on every rank: collective by collective
+    # A QLoRA base gathered in NF4 decodes dense (torchao's NF4 does not run in inference mode).
+    state = {name: value.get_original_weight() if is_nf4(value) else value for name, value in state.items()}
     copy = build()
     copy.load_state_dict(state, assign=True)
     return copy.requires_grad_(False)
