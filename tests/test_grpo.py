@@ -479,9 +479,9 @@ def test_it_learns_one_digit_sums_on_two_fully_sharded_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_under_fsdp_samples_from_its_gathered_nf4_base(tmp_path, sums):
-    """--quantize ao.nf4 on 2 processes: each rank samples from the base gathered in NF4 and decoded, and with the
-    adapters still at zero the policy is its reference (KL 0)."""
+def test_qlora_under_fsdp_samples_from_its_sharded_nf4_base(tmp_path, sums):
+    """--quantize ao.nf4 on 2 processes: the ranks sample in lockstep from the sharded NF4 base, and with the adapters
+    still at zero the policy is its reference (KL 0)."""
     pytest.importorskip("torchao")
     wide = write_random_checkpoint(tmp_path / "wide", Config(**{**SMALL, "n_embd": 256, "intermediate_size": 512}))
     out = tmp_path / "out"

@@ -109,7 +109,7 @@ def plan_for(
             --dpo.precompute_reference true or a reference-free loss; LoRA's is the base with the adapters off).
         grpo: GRPO (`litgpt grpo`), e.g. --grpo.num_generations 8: each sample is a prompt's group of that many
             completions, trained on together, and with method full and --grpo.beta > 0 a frozen reference is held
-            (the generation's KV cache, and under FSDP the policy gathered whole while it samples, are not counted).
+            (the generation's KV cache is not counted).
         devices: Devices per node.
         num_nodes: Nodes of the run.
         accumulate_gradients: Gradients of earlier micro-batches are held while the next one runs (the global batch

@@ -3,7 +3,7 @@ engine (a paged KV cache, batched prefill and decoding), each completion with a 
 
 A completion's stream is seeded by (the run's seed, the split, the epoch, the prompt's row, its place in the group):
 what a completion samples does not depend on which rank generates it, what it is batched with, or whether the run was
-resumed in between.
+resumed in between. Sharded (FSDP), the ranks sample in lockstep from the sharded policy itself (`LockstepEngine`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from litgpt.model import GPT
 from litgpt.serving.engine import BatchingEngine, Sequence
-from litgpt.serving.paged_cache import CacheShape, plan_cache
+from litgpt.serving.paged_cache import NULL_BLOCK, CachePlan, CacheShape, plan_cache
 
 PAGE_SIZE = 16
 
@@ -40,33 +40,56 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def whole_policy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
-    """The policy to sample from: the model itself on one device; sharded (FSDP), a copy with every weight gathered
-    (`build` makes the empty model on the meta device), made once per generation and freed after it. Generation needs
-    every weight at every decoding step, so gathering them once beats gathering each block at each step, and keeps
-    the ranks free to decode completions of different lengths without waiting for each other."""
-    from torch.distributed.tensor import DTensor
+def any_rank(fabric) -> Callable[[bool], bool]:
+    """Whether a flag is set on any rank (a collective: every rank asks together)."""
 
-    from litgpt.checkpoint.manager import unwrap
-    from litgpt.nf4 import is_nf4
+    def agree(flag: bool) -> bool:
+        return bool(fabric.all_reduce(torch.tensor(float(flag), device=fabric.device), reduce_op="max").item())
 
-    gpt = unwrap(model)
-    if not any(isinstance(p, DTensor) for p in gpt.parameters()):
-        return gpt
-    state = {name: value.full_tensor() if isinstance(value, DTensor) else value
-             for name, value in gpt.state_dict().items()}  # the same order on every rank: collective by collective
-    # A QLoRA base gathered in NF4 decodes dense (torchao's NF4 does not run in inference mode).
-    state = {name: value.get_original_weight() if is_nf4(value) else value for name, value in state.items()}
-    copy = build()
-    copy.load_state_dict(state, assign=True)
-    return copy.requires_grad_(False)
+    return agree
+
+
+class LockstepEngine(BatchingEngine):
+    """The engine on a sharded model, whose every forward pass gathers each block's weights from the other ranks as
+    it reaches it (FSDP) and frees them after: the ranks run their passes together. Each step they agree whether any
+    of them prefills, and whether any decodes; a rank with nothing of its own to run then feeds one token into the
+    null block, so that its collectives meet the others'."""
+
+    def __init__(self, model: GPT, max_batch_size: int, plan: CachePlan, prefill_tokens: int,
+                 any_rank: Callable[[bool], bool]) -> None:
+        super().__init__(model, max_batch_size, plan, prefill_tokens)
+        self.any_rank = any_rank
+
+    def step(self, block: bool = False) -> None:
+        self.take_arrivals(block=False)
+        self.admit()
+        prefilling = [s for s in self.active if s.context_length - s.fed > 1]
+        if self.any_rank(bool(prefilling)):
+            self.prefill(prefilling) if prefilling else self.idle_pass()
+        decoding = self.reserve_decoding_blocks([s for s in self.active if s.context_length - s.fed == 1])
+        if self.any_rank(bool(decoding)):
+            self.decode(decoding) if decoding else self.idle_pass()
+
+    @torch.no_grad()
+    def forward(self, rows: list[Sequence], chunks: list[int], width: int) -> None:
+        # Not in inference mode: FSDP gathers the weights into buffers that training reuses, which must stay normal.
+        BatchingEngine.forward.__wrapped__(self, rows, chunks, width)
+
+    @torch.no_grad()
+    def idle_pass(self) -> None:
+        null = torch.full((1, 1), NULL_BLOCK * self.page_size, dtype=torch.long, device=self.device)
+        self.batch.slots, self.batch.reads = null, null
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model(zero, input_pos=zero, return_hidden=True)
 
 
 def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], max_new_tokens: int,
                        temperature: float, top_k: Optional[int], top_p: float, stop_ids: list[int],
-                       max_seq_length: int, max_batch_size: int) -> list[list[int]]:
+                       max_seq_length: int, max_batch_size: int,
+                       any_rank: Optional[Callable[[bool], bool]] = None) -> list[list[int]]:
     """Each prompt's sampled completion, its stop token included where one ended it (cut at `max_new_tokens`, or
-    where the context reaches `max_seq_length`), generated together in batches of up to `max_batch_size`."""
+    where the context reaches `max_seq_length`), generated together in batches of up to `max_batch_size`. A sharded
+    model samples in lockstep with the other ranks (`LockstepEngine`; `any_rank`: whether a flag is set on any)."""
     dtype = model.transformer.wte.weight.dtype
     max_seq_length = min(max_seq_length, model.config.block_size)
     shape = CacheShape.of(model, dtype)
@@ -85,10 +108,12 @@ def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], m
         model.rope_tables(device, local)  # cached outside inference mode: training's forward reuses them
     with evaluating(model):
         try:
-            engine = BatchingEngine(model, rows, plan, prefill_tokens=max(512, longest))
+            prefill_tokens = max(512, longest)
+            engine = (BatchingEngine(model, rows, plan, prefill_tokens) if any_rank is None
+                      else LockstepEngine(model, rows, plan, prefill_tokens, any_rank))
             for sequence in sequences:
                 engine.submit(sequence)
-            while engine.load():
+            while (engine.load() > 0) if any_rank is None else any_rank(engine.load() > 0):
                 engine.step()
         finally:
             model.clear_kv_cache()

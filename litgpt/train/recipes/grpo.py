@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,7 +29,8 @@ from litgpt.train.grpo_loss import completion_logps, group_advantages, policy_lo
 from litgpt.train.objective import Batch, Objective
 from litgpt.train.recipe import Recipe
 from litgpt.train.rewards import Rewards
-from litgpt.train.rollout import completion_seed, evaluating, sample_completions, whole_policy
+from litgpt.checkpoint.manager import unwrap
+from litgpt.train.rollout import any_rank, completion_seed, evaluating, sample_completions
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class GRPORecipe(Recipe):
             logged = {name[len("log/"):]: value for name, value in batch.items() if name.startswith("log/")}
             return {**losses, **logged}
 
-        rollouts = Rollouts(self.grpo, frozen.get("reference"), self.reference, chunk_size, chunked, self.build_model)
+        rollouts = Rollouts(self.grpo, frozen.get("reference"), self.reference, chunk_size, chunked)
         return Objective(train_loss=loss, validation_loss=loss, make_batches=rollouts)
 
 
@@ -100,10 +101,9 @@ class Rollouts:
     """`Objective.make_batches` of GRPO: each generation's prompts become micro-batches of scored completions."""
 
     def __init__(self, settings: GRPOSettings, reference: Optional[nn.Module], kind: str,
-                 chunk_size: Optional[int], chunked: bool, build_model: Callable[[], nn.Module]) -> None:
+                 chunk_size: Optional[int], chunked: bool) -> None:
         self.args, self.rewards, self.seed = settings.args, settings.rewards, settings.seed
         self.reference, self.kind, self.chunk_size, self.chunked = reference, kind, chunk_size, chunked
-        self.build_model = build_model  # the policy on the meta device, to gather a sharded one into
         self.training_time = (0.0, 0)  # (seconds, tokens) the latest generation's micro-batches trained in
 
     def __call__(self, fabric, model: nn.Module, batches: Iterator, dataset, per_step: int) -> Iterator:
@@ -133,9 +133,9 @@ class Rollouts:
         start = time.perf_counter()
         with torch.no_grad(), fabric.autocast():
             completions = sample_completions(
-                whole_policy(model, self.build_model), prompts, seeds, args.max_new_tokens, args.temperature,
-                args.top_k, args.top_p, list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1,
-                args.max_batch_size)
+                unwrap(model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1, args.max_batch_size,
+                any_rank=any_rank(fabric) if fabric.world_size > 1 else None)
         generation_seconds = time.perf_counter() - start
         scores, rewards, advantages, agree = self.score(dataset, rows, completions)
         sequences = [shifted(prompt, completion) for prompt, completion in zip(prompts, completions)]
