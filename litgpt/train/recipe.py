@@ -2,10 +2,12 @@
 frozen models it holds beside it and the objective.
 
 pretrain, finetune_full and finetune_lora (with QLoRA as an option of the last) are `Recipe` values; distillation is
-`litgpt.train.recipes.distill.DistillRecipe`, a subclass with a teacher, and preference optimization
-`litgpt.train.recipes.dpo.DPORecipe`, one with a reference. The job (`litgpt.train.job`), the trainer and
-the checkpoint manager read them and never ask which command runs: a new kind of training is a new recipe (its frozen
-models in `materialize_frozen`, its loss in `objective`), not a branch in the loop.
+`litgpt.train.recipes.distill.DistillRecipe`, a subclass with a teacher, preference optimization
+`litgpt.train.recipes.dpo.DPORecipe`, one with a reference, and GRPO `litgpt.train.recipes.grpo.GRPORecipe`, one that
+samples its own training data. The job (`litgpt.train.job`), the trainer and the checkpoint manager read them and
+never ask which command runs: a new kind of training is a new recipe (its frozen models in `materialize_frozen`, its
+loss in `objective`, and batches made from the model as it trains in the objective's `make_batches`), not a branch in
+the loop.
 """
 
 from __future__ import annotations
