@@ -181,6 +181,37 @@ class LiveBytes(TorchDispatchMode):
             self.live -= nbytes
 
 
+class LogitMatmuls(TorchDispatchMode):
+    """Counts the matrix products that make logits: outputs with `vocab` columns."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("chunk_size", [4, 18])
+def test_a_summed_loss_makes_each_chunks_logits_once_a_per_position_one_again_in_its_backward(chunk_size):
+    """The summed loss takes its gradients in the forward pass, while it holds the chunk's logits; preference
+    optimization's per-position loss (each position's gradient differs) makes them again in the backward pass."""
+    hidden, weight, bias, labels = inputs()
+    chunks = -(-B * T // chunk_size)
+    for per_position, expected in ((False, chunks), (True, 2 * chunks)):
+        with LogitMatmuls(V) as counter:
+            total = chunked_head_loss(hidden, OutputHead(weight, bias), labels, cross_entropy_chunk, chunk_size,
+                                      per_position=per_position)
+            total.sum().backward()
+        assert counter.count == expected, (per_position, counter.count)
+    with torch.no_grad(), LogitMatmuls(V) as counter:  # validation: the loss alone
+        chunked_head_loss(hidden, OutputHead(weight, bias), labels, cross_entropy_chunk, chunk_size)
+    assert counter.count == chunks
+
+
 def test_memory_holds_one_chunk_of_logits_not_all():
     """Forward and backward of a large vocabulary: the plain loss holds (and saves) whole float32 logits, the
     chunked one never more than a few chunks' worth, and saves no logits at all."""

@@ -35,7 +35,8 @@ What is counted, per device:
   buffer).
 - logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
   loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
-  training uses), and the backward pass recomputes each chunk. At the start of the backward pass one chunk is alive:
+  training uses), each chunk's gradients taken in the forward pass while its logits exist (a per-position loss, as
+  preference optimization's, makes them again in the backward pass). At the loss one chunk is alive:
   its float32 logits, which become their gradient in place (4 bytes per position and vocabulary row), their 16-bit
   copy with a 16-bit compute dtype (2 more), the tanh of a final soft-capping (4 more); beside it, for the whole
   chunk loop, the hidden states' gradient and the gradients of the head's trainable weights (under autocast also

@@ -3,8 +3,9 @@
 Next-token losses need the logits of every position, (batch x seq x vocab): at a vocabulary of 128k they outweigh all
 other activations. So training never builds them whole: the model returns its final hidden states
 (`GPT(idx, return_hidden=True)`, through the module's `__call__`, so wrappers' hooks run) and `chunked_head_loss`
-applies the output head and the loss over chunks of positions. Its backward pass recomputes each chunk's logits, so at
-most one chunk's logits (16-bit and float32) are alive at any time.
+applies the output head and the loss over chunks of positions, so at most one chunk's logits (16-bit and float32) are
+alive at any time. A summed loss computes its gradients chunk by chunk in the forward pass, while it has the chunk's
+logits; a per-position one (preference optimization) recomputes each chunk's logits in its backward pass.
 
 The chunking knows nothing of cross-entropy: a `ChunkLoss` turns one chunk's float32 logits and its targets into the
 sum of its losses and, when asked, the gradient of that sum with respect to the logits. `cross_entropy_chunk` is the
@@ -124,7 +125,7 @@ class OutputHead:
 def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,
                       chunk_size: Optional[int] = None, per_position: bool = False) -> torch.Tensor:
     """The sum of `chunk_loss` over every position of `head(hidden)`, the logits built one chunk of `chunk_size`
-    positions at a time (None: `auto_chunk_size`) and never kept: the backward pass recomputes them. With
+    positions at a time (None: `auto_chunk_size`) and never kept (see `_ChunkedHead`). With
     `per_position`, `chunk_loss` gives one value per position (not their sum) and so does this: a tensor of
     `hidden`'s leading dimensions, whose gradient may differ from position to position.
 
@@ -139,9 +140,11 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     leading = hidden.dim() - 2
     as_tuple = isinstance(targets, tuple)
     flat_targets = tuple(t.flatten(0, leading) for t in targets) if as_tuple else (targets.flatten(0, leading),)
+    inputs = (hidden, head.weight, head.bias, lora_input, head.lora_b)
+    grads_now = not per_position and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     total = _ChunkedHead.apply(
         hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
-        head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, *flat_targets,
+        head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, grads_now, *flat_targets,
     )
     return total.view(hidden.shape[:-1]) if per_position else total
 
@@ -183,63 +186,103 @@ def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
         accumulator.add_(a @ b)
 
 
+class _HeadGradients:
+    """The gradients of the hidden states and of the head's tensors that `_ChunkedHead` accumulates chunk by chunk
+    (None where an input needs none)."""
+
+    def __init__(self, needs: tuple, hidden, weight, bias, lora_input, lora_b) -> None:
+        self.hidden = torch.empty_like(hidden) if needs[0] else None
+        self.weight = torch.zeros_like(weight) if needs[1] else None
+        self.bias = torch.zeros_like(bias, dtype=torch.float32) if needs[2] else None
+        self.lora_input = torch.empty_like(lora_input) if needs[3] else None
+        self.lora_b = torch.zeros_like(lora_b) if needs[4] else None
+
+    def add_chunk(self, head: _HeadInDtype, x: torch.Tensor, grad: torch.Tensor, rows: slice, lora_input) -> None:
+        """Add the products of one chunk's logits gradient `grad` (in the head's dtype) with its inputs `x`."""
+        if self.hidden is not None:
+            self.hidden[rows] = grad @ head.weight
+        if self.weight is not None:
+            _add_product(self.weight, grad.t(), x)
+        if self.bias is not None:
+            self.bias += grad.sum(0, dtype=torch.float32)
+        if self.lora_input is not None:
+            self.lora_input[rows] = grad @ head.lora_b
+        if self.lora_b is not None:
+            _add_product(self.lora_b, grad.t(), lora_input[rows].to(head.dtype))
+
+    def result(self, bias_dtype: Optional[torch.dtype], scale: Optional[torch.Tensor] = None) -> tuple:
+        """The five gradients (times `scale`, the loss' incoming gradient, where given), the bias' in its dtype."""
+        grads = [self.hidden, self.weight, self.bias, self.lora_input, self.lora_b]
+        if scale is not None:
+            grads = [None if g is None else g.mul_(scale) for g in grads]
+        if grads[2] is not None:
+            grads[2] = grads[2].to(bias_dtype)
+        return tuple(grads)
+
+
 class _ChunkedHead(torch.autograd.Function):
-    """Forward: the summed loss, chunk by chunk, nothing kept but the inputs. Backward: each chunk's logits again,
-    their gradient from the chunk loss, and its products into the gradients of the hidden states and the head."""
+    """The summed loss, chunk by chunk, with no chunk's logits kept.
+
+    A summed loss (not `per_position`) that will be differentiated computes its gradients in the forward pass too,
+    from the same chunk logits (the loss' incoming gradient is a scalar, applied in the backward pass): the head's
+    matmul runs once, not again in the backward pass. Otherwise the forward pass keeps only the inputs, and the
+    backward pass makes each chunk's logits again, their gradient from the chunk loss, and its products into the
+    gradients of the hidden states and the head."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_input, lora_b, chunk_loss, softcap, dtype, chunk_size, as_tuple,
-                per_position, *targets):
-        ctx.save_for_backward(hidden, weight, bias, lora_input, lora_b, *targets)
+                per_position, grads_now, *targets):
         ctx.chunk_loss, ctx.softcap, ctx.dtype, ctx.chunk_size = chunk_loss, softcap, dtype, chunk_size
-        ctx.as_tuple, ctx.per_position = as_tuple, per_position
+        ctx.as_tuple, ctx.per_position, ctx.n_targets = as_tuple, per_position, len(targets)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        grads = _HeadGradients(ctx.needs_input_grad, hidden, weight, bias, lora_input, lora_b) if grads_now else None
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
             head = _HeadInDtype(weight, bias, lora_input, lora_b, softcap, dtype)
             shape = (hidden.size(0),) if per_position else ()
             total = torch.zeros(shape, device=hidden.device, dtype=torch.float32)
             for rows in _chunks(hidden.size(0), chunk_size):
-                logits, _ = head.logits(hidden[rows].to(dtype), rows)
-                values = chunk_loss(logits, _target_rows(targets, rows, as_tuple), False)[0]
+                values, grad, x = _chunk(head, hidden, rows, targets, chunk_loss, as_tuple, grads is not None)
+                if grads is not None:
+                    grads.add_chunk(head, x, grad.to(dtype), rows, lora_input)
                 if per_position:
                     total[rows] = values
                 else:
                     total += values
-                del logits  # before the next chunk's are made
+                del grad, x  # before the next chunk's are made
+        ctx.grads = grads
+        if grads is None:
+            ctx.save_for_backward(hidden, weight, bias, lora_input, lora_b, *targets)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
+        no_grads = (None,) * (7 + ctx.n_targets)  # chunk_loss .. grads_now, and the targets
+        if ctx.grads is not None:
+            grads, ctx.grads = ctx.grads, None  # scaled in place: a second backward pass would need them again
+            return *grads.result(ctx.bias_dtype, grad_total), *no_grads
+        if not ctx.saved_tensors:
+            raise RuntimeError("The chunked loss' gradients were computed in its forward pass and used once already: "
+                               "a second backward pass (retain_graph=True) needs the loss computed again.")
         hidden, weight, bias, lora_input, lora_b, *targets = ctx.saved_tensors
-        needs = ctx.needs_input_grad
         head = _HeadInDtype(weight, bias, lora_input, lora_b, ctx.softcap, ctx.dtype)
-        grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        grad_weight = torch.zeros_like(weight) if needs[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if needs[2] else None
-        grad_lora_input = torch.empty_like(lora_input) if needs[3] else None
-        grad_lora_b = torch.zeros_like(lora_b) if needs[4] else None
+        grads = _HeadGradients(ctx.needs_input_grad, hidden, weight, bias, lora_input, lora_b)
         for rows in _chunks(hidden.size(0), ctx.chunk_size):
-            x = hidden[rows].to(ctx.dtype)
-            logits, tanh = head.logits(x, rows)
-            _, grad = ctx.chunk_loss(logits, _target_rows(targets, rows, ctx.as_tuple), True)
-            if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
-                grad.mul_(tanh.square_().neg_().add_(1))
-                del tanh
+            _, grad, x = _chunk(head, hidden, rows, targets, ctx.chunk_loss, ctx.as_tuple, True)
             grad = grad.mul_(grad_total[rows].unsqueeze(1) if ctx.per_position else grad_total).to(ctx.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad @ head.weight
-            if grad_weight is not None:
-                _add_product(grad_weight, grad.t(), x)
-            if grad_bias is not None:
-                grad_bias += grad.sum(0, dtype=torch.float32)
-            if grad_lora_input is not None:
-                grad_lora_input[rows] = grad @ head.lora_b
-            if grad_lora_b is not None:
-                _add_product(grad_lora_b, grad.t(), lora_input[rows].to(ctx.dtype))
-            del x, logits, grad  # before the next chunk's are made
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        no_grads = (None,) * (6 + len(targets))  # chunk_loss .. per_position, and the targets
-        return grad_hidden, grad_weight, grad_bias, grad_lora_input, grad_lora_b, *no_grads
+            grads.add_chunk(head, x, grad, rows, lora_input)
+            del x, grad  # before the next chunk's are made
+        return *grads.result(ctx.bias_dtype), *no_grads
+
+
+def _chunk(head: _HeadInDtype, hidden, rows: slice, targets, chunk_loss: ChunkLoss, as_tuple: bool, need_grad: bool):
+    """One chunk: (the chunk loss' values, with `need_grad` the float32 gradient of their sum with respect to the
+    chunk's logits (soft-capping included), and the chunk's hidden states in the head's dtype)."""
+    x = hidden[rows].to(head.dtype)
+    logits, tanh = head.logits(x, rows)
+    values, grad = chunk_loss(logits, _target_rows(targets, rows, as_tuple), need_grad)
+    if grad is not None and tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
+        grad.mul_(tanh.square_().neg_().add_(1))
+    return values, grad, x
 
 
 def _chunks(positions: int, chunk_size: int):
@@ -328,7 +371,8 @@ class DistillationChunkLoss:
 
     Its targets are (labels, teacher): the teacher's final hidden states when `teacher_head` is given (the teacher's
     logits of the chunk are built here, in float32, soft-capped as the teacher's model caps them), else the teacher's
-    logits. The forward pass (the calls without gradient, once per chunk) also sums the two terms, for the logs.
+    logits. Each call also adds the two terms to sums for the logs, which `losses` reads after the forward pass (a
+    backward pass that calls again, recomputing, comes after that).
     """
 
     def __init__(self, kd: KDArgs, teacher_head: Optional[_HeadInDtype] = None) -> None:
@@ -339,8 +383,7 @@ class DistillationChunkLoss:
                  need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         labels, teacher = targets
         kd_sum, ce_sum, grad = distillation_chunk(logits, self.teacher_logits(teacher), labels, self.kd, need_grad)
-        if not need_grad:
-            self.kd_sum, self.ce_sum = self.kd_sum + kd_sum.detach(), self.ce_sum + ce_sum.detach()
+        self.kd_sum, self.ce_sum = self.kd_sum + kd_sum.detach(), self.ce_sum + ce_sum.detach()
         return self.kd.alpha * kd_sum + (1 - self.kd.alpha) * ce_sum, grad
 
     def teacher_logits(self, teacher: torch.Tensor) -> torch.Tensor:
