@@ -290,6 +290,26 @@ def test_prompts_from_a_hugging_face_dataset_equal_its_json_file_and_reach_the_r
     chat = next(i for i, row in enumerate(train.rows) if not isinstance(row["prompt"], str))
     assert train.fields([0, chat]) == {"answer": [train.rows[0]["answer"], "4"], "level": [None, 3]}
 
+    # What a reward function receives: the rows' prompts, the completions as text (as messages for a chat prompt),
+    # every other field per completion, as TRL's GRPOTrainer passes them.
+    from litgpt.train.recipes.grpo import GRPOSettings, Rollouts
+
+    received = {}
+
+    def spy(prompts, completions, **fields):
+        received.update(prompts=prompts, completions=completions, **fields)
+        return [0.0] * len(completions)
+
+    rollouts = Rollouts(GRPOSettings(GRPOArgs(num_generations=2), Rewards(["spy"], [spy], [1.0])), None, "none",
+                        None, True)
+    ids = [train.tokenizer.encode(text, bos=False, eos=False).tolist() for text in (" 4", " 5", " 6", " 7")]
+    rollouts.score(train, [0, chat], ids)
+    texts = [train.tokenizer.decode(torch.tensor(i), skip_special_tokens=True) for i in ids]
+    assert received["prompts"] == [train.rows[0]["prompt"]] * 2 + [train.rows[chat]["prompt"]] * 2
+    assert received["completions"] == texts[:2] + [[{"role": "assistant", "content": t}] for t in texts[2:]]
+    assert received["answer"] == [train.rows[0]["answer"]] * 2 + ["4", "4"]
+    assert received["level"] == [None, None, 3, 3]
+
 
 # ---- rollouts -------------------------------------------------------------------------------------------------------
 def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
