@@ -383,6 +383,9 @@ class GRPOArgs:
             at the end of a generation (--train.save_interval a multiple of it); from one within, the rest of the
             generation's prompts are sampled anew from the resumed weights.
         max_batch_size: Sequences the generation engine decodes together.
+        refill_rounds: dapo's dynamic sampling: rounds in which each group whose rewards all agree is replaced by
+            the group of another prompt drawn at random from the data (0: such groups are only left out of the loss,
+            as those that still agree after the last round are).
     """
 
     num_generations: int = 8
@@ -396,6 +399,7 @@ class GRPOArgs:
     beta: float = 0.0
     steps_per_generation: int = 1
     max_batch_size: int = 64
+    refill_rounds: int = 2
 
     @property
     def upper_clip(self) -> float:
@@ -414,6 +418,8 @@ class GRPOArgs:
         for name in ("max_new_tokens", "steps_per_generation", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--grpo.{name} {getattr(self, name)} must be at least 1.")
+        if self.refill_rounds < 0:
+            raise UserError(f"--grpo.refill_rounds {self.refill_rounds} must be at least 0.")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise UserError(f"--grpo.temperature {self.temperature} must be a finite number above 0: rollouts are "
                             "sampled (greedy completions of a group would all agree).")

@@ -103,7 +103,7 @@ def setup(
         compiler: none (eager; the default), auto or torch (each transformer block compiled).
         grpo: The group size, sampling and loss: --grpo.num_generations, --grpo.max_new_tokens,
             --grpo.temperature/top_k/top_p, --grpo.loss grpo|dr_grpo|dapo, --grpo.epsilon, --grpo.epsilon_high,
-            --grpo.beta, --grpo.steps_per_generation, --grpo.max_batch_size.
+            --grpo.beta, --grpo.steps_per_generation, --grpo.max_batch_size, --grpo.refill_rounds (dapo).
         reward: The reward functions: built-ins exact_answer, regex_format[=PATTERN], length_penalty[=CHARACTERS],
             or your own module:function (a module or a .py file) with TRL's signature
             fn(prompts, completions, **row_fields) -> list[float]; several, given as a list

@@ -335,6 +335,39 @@ def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
     assert together[0] == alone[0]
 
 
+def test_dapo_refills_the_groups_whose_rewards_agree_with_other_prompts(base):
+    """Dynamic sampling: a flat prompt's group (its rewards all 0) gives its place to the group of a prompt drawn from
+    the data; what is still flat after the last round is left out of the loss. With no round, every flat group is."""
+    from lightning.fabric import Fabric
+
+    from litgpt.prompts import PromptStyle
+    from litgpt.tokenizer import Tokenizer
+    from litgpt.train.prompt_data import PromptDataset
+    from litgpt.train.recipes.grpo import GRPOSettings, Rollouts
+
+    def varied_or_flat(prompts, completions, kind, **fields):
+        return [len(c) / 10 if k == "varied" else 0.0 for c, k in zip(completions, kind)]
+
+    rows = [{"prompt": f"{i}+1=", "kind": "flat" if i % 2 else "varied"} for i in range(10)]
+    dataset = PromptDataset(rows, Tokenizer(base), PromptStyle(), None, 32, "training")
+    model = GPT(Config(**SMALL))
+    model.load_state_dict(load_state_dict(base / "lit_model.pth"))
+    window = [(0, 0, dataset.collate([dataset[i] for i in (1, 3, 5, 7)]))]  # flat prompts only
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    kept = {}
+    for rounds in (0, 3):
+        args = GRPOArgs(loss="dapo", num_generations=4, max_new_tokens=6, refill_rounds=rounds)
+        settings = GRPOSettings(args, Rewards(["varied_or_flat"], [varied_or_flat], [1.0]), seed=1)
+        ((_, _, batch),) = Rollouts(settings, None, "none", None, True).generation(fabric, model, window, dataset, 1,
+                                                                                 "train")
+        kept[rounds] = batch["kept"]
+        assert batch["log/zero_std_fraction"].item() == 1 - kept[rounds].float().mean().item()
+        varied = [dataset.ids[i].tolist() for i in range(0, 10, 2)]
+        for row in kept[rounds].nonzero().flatten().tolist():  # a group left in is a varied prompt's
+            assert any(batch["input_ids"][row, : len(ids)].tolist() == ids for ids in varied)
+    assert not kept[0].any() and kept[3].any()
+
+
 # ---- the plan -------------------------------------------------------------------------------------------------------
 def test_the_plan_counts_a_group_per_prompt_and_a_reference_only_with_beta():
     """A prompt is its group of completions in one forward pass: 2 prompts of 4 completions plan as 8 sequences of

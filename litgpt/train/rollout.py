@@ -93,8 +93,9 @@ def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], m
     dtype = model.transformer.wte.weight.dtype
     max_seq_length = min(max_seq_length, model.config.block_size)
     shape = CacheShape.of(model, dtype)
-    longest = min(max_seq_length, max(len(p) for p in prompts) + max_new_tokens)
-    rows = min(max_batch_size, len(prompts))
+    # (a rank with no prompts of its own still joins its sharded peers' passes)
+    longest = min(max_seq_length, max((len(p) for p in prompts), default=1) + max_new_tokens)
+    rows = max(1, min(max_batch_size, len(prompts)))
     budget_gb = rows * (-(-longest // PAGE_SIZE) + 1) * PAGE_SIZE * shape.bytes_per_token / 2**30
     plan = plan_cache(shape, model.config.block_size, PAGE_SIZE, rows, max(2, longest), budget_gb, 1.0, 0)
     events: "queue.Queue[tuple]" = queue.Queue()

@@ -127,17 +127,17 @@ class Rollouts:
         advantages (and the sampling policy's and the reference's log-probabilities where the loss needs them)."""
         args, group = self.args, self.args.num_generations
         rows = [int(i) for _, _, batch in window for i in batch["index"]]
-        prompts = [dataset.ids[row].tolist() for row in rows for _ in range(group)]
-        seeds = [completion_seed(self.seed, split, epoch, int(i), member)
-                 for epoch, _, batch in window for i in batch["index"] for member in range(group)]
+        epochs = [epoch for epoch, _, batch in window for _ in batch["index"]]
+        seeds = [completion_seed(self.seed, split, epoch, row, member)
+                 for epoch, row in zip(epochs, rows) for member in range(group)]
         start = time.perf_counter()
-        with torch.no_grad(), fabric.autocast():
-            completions = sample_completions(
-                unwrap(model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1, args.max_batch_size,
-                any_rank=any_rank(fabric) if fabric.world_size > 1 else None)
+        completions = self.sample(fabric, model, dataset, rows, seeds)
+        scored = self.score(dataset, rows, completions)
+        if args.loss == "dapo":
+            scored = self.refill(fabric, model, dataset, split, epochs, rows, completions, scored)
         generation_seconds = time.perf_counter() - start
-        scores, rewards, advantages, agree = self.score(dataset, rows, completions)
+        scores, rewards, advantages, agree = scored
+        prompts = [dataset.ids[row].tolist() for row in rows for _ in range(group)]
         sequences = [shifted(prompt, completion) for prompt, completion in zip(prompts, completions)]
         made, per_micro = [], len(window[0][2]["index"]) * group
         per_step_sequences = per_micro * per_step
@@ -148,13 +148,44 @@ class Rollouts:
                 logged = self.logged(scores[step], rewards[step], agree[step.start // group:step.stop // group],
                                      completions[step], generation_seconds * per_step / len(window), fabric.device)
             batch = collate([sequences[i] for i in members])
-            # dapo's dynamic sampling: groups whose rewards all agree teach nothing; the loss leaves them out.
+            # dapo: groups whose rewards still all agree (after `refill`) teach nothing; the loss leaves them out.
             dropped = agree.repeat_interleave(group)[members.start:members.stop] & (args.loss == "dapo")
             batch["kept"] = ~dropped
             batch["advantages"] = advantages[members.start:members.stop].float()
             made.append((epoch, index, {**batch, **logged}))
         self.add_log_probabilities(fabric, model, [batch for _, _, batch in made], per_step)
         return made
+
+    def sample(self, fabric, model: nn.Module, dataset, rows: list[int], seeds: list[int]) -> list[list[int]]:
+        """A group of completions of each row's prompt, each completion from its seed."""
+        args, group = self.args, self.args.num_generations
+        prompts = [dataset.ids[row].tolist() for row in rows for _ in range(group)]
+        with torch.no_grad(), fabric.autocast():
+            return sample_completions(
+                unwrap(model), prompts, seeds, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                list(dataset.tokenizer.stop_ids), dataset.max_seq_length + 1, args.max_batch_size,
+                any_rank=any_rank(fabric) if fabric.world_size > 1 else None)
+
+    def refill(self, fabric, model: nn.Module, dataset, split: str, epochs: list[int], rows: list[int],
+               completions: list[list[int]], scored: tuple) -> tuple:
+        """DAPO's dynamic sampling: for up to `refill_rounds` rounds, each group whose rewards all agree gives its
+        place (in `rows` and `completions`, changed in place) to the group of a prompt drawn at random from the data.
+        A draw depends on the group's seed, epoch, row and round alone, not on the rank. Returns the new scores."""
+        group = self.args.num_generations
+        for round in range(1, self.args.refill_rounds + 1):
+            agreeing = scored[3].nonzero().flatten().tolist()
+            if not (any_rank(fabric)(bool(agreeing)) if fabric.world_size > 1 else agreeing):
+                break
+            salt = f"{split}/refill{round}"
+            draws = [completion_seed(self.seed, salt, epochs[g], rows[g], -1) % len(dataset) for g in agreeing]
+            seeds = [completion_seed(self.seed, f"{salt}/{rows[g]}", epochs[g], row, member)
+                     for g, row in zip(agreeing, draws) for member in range(group)]
+            fresh = self.sample(fabric, model, dataset, draws, seeds)
+            for k, (g, row) in enumerate(zip(agreeing, draws)):
+                rows[g] = row
+                completions[g * group:(g + 1) * group] = fresh[k * group:(k + 1) * group]
+            scored = self.score(dataset, rows, completions)
+        return scored
 
     def score(self, dataset, rows: list[int], completions: list[list[int]]):
         """(each reward's scores, the weighted totals, the advantages, whether each group's totals all agree)."""
