@@ -301,11 +301,11 @@ class Preference(DataModule):
                             "with train and val files) or --data.dataset (a Hugging Face dataset), one of the two.")
         if self.json_path is not None:
             return self._load_json(Path(self.json_path).expanduser())
-        train = load_preference_rows(_hf_rows(self.dataset, self.name, self.split), f"{self.dataset!r}")
+        train = load_preference_rows(hf_dataset_rows(self.dataset, self.name, self.split), f"{self.dataset!r}")
         if self.val_split is not None:
             if self.val_split_fraction is not None:
                 raise UserError("Give --data.val_split or --data.val_split_fraction, not both.")
-            return train, load_preference_rows(_hf_rows(self.dataset, self.name, self.val_split), f"{self.dataset!r}")
+            return train, load_preference_rows(hf_dataset_rows(self.dataset, self.name, self.val_split), f"{self.dataset!r}")
         return self._split(train, f"{self.dataset!r} has no --data.val_split")
 
     def _load_json(self, path: Path) -> tuple[list[PreferenceRecord], list[PreferenceRecord]]:
@@ -344,7 +344,7 @@ class Preference(DataModule):
         return dataset
 
 
-def _hf_rows(dataset: str, name: Optional[str], split: str):
+def hf_dataset_rows(dataset: str, name: Optional[str], split: str):
     """(row, where) of a Hugging Face dataset's split: a local data file, a local folder, or a hub name."""
     try:
         import datasets

@@ -17,7 +17,7 @@ import torch
 
 from litgpt.data.base import IGNORE_INDEX, DataModule, collate
 from litgpt.data.json_data import find_split_file, iter_json, split_records
-from litgpt.data.preference import _hf_rows
+from litgpt.data.preference import hf_dataset_rows
 from litgpt.errors import UserError
 from litgpt.prompts import ROLES, PromptStyle
 
@@ -135,10 +135,10 @@ class Prompts(DataModule):
             raise UserError("--data Prompts needs its rows: give --data.json_path (a .json/.jsonl file or a folder "
                             "with train/val files) or --data.dataset (a Hugging Face dataset), one of the two.")
         if self.dataset is not None:
-            train = [prompt_row(row, where) for row, where in _hf_rows(self.dataset, self.name, self.split)]
+            train = [prompt_row(row, where) for row, where in hf_dataset_rows(self.dataset, self.name, self.split)]
             if self.val_split is None:
                 return self._split(train)
-            return train, [prompt_row(row, where) for row, where in _hf_rows(self.dataset, self.name, self.val_split)]
+            return train, [prompt_row(row, where) for row, where in hf_dataset_rows(self.dataset, self.name, self.val_split)]
         path = Path(self.json_path).expanduser()
         if path.is_dir():
             train, val = find_split_file(path, "train"), find_split_file(path, "val")
