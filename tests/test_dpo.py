@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
 from litgpt_forkserver import run_litgpt
+from test_data import write_jsonl
 
 from litgpt.config import Config
 from litgpt.data.base import IGNORE_INDEX
@@ -45,12 +46,6 @@ def color_pairs(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": f"Name a thing number {rng.randrange(100)}:", "chosen": f" {rng.choice(COLORS)}",
              "rejected": f" {rng.choice(ANIMALS)}"} for _ in range(count)]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ reward functions for the reward signature.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import random
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
 from litgpt_forkserver import run_litgpt
+from test_data import write_jsonl
 
 from litgpt.args import GRPOArgs
 from litgpt.config import Config
@@ -50,12 +50,6 @@ def sum_rows(count: int, seed: int) -> list[dict]:
         a, b = rng.randrange(5), rng.randrange(5)
         rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
