@@ -12,12 +12,10 @@ import json
 import math
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
 from litgpt_forkserver import run_litgpt
 from test_data import write_jsonl
