@@ -375,6 +375,15 @@ class SFTDataModule(DataModule):
         )
 
 
+def train_and_val_files(folder: Path) -> tuple[Path, Path]:
+    """A data folder's train and val files (each .json or .jsonl), or a UserError saying what it needs."""
+    train, val = find_split_file(folder, "train"), find_split_file(folder, "val")
+    if train is None or val is None:
+        raise UserError(f"The folder {str(folder)!r} needs train.json (or train.jsonl) and val.json (or val.jsonl); or "
+                        "pass a single file with --data.val_split_fraction.")
+    return train, val
+
+
 def find_split_file(folder: Path, split: str) -> Optional[Path]:
     """`folder/split.json` or `folder/split.jsonl` (a UserError when both exist), or None."""
     found = [folder / f"{split}{suffix}" for suffix in (".json", ".jsonl") if (folder / f"{split}{suffix}").is_file()]
@@ -407,12 +416,7 @@ class JSON(SFTDataModule):
     def load(self) -> tuple[list[Record], list[Record]]:
         path = Path(self.json_path).expanduser()
         if path.is_dir():
-            train, val = find_split_file(path, "train"), find_split_file(path, "val")
-            if train is None or val is None:
-                raise UserError(
-                    f"The folder {str(path)!r} needs train.json (or train.jsonl) and val.json (or val.jsonl); "
-                    "or pass a single file with --data.val_split_fraction."
-                )
+            train, val = train_and_val_files(path)
             if self.val_split_fraction is not None:
                 raise UserError(
                     f"{str(path)!r} has its own validation file: leave val_split_fraction unset, or pass a single file."

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import torch
 
 from litgpt.data.base import IGNORE_INDEX, DataModule
-from litgpt.data.json_data import _check_messages, _type_name, find_split_file, iter_json, split_records
+from litgpt.data.json_data import _check_messages, _type_name, iter_json, split_records, train_and_val_files
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
 from litgpt.prompts import ROLES, Alpaca as AlpacaStyle, PromptStyle
@@ -310,10 +310,7 @@ class Preference(DataModule):
 
     def _load_json(self, path: Path) -> tuple[list[PreferenceRecord], list[PreferenceRecord]]:
         if path.is_dir():
-            train, val = find_split_file(path, "train"), find_split_file(path, "val")
-            if train is None or val is None:
-                raise UserError(f"The folder {str(path)!r} needs train.json (or .jsonl) and val.json (or .jsonl); or "
-                                "pass a single file with --data.val_split_fraction.")
+            train, val = train_and_val_files(path)
             if self.val_split_fraction is not None:
                 raise UserError(f"{str(path)!r} has its own validation file: leave val_split_fraction unset.")
             return (load_preference_rows(iter_json(train), repr(str(train))),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from litgpt.data.base import IGNORE_INDEX, DataModule, collate
-from litgpt.data.json_data import find_split_file, iter_json, split_records
+from litgpt.data.json_data import iter_json, split_records, train_and_val_files
 from litgpt.data.preference import hf_dataset_rows
 from litgpt.errors import UserError
 from litgpt.prompts import ROLES, PromptStyle
@@ -141,9 +141,7 @@ class Prompts(DataModule):
             return train, [prompt_row(row, where) for row, where in hf_dataset_rows(self.dataset, self.name, self.val_split)]
         path = Path(self.json_path).expanduser()
         if path.is_dir():
-            train, val = find_split_file(path, "train"), find_split_file(path, "val")
-            if train is None or val is None:
-                raise UserError(f"The folder {str(path)!r} needs train.json (or .jsonl) and val.json (or .jsonl).")
+            train, val = train_and_val_files(path)
             return ([prompt_row(row, where) for row, where in iter_json(train)],
                     [prompt_row(row, where) for row, where in iter_json(val)])
         return self._split([prompt_row(row, where) for row, where in iter_json(path)])
