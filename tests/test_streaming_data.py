@@ -180,9 +180,33 @@ def torchrun(nodes: int, folder: str, out: Path, micro_batches: str, *extra, cac
         environment = child_environment(LITDATA_CACHE_DIR=str(caches[node_rank]))
         launches.append(subprocess.Popen(command, env=environment, text=True, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE))
-    for process in launches:
-        _, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr[-3000:]
+    outcomes = [(process, process.communicate(timeout=300)[1]) for process in launches]
+    failed = [f"node {rank}:\n{stderr[-3000:]}" for rank, (process, stderr) in enumerate(outcomes) if process.returncode]
+    assert not failed, "\n".join(failed)
+
+
+PREPARE_ALONE = """
+import sys
+from litgpt.data import LitData
+from litgpt.data.tiny import TOKENIZER_DIR
+from litgpt.tokenizer import Tokenizer
+data = LitData(sys.argv[1], num_workers=0)
+data.connect(Tokenizer(TOKENIZER_DIR), max_seq_length=32)
+data.prepare()
+"""
+
+
+def test_prepare_fetches_a_remote_index_into_the_node_cache_before_the_other_ranks_open_it(tmp_path):
+    """`prepare` runs on a node's first process while the others wait; it must leave the folder's index in the node's
+    cache, since litdata lets another process wait only a second for a download under way (a loaded node failed)."""
+    folder, cache = tmp_path / "corpus", tmp_path / "node-cache"
+    block_corpus(folder, blocks=8, block_size=33, blocks_per_chunk=4)
+    from test_fault_tolerance import child_environment
+
+    subprocess.run([sys.executable, "-c", PREPARE_ALONE, f"local:{folder}"], check=True, timeout=120,
+                   env=child_environment(LITDATA_CACHE_DIR=str(cache)))
+    assert [path.name for path in cache.rglob("index.json")] == ["index.json"]
+    assert not list(cache.rglob("chunk-*.bin"))  # the index only: shards are fetched by the rank that reads them
 
 
 def rows(blocks: torch.Tensor) -> list[tuple]:

@@ -48,11 +48,14 @@ class StreamingCorpus(DataModule):
         return self.max_seq_length + 1
 
     def prepare(self) -> None:
-        """Check the folders before step 1 (local ones whole: index, shards, tokenizer); nothing is tokenized."""
+        """Check the folders before step 1 (local ones whole: index, shards, tokenizer); nothing is tokenized. Opening
+        each folder here, on the node's first process while the others wait, also fetches a remote folder's index into
+        the node's cache: litdata lets another process wait only a second for a download already under way."""
         import_litdata()
-        for folder, _ in self.train_folders():
-            check_folder(folder, "training", self.tokenizer)
-        check_folder(self.val_folder(), "validation", self.tokenizer)
+        folders = [(folder, "training") for folder, _ in self.train_folders()] + [(self.val_folder(), "validation")]
+        for folder, what in folders:
+            check_folder(folder, what, self.tokenizer)
+            open_dataset(folder, self.block_size, shuffle=False, seed=self.seed)
 
     def train_dataset(self) -> StreamedBlocks:
         folders = self.train_folders()
