@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from litgpt.checkpoint.model_files import assign_weights, check_weights_match
 from litgpt.errors import UserError
-from litgpt.nf4 import is_nf4
+from litgpt.nf4 import is_nf4, linear_of_rows
 
 if TYPE_CHECKING:
     from litgpt.model import GPT
@@ -111,7 +111,8 @@ class LoRALinear(nn.Linear):
 
     The base weight and bias are the very parameters of the layer it replaces (ties are kept). After bitsandbytes
     quantization (`litgpt.quantize`) they live in a child module `base_layer` instead and `weight`/`bias` are None;
-    after ao.nf4 `weight` is a frozen torchao NF4Tensor. A one-part layer is a `litgpt.moe.AdaptedLinear`, what the
+    after ao.nf4 `weight` is a frozen torchao NF4Tensor (under FSDP possibly with rows appended, which the forward
+    drops). A one-part layer is a `litgpt.moe.AdaptedLinear`, what the
     mixture-of-experts kernels read from an adapted expert.
     """
 
@@ -204,7 +205,7 @@ class LoRALinear(nn.Linear):
         base = self._modules.get("base_layer")
         if base is not None:
             return base(x)
-        return F.linear(x, self.weight, self.bias)
+        return linear_of_rows(x, self.weight, self.bias, self.out_features)
 
     @property
     def applies_update(self) -> bool:

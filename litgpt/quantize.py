@@ -14,7 +14,9 @@ scale per 256 scalers: about 4.13 bits per weight).
 
 Only `ao.nf4` can be sharded by FSDP2 (`SHARDABLE_MODES`, `storage_mode`). An NF4Tensor implements FSDP2's all-gather
 extension (`fsdp_pre_all_gather` / `fsdp_post_all_gather`): its packed 4-bit data and its scalers are split over the
-ranks and all-gathered as they are, in 4 bits, and the gathered tensor is an NF4Tensor again. bitsandbytes' Params4bit
+ranks and all-gathered as they are, in 4 bits, and the gathered tensor is an NF4Tensor again (FSDP2 splits rows; a
+weight whose rows do not split into whole NF4 blocks and scale groups is stored with zero rows appended and computed
+by its layer as its own rows, `store_nf4`). bitsandbytes' Params4bit
 keeps its quantization statistics in a `quant_state` beside the tensor, which FSDP2 neither shards nor gathers, so a
 sharded bitsandbytes weight would lose them. Under FSDP `bnb.nf4` and `bnb.nf4-dq` (the same format) are therefore
 stored as `ao.nf4`; `bnb.fp4` and `bnb.int8` are refused.
@@ -36,6 +38,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 from typing import Iterator, Optional, Union
 
 import torch
@@ -44,7 +47,7 @@ import torch.nn as nn
 from litgpt.errors import UserError
 from litgpt.precision import Precision
 from litgpt.lora import LoRALinear, is_lora_key
-from litgpt.nf4 import is_nf4
+from litgpt.nf4 import is_nf4, linear_of_rows
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4")
 # What FSDP2 can shard: torchao's NF4, and bitsandbytes' NF4 modes, which a sharded run stores as torchao NF4.
@@ -173,7 +176,7 @@ def quantize_frozen_base(
         raise RuntimeError("Load the base weights before quantizing: the model is on the meta device.")
     target = torch.device(device) if device is not None else first.device
     if mode == "ao.nf4":
-        check_nf4_shapes(model, shard=1)
+        check_nf4_shapes(model)
         for _, _, module in targets:
             module.weight = frozen_nf4(module.weight.to(target), dtype or module.weight.dtype)
         return
@@ -215,28 +218,88 @@ def nf4_scaler_block(numel: int) -> int:
     return math.gcd(NF4_SCALER_BLOCK, numel // NF4_BLOCK)
 
 
-def frozen_nf4(weight: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-    """`weight` (out, in) quantized where it is to a frozen NF4Tensor parameter that dequantizes to `dtype`."""
+def frozen_nf4(weight: torch.Tensor, dtype: torch.dtype, rows: Optional[int] = None) -> nn.Parameter:
+    """`weight` (out, in) quantized where it is to a frozen NF4Tensor parameter that dequantizes to `dtype`; with
+    `rows` (at least out) it is stored with zero rows appended up to `rows` (`nf4_stored_rows`). The appended rows do
+    not touch the statistics of the weight's own: its NF4 values are exactly those of the weight quantized alone."""
     to_nf4 = _import_torchao("ao.nf4").to_nf4
     source = weight.detach().to(dtype).contiguous()
-    return nn.Parameter(to_nf4(source, NF4_BLOCK, nf4_scaler_block(source.numel())), requires_grad=False)
+    nf4 = to_nf4(source, NF4_BLOCK, nf4_scaler_block(source.numel()))
+    if rows is not None and rows != weight.shape[0]:
+        nf4 = _append_rows(nf4, rows)
+    return nn.Parameter(nf4, requires_grad=False)
 
 
-def check_nf4_shapes(model: nn.Module, shard: int) -> None:
-    """UserError unless every weight `quantize_targets` finds can be stored as NF4 and split over `shard` ranks
-    (FSDP2 splits rows; each rank's piece must be whole 64-blocks and whole scaler blocks)."""
+def _append_rows(nf4: torch.Tensor, rows: int) -> torch.Tensor:
+    """The NF4Tensor `nf4` with zero codes, zero scalers and unit scales appended up to `rows` rows. Dequantization
+    reads a weight's own 64-block and its own group of scalers (the scalers' mean stays the weight's), so the first
+    rows dequantize exactly as before; whole groups are appended, as `nf4_stored_rows` counts them."""
+    columns = nf4.shape[1]
+    extra = (rows - nf4.shape[0]) * columns
+    blocks, groups = extra // NF4_BLOCK, extra // NF4_BLOCK // nf4.scaler_block_size
+    assert extra > 0 and blocks * NF4_BLOCK == extra and groups * nf4.scaler_block_size == blocks, (nf4.shape, rows)
+    parts = {
+        "quantized_data": torch.cat([nf4.quantized_data, nf4.quantized_data.new_zeros(extra // 2)]),
+        "quantized_scalers": torch.cat([nf4.quantized_scalers, nf4.quantized_scalers.new_zeros(blocks)]),
+        "quantization_factor": torch.cat([nf4.quantization_factor, nf4.quantization_factor.new_ones(groups)]),
+        "n_blocks": nf4.n_blocks + blocks, "size": torch.Size((rows, columns)), "stride": (columns, 1),
+    }
+    # torchao's own way to build an NF4Tensor from another with some parts replaced (its split and gather use it)
+    construct_nf4_args = sys.modules[type(nf4).__module__].construct_nf4_args
+    return type(nf4)(*construct_nf4_args(nf4, parts))
+
+
+def nf4_stored_rows(shape: tuple[int, int], shard: int) -> int:
+    """The rows an NF4 weight of `shape` is stored with to be split over `shard` ranks: FSDP2 splits rows, and each
+    rank's piece must hold whole 64-blocks and whole groups of their scalers. A weight that splits so keeps its rows;
+    any other gets zero rows appended up to the next count that does (never read: `RowPaddedLinear`)."""
+    rows, columns = shape
+    group = NF4_BLOCK * nf4_scaler_block(rows * columns)  # weights per group of scalers
+    step = group // math.gcd(columns, group)  # a rank's rows must be a multiple of this
+    if rows % shard == 0 and (rows // shard) % step == 0:
+        return rows
+    return -(-rows // (shard * step)) * shard * step
+
+
+class RowPaddedLinear(nn.Module):
+    """A frozen linear layer whose NF4 weight is stored with rows appended so that FSDP2 can split it
+    (`nf4_stored_rows`): it computes the appended rows' outputs too and returns the layer's own `out_features`."""
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], out_features: int) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.in_features, self.out_features = weight.shape[1], out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_of_rows(x, self.weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored_rows={self.weight.shape[0]}"
+
+
+def store_nf4(block: nn.Module, name: str, layer: nn.Linear, weight: torch.Tensor, dtype: torch.dtype,
+              shard: int) -> None:
+    """Give `layer` (the block's target `name`, `block_targets`) `weight` as a frozen NF4 weight split over `shard`
+    ranks, stored with the rows `nf4_stored_rows` gives. A LoRA layer returns its own rows of a longer weight; a plain
+    layer that gets a longer one is replaced by a `RowPaddedLinear` (the same state-dict keys)."""
+    rows = nf4_stored_rows(tuple(weight.shape), shard)
+    stored = frozen_nf4(weight, dtype, rows)
+    if rows == weight.shape[0] or isinstance(layer, LoRALinear):
+        layer.weight = stored
+        return
+    parent_name, _, child = name.rpartition(".")
+    setattr(block.get_submodule(parent_name) if parent_name else block, child,
+            RowPaddedLinear(stored, layer.bias, layer.out_features))
+
+
+def check_nf4_shapes(model: nn.Module) -> None:
+    """UserError unless every weight `quantize_targets` finds can be stored as NF4 (a multiple of 64 weights); any
+    such weight splits over any number of ranks (`nf4_stored_rows`)."""
     for block_index, block in enumerate(model.transformer.h):
         for name, module in block_targets(block):
-            rows, numel = module.weight.shape[0], module.weight.numel()
-            scalers = numel // NF4_BLOCK
-            if numel % NF4_BLOCK or rows % shard or (scalers // nf4_scaler_block(numel)) % shard:
+            if module.weight.numel() % NF4_BLOCK:
                 where = f"transformer.h.{block_index}.{name}.weight {tuple(module.weight.shape)}"
-                if shard == 1:
-                    raise UserError(f"--quantize ao.nf4 cannot store {where}: NF4 needs a multiple of 64 weights.")
-                raise UserError(
-                    f"--quantize ao.nf4 cannot split {where} over {shard} devices: each device's rows must hold whole "
-                    f"blocks of {NF4_BLOCK} weights and whole groups of their scales. Use another number of devices."
-                )
+                raise UserError(f"--quantize ao.nf4 cannot store {where}: NF4 needs a multiple of 64 weights.")
 
 
 def quantized_linear(

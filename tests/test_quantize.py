@@ -258,13 +258,77 @@ def test_ao_nf4_qlora_is_close_to_float_and_trains_the_adapters_only():
 
 
 @needs_torchao
-def test_ao_nf4_shapes_that_cannot_be_split_are_refused():
-    model = make_model(n_embd=128)  # attn.proj 128 x 128: 256 blocks of 64, one group of scales
-    check_nf4_shapes(model, shard=1)
-    message = r"cannot split transformer\.h\.0\.attn\.proj\.weight \(128, 128\) over 2 devices"
-    with pytest.raises(UserError, match=message):
-        check_nf4_shapes(model, shard=2)
-    check_nf4_shapes(make_model(n_embd=256), shard=2)
+def test_ao_nf4_needs_a_multiple_of_64_weights():
+    check_nf4_shapes(make_model(n_embd=128))
+    with pytest.raises(UserError, match=r"cannot store transformer\.h\.0\.attn\.qkv\.weight \(108, 36\): NF4 needs a"):
+        check_nf4_shapes(make_model(n_embd=36, n_head=4, n_query_groups=4))
+
+
+@pytest.mark.parametrize("shape, shard, rows", [
+    ((512, 256), 2, 512),  # 256 rows a rank: 1,024 blocks of 64, four whole groups of 256 scalers
+    ((704, 256), 2, 768),  # 352 rows a rank = 5.5 groups; whole groups need a multiple of 64 rows a rank
+    ((256, 704), 2, 512),  # 704 weights a row: a group of 16,384 weights is 256 rows (gcd 64)
+    ((704, 256), 1, 704),  # one rank holds the weight as it is
+    ((128, 64), 2, 256),  # 128 blocks, one group of 128 scalers (8,192 weights): 128 rows a rank
+    ((14336, 4096), 8, 14336),  # Llama 3 8B's MLP: 1,792 rows a rank, 448 groups
+])
+def test_nf4_stored_rows_split_into_whole_blocks_and_scale_groups(shape, shard, rows):
+    assert quantize.nf4_stored_rows(shape, shard) == rows
+
+
+@needs_torchao
+@pytest.mark.parametrize("shape, shard", [((704, 256), 2), ((256, 704), 2), ((96, 128), 4)])
+def test_ao_nf4_rows_appended_for_sharding_leave_the_weight_as_quantized_alone(shape, shard):
+    """A weight stored with zero rows appended (so that FSDP2 splits it into whole NF4 blocks and scale groups)
+    dequantizes to exactly what torchao's NF4 of the weight alone does; each rank's piece is an NF4 tensor of whole
+    blocks; the layer returns its own rows, equal to the plain NF4 layer's."""
+    from torchao.quantization import to_nf4
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(shape), torch.randn(shape[0]), torch.randn(3, 5, shape[1])
+    alone = to_nf4(weight, 64, quantize.nf4_scaler_block(weight.numel()))
+    rows = quantize.nf4_stored_rows(shape, shard)
+    stored = quantize.frozen_nf4(weight, torch.float32, rows)
+    assert rows > shape[0] and stored.shape == (rows, shape[1]) and is_nf4(stored)
+    assert torch.equal(stored.get_original_weight()[: shape[0]], alone.get_original_weight())
+    pieces = torch.chunk(stored, shard)  # how FSDP2 splits a parameter over its ranks
+    assert all(is_nf4(piece) and piece.shape == (rows // shard, shape[1]) for piece in pieces)
+    gathered = torch.cat([piece.get_original_weight() for piece in pieces])
+    assert torch.equal(gathered[: shape[0]], alone.get_original_weight())
+    layer = quantize.RowPaddedLinear(stored, nn.Parameter(bias), shape[0])
+    expected = nn.functional.linear(x, alone.get_original_weight(), bias)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-5)
+
+
+@needs_torchao
+def test_store_nf4_replaces_only_the_layers_whose_rows_do_not_split():
+    """`store_nf4` as the sharded training commands call it before a block is sharded over 2 ranks: an MLP 704 wide
+    gets weights with rows appended (a plain layer becomes a `RowPaddedLinear` under the same keys, a LoRA layer keeps
+    its adapters); the attention weights, which split, keep their rows; the block computes what the same block
+    quantized alone does."""
+    model = make_model(n_layer=1, n_embd=256, intermediate_size=704)
+    add_lora(model, LoRASettings(query=True, value=True, mlp=True))
+    model.transformer.h[0].mlp.fc_1 = nn.Linear(256, 704, bias=False)  # a layer without adapters beside them
+    reference = make_model(n_layer=1, n_embd=256, intermediate_size=704)
+    add_lora(reference, LoRASettings(query=True, value=True, mlp=True))
+    reference.transformer.h[0].mlp.fc_1 = nn.Linear(256, 704, bias=False)
+    for parameter in model.parameters():  # adapters that change the output (B starts at zero)
+        nn.init.normal_(parameter.data, std=0.02)
+    reference.load_state_dict(model.state_dict())
+    keys = set(model.state_dict())
+    quantize_frozen_base(reference, "ao.nf4")
+    block = model.transformer.h[0]
+    for name, layer in quantize.block_targets(block):
+        quantize.store_nf4(block, name, layer, layer.weight.detach(), torch.float32, shard=2)
+    mlp = block.mlp
+    assert isinstance(mlp.fc_1, quantize.RowPaddedLinear) and mlp.fc_1.weight.shape == (768, 256)
+    assert isinstance(mlp.fc_2, LoRALinear) and mlp.fc_2.weight.shape == (768, 256)
+    assert mlp.proj.weight.shape == (512, 704) and mlp.proj.lora_A.shape == (8, 704)
+    assert is_nf4(block.attn.qkv.weight) and block.attn.qkv.weight.shape == (512, 256)
+    assert set(model.state_dict()) == keys
+    model.eval(), reference.eval()  # no adapter dropout
+    x = torch.randn(2, 7, 256)
+    torch.testing.assert_close(mlp(x), reference.transformer.h[0].mlp(x), rtol=0, atol=1e-5)
 
 
 def test_only_nf4_modes_can_be_sharded():

@@ -136,7 +136,7 @@ def quantization_for(job, fsdp_strategy):
     stored = storage_mode(requested, sharded)
     if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
         shard = fsdp_strategy.topology.mesh_shape[1] if sharded else 1
-        check_nf4_shapes(job.recipe.build_model(), shard)
+        check_nf4_shapes(job.recipe.build_model())
         check_nf4_precision(job.precision, sharded=shard > 1)
     if sharded:
         topology = fsdp_strategy.topology

@@ -700,7 +700,7 @@ def _gathered_bytes(run: _Run, p: Param) -> int:
     """One parameter as FSDP all-gathers it: in the compute dtype, an NF4 weight in its own 4-bit layout (kept out of
     FSDP, never gathered, over a shard group of one)."""
     if p.quantized:
-        return nf4_bytes(p.shape, run.compute) if run.shard > 1 else 0
+        return nf4_bytes(p.shape, run.compute, run.shard, gathered=True) if run.shard > 1 else 0
     return math.prod(p.shape) * run.compute
 
 
@@ -715,7 +715,8 @@ def _quantized_loading(run: _Run, layout: Layout) -> int:
     work = quantize_work_bytes(largest, run.stored_quantize, run.compute, run.master)
     whole_block = 0
     if run.fsdp:
-        whole_block = max(sum(nf4_bytes(p.shape, run.compute) for p in ps if p.quantized) for ps in layout.blocks)
+        whole_block = max(sum(nf4_bytes(p.shape, run.compute, run.shard, gathered=True) for p in ps if p.quantized)
+                          for ps in layout.blocks)
     return so_far + whole_block + work
 
 

@@ -30,16 +30,18 @@ def bnb_bytes(shape: tuple[int, ...], mode: str) -> int:
     return -(-numel // 2) + 4 * blocks  # nf4 / fp4: 4-bit values and a float32 absmax per block
 
 
-def nf4_bytes(shape: tuple[int, ...], itemsize: int, shard: int = 1) -> int:
+def nf4_bytes(shape: tuple[int, ...], itemsize: int, shard: int = 1, gathered: bool = False) -> int:
     """torchao's NF4Tensor of one weight on one rank: the 4-bit codes, an int8 scaler per 64 weights and a scale per
-    group of scalers (in the dtype it dequantizes to) are split by rows over `shard` ranks; every rank keeps the
-    scalers' mean and the 16 code values."""
-    from litgpt.quantize import NF4_BLOCK, nf4_scaler_block
+    group of scalers (in the dtype it dequantizes to) are split by rows over `shard` ranks (`gathered`: the whole
+    weight, as all-gathered or before sharding); every rank keeps the scalers' mean and the 16 code values. A weight
+    whose rows do not split so is stored with zero rows appended (`litgpt.quantize.nf4_stored_rows`), counted too."""
+    from litgpt.quantize import NF4_BLOCK, nf4_scaler_block, nf4_stored_rows
 
-    numel = math.prod(shape)
+    scalers_per_scale = nf4_scaler_block(math.prod(shape))
+    numel = nf4_stored_rows(shape, shard) * shape[1]
     blocks = numel // NF4_BLOCK
-    split = numel // 2 + blocks + blocks // nf4_scaler_block(numel) * itemsize
-    return -(-split // shard) + 17 * itemsize
+    split = numel // 2 + blocks + blocks // scalers_per_scale * itemsize
+    return (split if gathered else -(-split // shard)) + 17 * itemsize
 
 
 def stored_bytes(shape: tuple[int, ...], mode: str, compute_itemsize: int, shard: int) -> int:

@@ -180,13 +180,14 @@ class Recipe:
 
         Every rank reads each whole weight of the file and quantizes it, so all ranks hold the same NF4 values a
         single process would (the double-quantization statistics cover the whole weight), and FSDP keeps this rank's
-        rows. Peak per rank while loading: its NF4 shards so far, one block's whole NF4 weights, one weight in its
-        stored and in its compute dtype, and torchao's quantization temporaries for that weight; never the model.
-        With `cpu_offload` the shards go to CPU memory as each block is sharded.
+        rows (a weight whose rows do not split into whole NF4 blocks and scale groups gets zero rows appended,
+        `litgpt.quantize.store_nf4`). Peak per rank while loading: its NF4 shards so far, one block's whole NF4
+        weights, one weight in its stored and in its compute dtype, and torchao's quantization temporaries for that
+        weight; never the model. With `cpu_offload` the shards go to CPU memory as each block is sharded.
         """
         from litgpt.checkpoint.model_files import check_weights_match
         from litgpt.distributed.parallelize import parallelize
-        from litgpt.quantize import block_targets, frozen_nf4
+        from litgpt.quantize import block_targets, store_nf4
 
         if self.quantize != "ao.nf4":
             raise RuntimeError(f"FSDP stores a quantized base as ao.nf4, not {self.quantize}")
@@ -194,13 +195,13 @@ class Recipe:
         state_dict = read_model_weights(path)
         expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
         check_weights_match(expected, state_dict, str(path))
-        dtype = precision.compute_dtype
+        dtype, shard = precision.compute_dtype, fabric.strategy.topology.mesh_shape[1]
         quantized = set()
 
         def quantize_block(index: int, block: nn.Module) -> None:
             for name, layer in block_targets(block):
                 key = f"transformer.h.{index}.{name}.weight"
-                layer.weight = frozen_nf4(state_dict[key].to(fabric.device), dtype)
+                store_nf4(block, name, layer, state_dict[key].to(fabric.device), dtype, shard)
                 quantized.add(key)
 
         model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks,
