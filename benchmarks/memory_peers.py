@@ -10,7 +10,8 @@ and ours is compared like for like:
   context and the allocator's cache.
 
 Rows whose peer used something litgpt does not have (an 8-bit optimizer, the optimizer step fused into the backward
-pass, activation offloading) say so and are shown, not hidden. Nothing is allocated: this runs anywhere in seconds.
+pass, activation offloading, the embedding and output head sharded apart from the root) say so and are shown, not
+hidden. Nothing is allocated: this runs anywhere in seconds.
 
     python benchmarks/memory_peers.py            # the table
     python benchmarks/memory_peers.py --json out.json
@@ -26,6 +27,11 @@ GiB = 2**30
 
 TORCHTUNE = "pytorch/torchtune README.md @ bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1"
 LITGPT = "Lightning-AI/litgpt tutorials/resource-tables.md @ 26857050fe3ff627cd714fe92f5838f51a3d5efa (A100 40GB)"
+# The Llama 3.1 70B / 405B rows of the same README table have not changed since it was written (30b8519e8, 2024-09-24);
+# the recipe configs they name changed later (other LoRA targets, no fused AdamW), so those rows take their settings
+# from recipes/configs/llama3_1/{70B_lora,70B_full,405B_qlora}.yaml as of that commit.
+TORCHTUNE_LLAMA31 = ("pytorch/torchtune README.md @ bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1; settings: "
+                     "recipes/configs/llama3_1/ @ 30b8519e86d2094879576e16ab1f8d21a6f6f9f7")
 ANSWERAI = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md @ 05ed9f2a60f96a0795cb082bceab70a9b19fd213"
 
 
@@ -43,7 +49,7 @@ class PeerRun:
 
 
 def _gb(decimal_gb: float) -> float:
-    """LitGPT's table prints max_memory_allocated / 1e9 as 'GB'."""
+    """A figure published in decimal 'GB' (LitGPT's table prints max_memory_allocated / 1e9 so), in GiB."""
     return decimal_gb * 1e9 / GiB
 
 
@@ -55,6 +61,7 @@ def flags(**values) -> dict:
 QV = flags(query=True, value=True)
 ALL_LINEAR = flags(query=True, key=True, value=True, projection=True, mlp=True)
 TORCHTUNE_LORA = flags(query=True, value=True, projection=True, mlp=True)
+QKV = flags(query=True, key=True, value=True)
 
 RUNS = (
     PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B full, bf16, batch 2 x 4096 packed, compile, chunked CE", 42.9,
@@ -89,6 +96,34 @@ RUNS = (
             flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
                   precision="bf16-true", quantize="bnb.nf4", accumulate_gradients=False),
             lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
+    # The README's table: batch 2, no gradient accumulation, packed to 2048, compiled, for every row (its note),
+    # whatever batch the config sets; 8 A100s sharded by FSDP over all of them.
+    PeerRun("torchtune", TORCHTUNE_LLAMA31, "Llama 3.1 70B LoRA r16 (q, k, v), 8x A100, batch 2 x 2048 packed", 27.6,
+            "allocated", "Llama-3.1-70B-Instruct",
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
+                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", devices=8,
+                  accumulate_gradients=False),
+            lora=flags(r=16, alpha=32, dropout=0.0, **QKV)),
+    # "CPU offload with fused optimizer" (the README's footnote): fsdp_cpu_offload and AdamW(fused=True), the pairing
+    # the config's comment recommends; the distributed recipe had no optimizer_in_bwd then. The step runs on the CPU.
+    PeerRun("torchtune", TORCHTUNE_LLAMA31, "Llama 3.1 70B full, 8x A100, CPU offload, fused AdamW, batch 2 x 2048",
+            13.9, "allocated", "Llama-3.1-70B-Instruct",
+            flags(method="full", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
+                  fsdp=flags(sharding_strategy="FULL_SHARD", cpu_offload=True), precision="bf16-true", devices=8,
+                  accumulate_gradients=False),
+            differs="token embedding and output head sharded as FSDP units of their own (custom_sharded_layers)"),
+    # Published as "44.8 GB" (the other rows say GiB): taken as decimal GB, as printed. The config's loss was then
+    # torch.nn.CrossEntropyLoss on whole float32 logits: one chunk of all 4,096 positions. At 2 x 2048 the 1/8 NF4
+    # shard (25.2 GiB) and the 126 checkpointed block inputs (15.8 GiB) alone reach the figure: the config's own
+    # batch (1, unpacked Alpaca, 16 accumulation steps) is likelier to be what was measured, at a length not given.
+    PeerRun("torchtune", TORCHTUNE_LLAMA31,
+            'Llama 3.1 405B QLoRA r16 (q, k, v, out, MLP), 8x A100, 2 x 2048, "44.8 GB"',
+            _gb(44.8), "allocated", "Llama-3.1-405B-Instruct",
+            flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True,
+                                             loss_chunk_size=4096),
+                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", quantize="bnb.nf4", devices=8,
+                  accumulate_gradients=False),
+            lora=flags(r=16, alpha=32, dropout=0.0, projection=True, mlp=True, **QKV)),
     PeerRun("LitGPT", LITGPT, "Llama 2 7B LoRA r8 (q, v), micro batch 1, Alpaca (longest 1,304 tokens)",
             _gb(21.30), "allocated", "Llama-2-7b-hf",
             flags(method="lora", train=flags(micro_batch_size=1, max_seq_length=1304), precision="bf16-true"),
