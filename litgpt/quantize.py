@@ -252,12 +252,11 @@ def _append_rows(nf4: torch.Tensor, rows: int) -> torch.Tensor:
 def nf4_stored_rows(shape: tuple[int, int], shard: int) -> int:
     """The rows an NF4 weight of `shape` is stored with to be split over `shard` ranks: FSDP2 splits rows, and each
     rank's piece must hold whole 64-blocks and whole groups of their scalers. A weight that splits so keeps its rows;
-    any other gets zero rows appended up to the next count that does (never read: `RowPaddedLinear`)."""
+    any other gets zero rows appended up to the next count that does (their outputs are dropped:
+    `litgpt.nf4.linear_of_rows`)."""
     rows, columns = shape
     group = NF4_BLOCK * nf4_scaler_block(rows * columns)  # weights per group of scalers
     step = group // math.gcd(columns, group)  # a rank's rows must be a multiple of this
-    if rows % shard == 0 and (rows // shard) % step == 0:
-        return rows
     return -(-rows // (shard * step)) * shard * step
 
 
