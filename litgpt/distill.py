@@ -68,7 +68,7 @@ def setup(
         model_name: A registered model name for a randomly initialized student (`litgpt download list`).
         model_config: The randomly initialized student's config fields (in YAML under `model_config:`).
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or fp8-mixed (default: bf16-mixed on GPUs and on CPUs with
             native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The data module: pretraining text or instruction data (default: the bundled tiny corpus, `Tiny`).

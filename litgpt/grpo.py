@@ -75,7 +75,7 @@ def setup(
             model_config.yaml and the tokenizer (and its chat template, which lays out conversations).
         method: lora (adapters on a frozen base; QLoRA with --quantize) or full (every weight).
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: the machine's, printed at start).
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or fp8-mixed (default: the machine's, printed at start).
         quantize: With --method lora: store the frozen base quantized (as `litgpt finetune_lora --quantize`).
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.

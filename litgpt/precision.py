@@ -13,7 +13,7 @@ import torch
 
 from litgpt.errors import UserError
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8-mixed")
 
 # Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
 # weights, so the "-mixed" variants run in the same dtype as their "-true" counterparts.
@@ -29,6 +29,7 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {
     "bf16-mixed": torch.bfloat16,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
+    "fp8-mixed": torch.bfloat16,  # what is not an fp8 matmul computes in bf16
 }
 
 
@@ -37,7 +38,8 @@ class Precision:
     """How a training run stores and computes: one of `PRECISIONS`, and why it was chosen (printed at start).
 
     "-mixed" keeps float32 weights (the optimizer's master copies) and computes in 16 bits under autocast; "-true"
-    stores and computes in the one dtype.
+    stores and computes in the one dtype. "fp8-mixed" is bf16-mixed whose trained blocks' linear layers multiply in
+    float8 (torchao's float8 training, rowwise scales: `litgpt.distributed.float8`).
     """
 
     name: str
@@ -82,22 +84,38 @@ class Precision:
         return torch.float32 if self.mixed else self.compute_dtype
 
     @property
+    def float8(self) -> bool:
+        """fp8-mixed: the blocks' linear layers multiply in float8 with rowwise scales."""
+        return self.name == "fp8-mixed"
+
+    @property
+    def autocast_name(self) -> str:
+        """The Lightning precision whose autocast this one runs under (fp8-mixed: bf16-mixed around the fp8 matmuls)."""
+        return "bf16-mixed" if self.float8 else self.name
+
+    @property
     def scales_gradients(self) -> bool:
         """16-mixed: a gradient scaler skips the steps whose gradients overflow and lowers its scale by itself."""
         return self.name == "16-mixed"
 
     @property
     def sharded_compute_dtype(self) -> Optional[torch.dtype]:
-        """FSDP2's all-gather and compute dtype (its `MixedPrecisionPolicy.param_dtype`): bf16 under bf16-mixed, None
+        """FSDP2's all-gather and compute dtype (its `MixedPrecisionPolicy.param_dtype`): bf16 under bf16-mixed (and
+        fp8-mixed, whose fp8 layers cast their bf16 inputs and weights themselves), None
         (the stored dtype) otherwise; gradients are then reduced in float32."""
-        return torch.bfloat16 if self.name == "bf16-mixed" else None
+        return torch.bfloat16 if self.autocast_name == "bf16-mixed" else None
 
     def check_devices(self, on_cpu: bool, sharded: bool) -> None:
-        """UserError for a precision these devices cannot train in: 16-mixed on a CPU or under FSDP."""
+        """UserError for a precision these devices cannot train in: 16-mixed on a CPU or under FSDP, fp8-mixed on a GPU
+        without float8 matmuls (the CPU runs them, slowly: for checks)."""
         if on_cpu and self.name == "16-mixed":
             raise UserError("--precision 16-mixed needs a GPU; on the CPU use bf16-mixed or 32-true.")
         if sharded and self.name == "16-mixed":
             raise UserError("--precision 16-mixed is not supported with FSDP: use bf16-mixed (or 16-true).")
+        if self.float8 and not on_cpu and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            major, minor = torch.cuda.get_device_capability()
+            raise UserError(f"--precision fp8-mixed needs a GPU that multiplies in float8 (compute capability 8.9 or "
+                            f"newer: H100, L4, RTX 4090); this one is {major}.{minor}: use bf16-mixed.")
 
 
 # Where the CPU's flags are read from; LITGPT_CPUINFO names another file of the same format (tests feed fixtures).

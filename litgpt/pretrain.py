@@ -59,7 +59,7 @@ def setup(
         model_name: A registered model name (`litgpt download list`), or leave out and give --model_config.
         model_config: The model's config fields (in YAML under `model_config:`), instead of a name.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or fp8-mixed (default: bf16-mixed on GPUs and on CPUs with
             native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         initial_checkpoint_dir: Start from these weights (continued pretraining) instead of a random init.
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.

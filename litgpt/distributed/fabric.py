@@ -93,7 +93,7 @@ class HalfPrecisionAsBuilt(HalfPrecision):
 def fabric_precision_plugin(precision: Precision, on_cpu: bool):
     """Lightning's precision plugin for `precision` (autocast and a gradient scaler under -mixed)."""
     if precision.mixed:
-        return MixedPrecision(precision.name, device="cpu" if on_cpu else "cuda")
+        return MixedPrecision(precision.autocast_name, device="cpu" if on_cpu else "cuda")
     if precision.name == "32-true":
         return FullPrecision()
     return HalfPrecisionAsBuilt(precision.name)

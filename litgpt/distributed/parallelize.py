@@ -1,5 +1,6 @@
-"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, activation
-checkpointing, compilation, sharding, then materialization and initialization (torchtitan's order).
+"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, float8 layers
+(fp8-mixed), activation checkpointing, compilation, sharding, then materialization and initialization (torchtitan's
+order).
 
 The model file knows nothing of this; recipes call `parallelize`.
 """
@@ -43,6 +44,10 @@ def parallelize(
     dtype = dtype or precision.weights_dtype
     if dtype != torch.float32:
         model.to(dtype)
+    if precision.float8:
+        from litgpt.distributed.float8 import convert_to_float8
+
+        convert_to_float8(model)
     checkpointing = ActivationCheckpointing.parse(activation_checkpointing)
     if checkpointing:
         apply_activation_checkpointing(model, checkpointing)

@@ -43,7 +43,7 @@ def setup(
     Args:
         checkpoint_dir: The base model: a folder with lit_model.pth, model_config.yaml and the tokenizer.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or fp8-mixed (default: bf16-mixed on GPUs and on CPUs with
             native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.

@@ -56,7 +56,7 @@ def setup(
     Args:
         checkpoint_dir: The base model: a folder with lit_model.pth, model_config.yaml and the tokenizer.
         out_dir: Where checkpoints (step-XXXXXX/, final/), logs, run_args.json and metrics.json go.
-        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs and on CPUs with
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or fp8-mixed (default: bf16-mixed on GPUs and on CPUs with
             native bf16, AVX512-BF16 or AMX; 32-true on other CPUs; printed at start).
         quantize: QLoRA: store the frozen base weights of the blocks quantized: with bitsandbytes (bnb.nf4,
             bnb.nf4-dq, bnb.fp4, bnb.int8) or as torchao's NF4 (ao.nf4); needs `pip install 'litgpt[quantize]'`.
@@ -127,11 +127,15 @@ def quantization_for(job, fsdp_strategy):
     import dataclasses
 
     from litgpt.distributed.runtime import print_once
+    from litgpt.errors import UserError
     from litgpt.quantize import (
         check_nf4_precision, check_nf4_shapes, check_quantize_mode, check_quantized_offload, storage_mode,
     )
 
     requested, sharded = job.recipe.quantize, fsdp_strategy is not None
+    if job.precision.float8:
+        raise UserError("--precision fp8-mixed multiplies the blocks' float linear layers in float8, and --quantize "
+                        "stores them in 4 or 8 bits instead: use bf16-mixed with --quantize.")
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
     if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts

@@ -94,7 +94,8 @@ def plan_for(
     Args:
         config: The model's config.
         method: full (every weight trains) or lora (only the adapters train, as `litgpt finetune_lora`).
-        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as the training commands take it.
+        precision: 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true or fp8-mixed (planned as bf16-mixed: its float8
+            copies live only within each matmul), as the training commands take it.
         train: The training commands' --train group; the plan reads micro_batch_size, max_seq_length (default: the
             model's block size), activation_checkpointing and loss_chunk_size.
         fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
