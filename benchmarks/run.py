@@ -54,7 +54,8 @@ GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "genera
                   "generate-5m-bf16-true-compiled"]
 SUITES = {
     "cpu": TRAINING_CPU + GENERATION_CPU + ["help"],
-    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled"],
+    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled", "pretrain-1b-fp8", "generate-5m-bf16-true",
+            "generate-5m-bf16-true-compiled"],
 }
 # The ~100M Llama shape of benchmarks/distributed.py (124M parameters with its 32000-row embedding).
 MODEL_100M = ["--model_config.n_layer", "12", "--model_config.n_embd", "768", "--model_config.n_head", "12",
@@ -144,21 +145,22 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
         if name.startswith("pretrain-1b"):
             warmup, measured = 3, 8
             total = warmup + measured
+            precision = "fp8-mixed" if name.endswith("fp8") else "bf16-mixed"  # fp8: compiled, as torchtitan runs it
             out = work / "out" / name
             argv = [python_ours, "-m", "litgpt", "pretrain", "Llama-3.2-1B", "--tokenizer_dir", str(harness.TOKENIZER_DIR),
                     "--data", "Tiny", "--data.cache_dir", str(work / "tiny-cache"), "--out_dir", str(out / "ours"),
                     "--train.max_seq_length", "2048", "--train.micro_batch_size", "4", "--train.global_batch_size",
                     "32", "--train.max_steps", str(total), "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
                     "--train.save_interval", "null", "--eval.interval", str(harness.BIG), "--eval.initial_validation",
-                    "false", "--eval.final_validation", "false", "--precision", "bf16-mixed", "--devices", "1",
-                    "--compiler", "torch" if name.endswith("compiled") else "none"]
+                    "false", "--eval.final_validation", "false", "--precision", precision, "--devices", "1",
+                    "--compiler", "none" if name.endswith("eager") else "torch"]
             command = harness.Command("ours", argv, out / "ours", harness.OURS_STEP)
             from litgpt.config import Config
 
             config = Config.from_name("Llama-3.2-1B")
             model_args = {k: getattr(config, k) for k in config.__dataclass_fields__}
             cases[name] = (harness.Case(name, "Llama-3.2-1B shape, seq 2048, micro batch 4, global batch 32, "
-                                        "bf16-mixed, 1 GPU", 32 * 2048, command, None), warmup, total,
+                                        f"{precision}, 1 GPU", 32 * 2048, command, None), warmup, total,
                            {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16", "processes": 1})
             continue
         kind, size, rest = name.split("-", 2)
