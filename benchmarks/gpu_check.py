@@ -4,6 +4,8 @@
     python benchmarks/gpu_check.py --only qlora generation --out /tmp/check
 
 Stages, each a subprocess with its own time limit (the run stops starting stages when its budget is spent):
+  fp8_mlp      one Llama-3.2-1B MLP (8,192 tokens), compiled, forward + backward in bf16 and with its linear layers
+               in float8 (`--precision fp8-mixed`'s conversion), and the graph breaks torch.compile meets in it
   training     MFU of a Llama-3.2-1B-shaped pretrain (seq 2048, micro batch 4, global batch 32, compiled) in
                bf16-mixed and in fp8-mixed (`benchmarks/run.py --suite gpu`); goals: >= 50 % bf16 MFU on an H100,
                fp8 >= 1.25x bf16
@@ -51,6 +53,7 @@ class Stage:
 def stages(out: Path, work: Path) -> list[Stage]:
     run_py = [PYTHON, "benchmarks/run.py", "--suite", "gpu", "--repeats", "1"]
     return [
+        Stage("fp8_mlp", [PYTHON, __file__, "--fp8-worker"], 90),
         Stage("training", [*run_py, "--cases", "pretrain-1b-compiled,pretrain-1b-fp8", "--work-dir", work / "run",
                            "--output", out / "training.json"], 300),
         Stage("moe", [PYTHON, "benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384",
@@ -131,6 +134,49 @@ def qlora_run(checkpoint: Path, data: Path, run: Path, mode: str) -> dict:
     return {"returncode": 0, **{key: metrics[key] for key in keep if key in metrics}}
 
 
+# ---- the fp8 stage (run as a subprocess of this script) --------------------------------------------------------------
+def fp8_worker() -> None:
+    """Milliseconds per forward + backward of one compiled Llama-3.2-1B MLP under bf16 autocast, plain and with
+    `convert_to_float8`'s layers, and torch.compile's graph breaks in the float8 one."""
+    import copy
+
+    import torch
+
+    from litgpt.config import Config
+    from litgpt.distributed.float8 import convert_to_float8
+    from litgpt.model import GPT
+
+    config = Config.from_name("Llama-3.2-1B", n_layer=1)
+    with torch.device("cuda"):
+        model = GPT(config)
+    float8 = copy.deepcopy(model)
+    convert_to_float8(float8)
+    x = torch.randn(4, 2048, config.n_embd, device="cuda", requires_grad=True)
+    results = {}
+    for name, mlp in (("bf16", model.transformer.h[0].mlp), ("fp8", float8.transformer.h[0].mlp)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "fp8":
+                explained = torch._dynamo.explain(mlp)(x)
+                results["fp8_graph_breaks"] = [str(b.reason)[:300] for b in explained.break_reasons]
+            results[f"{name}_ms"] = step_milliseconds(torch.compile(mlp), x)
+    results["fp8_speedup"] = round(results["bf16_ms"] / results["fp8_ms"], 3)
+    print(json.dumps(results))
+
+
+def step_milliseconds(module, x, steps: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        module(x).sum().backward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        module(x).sum().backward()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / steps, 3)
+
+
 # ---- the summary --------------------------------------------------------------------------------------------------------
 def read_json(path: Path):
     try:
@@ -194,6 +240,7 @@ def generation_lines(out: Path) -> list[str]:
 
 def summary(out: Path) -> list[str]:
     return [
+        *log_tail_lines(out, "fp8_mlp", lambda line: line.startswith("{")),
         *training_lines(out), *moe_lines(out),
         *log_tail_lines(out, "chunked_loss", lambda line: "peak" in line and "ratio" in line),
         *qlora_lines(out), *generation_lines(out),
@@ -208,11 +255,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=470, help="seconds: no stage starts after this")
     parser.add_argument("--only", nargs="*", help="stages to run (default: all, in order)")
     parser.add_argument("--qlora-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fp8-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.qlora_worker:
         return qlora_worker(args.out, args.work)
+    if args.fp8_worker:
+        return fp8_worker()
     import torch
 
     if not torch.cuda.is_available():

@@ -50,9 +50,13 @@ def test_float8_layer_multiplies_as_a_rowwise_float8_product_by_hand():
     # up to the bf16 rounding of the output.
     assert (ours - plain).abs().max() > 10 * (ours - by_hand).abs().max()
     torch.testing.assert_close(ours, by_hand.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
-    # Under inference mode (generation during a run) it multiplies in the weights' dtype.
+    # With gradients off (validation, generation during a run) it multiplies in the weights' dtype.
     with torch.inference_mode():
         torch.testing.assert_close(layer(x).float(), plain)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).float(), plain)
+    # torch.compile traces it whole (no graph break, which would split every block at each of its linear layers).
+    assert torch._dynamo.explain(layer)(x).graph_break_count == 0
 
 
 def test_fp8_mixed_converts_the_blocks_plain_linear_layers_with_sizes_of_16():

@@ -58,14 +58,15 @@ def convert_to_float8(model: nn.Module) -> None:
 
 @functools.lru_cache(maxsize=None)
 def float8_linear_class() -> type:
-    """torchao's `Float8Linear`, except under `torch.inference_mode` (the text samples a run generates, GRPO's
-    rollouts), where torchao 0.18's float8 path cannot run (its reshape of a rowwise-scaled tensor has no inference
-    form): there it multiplies in the weights' dtype."""
+    """torchao's `Float8Linear`, except with gradients off (validation, the text samples a run generates, GRPO's
+    rollouts), where it multiplies in the weights' dtype: torchao 0.18's float8 path cannot run under
+    `torch.inference_mode` (its reshape of a rowwise-scaled tensor has no inference form), and torch.compile traces
+    the grad mode (a guard) but breaks its graph at every `torch.is_inference_mode_enabled()`."""
     from torchao.float8.float8_linear import Float8Linear
 
     class Float8TrainingLinear(Float8Linear):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if torch.is_inference_mode_enabled():
+            if not torch.is_grad_enabled():
                 return F.linear(input, self.weight, self.bias)
             return super().forward(input)
 
