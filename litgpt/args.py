@@ -27,6 +27,11 @@ class TrainArgs:
         max_steps: Optimizer steps to take.
         max_seq_length: Longest sample in tokens (default: the model's block size).
         max_norm: Clip the gradient norm to this value (None: no clipping).
+        optimizer_in_backward: Update each parameter inside the backward pass as soon as its gradient is ready, and
+            free that gradient, so that the whole model's gradients are never held at once (one parameter's, or
+            under FSDP one block's, instead). Needs one micro-batch per step (global_batch_size = micro_batch_size x
+            devices), no max_norm, on_nonfinite stop, and an optimizer that steps without a closure; the gradient
+            norm is then not measured.
         min_lr: The learning rate the cosine schedule ends at.
         activation_checkpointing: Recompute activations in the backward pass instead of keeping them, to trade speed
             for memory: false (keep everything); true or full (every block keeps only its input: least memory, ~30%
@@ -58,6 +63,7 @@ class TrainArgs:
     max_steps: Optional[int] = None
     max_seq_length: Optional[int] = None
     max_norm: Optional[float] = None
+    optimizer_in_backward: bool = False
     min_lr: float = 6e-5
     activation_checkpointing: Union[bool, int, str] = False  # read through ActivationCheckpointing.parse
     keep_last: Optional[int] = None

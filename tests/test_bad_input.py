@@ -115,6 +115,7 @@ def clean_environment(root: Path) -> dict[str, str]:
 TRAIN = ["--train.max_steps", "1", "--eval.max_iters", "1"]
 JSON_DATA = ["--data", "JSON", "--data.json_path", "{w}/data.json", "--data.val_split_fraction", "0.2"]
 FINETUNE = [*JSON_DATA, *TRAIN, "--out_dir", "{w}/out"]
+OIB_BATCH = ["--train.optimizer_in_backward", "true", "--train.global_batch_size", "2", "--train.micro_batch_size", "2"]
 SMALL_MODEL = json.dumps({k: v for k, v in TINY.items() if k not in ("prompt_style", "padded_vocab_size")})
 
 
@@ -177,6 +178,16 @@ CASES = [
          "lit_model.pth do not match the model config", slow=True),
     case("optimizer-unknown", ["finetune_lora", "{w}/base", *FINETUNE, "--optimizer", "NoSuchOptimizer"],
          "'NoSuchOptimizer' is not an optimizer class", slow=True),
+    # --train.optimizer_in_backward steps each parameter in the backward pass: what needs every gradient is refused
+    case("optimizer-in-backward-accumulates", ["finetune_lora", "{w}/base", *FINETUNE, "--train.optimizer_in_backward",
+                                               "true"], "but this run accumulates 16 micro-batches per step"),
+    case("optimizer-in-backward-clips", ["pretrain", "--model_config", SMALL_MODEL, "--tokenizer_dir", "{w}/base",
+                                         *OIB_BATCH, *TRAIN, "--out_dir", "{w}/out"],
+         "cannot clip the gradient norm (--train.max_norm 1.0)", slow=True),
+    case("optimizer-in-backward-skips", ["finetune_full", "{w}/base", *FINETUNE, *OIB_BATCH, "--train.on_nonfinite",
+                                         "skip"], "--train.on_nonfinite skip cannot skip it", slow=True),
+    case("optimizer-in-backward-closure", ["finetune_full", "{w}/base", *FINETUNE, *OIB_BATCH, "--optimizer",
+                                           "LBFGS"], "--optimizer LBFGS needs a closure", slow=True),
     case("tokenizer-larger-than-vocab-pretrain",
          ["pretrain", "--model_config", json.dumps({**json.loads(SMALL_MODEL), "vocab_size": 100}), "--tokenizer_dir",
           "{w}/base", *TRAIN, "--out_dir", "{w}/out"], "has 4096 tokens but the model has only 512 embedding rows",

@@ -291,6 +291,26 @@ def test_two_fully_sharded_processes_equal_one(world, distilled):
 
 
 @pytest.mark.slow
+def test_the_optimizer_in_the_backward_pass_distills_as_the_optimizer_after_it(world):
+    """--train.optimizer_in_backward (one micro-batch of 4 per step, no clipping) steps the student alone, the
+    frozen teacher having no gradient: the losses and weights of the optimizer stepped after the backward pass."""
+    one_micro_batch = ["--train.micro_batch_size", 4, "--train.max_norm", "null"]
+    runs = {}
+    for name, flags in (("after", []), ("in_backward", ["--train.optimizer_in_backward", "true"])):
+        runs[name] = world["root"] / f"optimizer-{name}"
+        p = litgpt(*distill_args(world, runs[name], 4, *one_micro_batch, *flags))
+        assert p.returncode == 0, p.stderr
+    ours, theirs = logged(runs["in_backward"]), logged(runs["after"])
+    assert len(ours) == len(theirs) == 4
+    for name in ("loss", "kd_loss", "ce_loss"):
+        torch.testing.assert_close(torch.tensor([r[name] for r in ours]), torch.tensor([r[name] for r in theirs]),
+                                   rtol=0, atol=1e-6)
+    a, b = (load_state_dict(run / "final" / "lit_model.pth") for run in (runs["in_backward"], runs["after"]))
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
 def test_a_killed_run_resumes_bit_exact(world, distilled):
     """Killed after step 3 (the last checkpoint is step 2), then `--resume auto`: the teacher is read again from its
     folder and the run ends with the uninterrupted run's weights, bit for bit."""

@@ -479,6 +479,22 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_chec
 
 
 @pytest.mark.slow
+def test_with_the_optimizer_in_the_backward_pass_a_non_finite_loss_stops_the_run(data, tmp_path):
+    """--train.optimizer_in_backward leaves no gradient norm: the message names the loss, and says the update the
+    backward pass applied is not saved (the newest checkpoint is the last finite one)."""
+    out_dir = tmp_path / "nan"
+    p = litgpt(*pretrain_args(data, out_dir, 6), *EXPLODING, "--train.optimizer_in_backward", "true",
+               "--train.micro_batch_size", "4", "--train.max_norm", "null")
+    assert p.returncode == 1
+    (message,) = [line for line in error_lines(p.stderr) if line.startswith("litgpt")]  # not the tokenizing bar
+    assert message.startswith("litgpt pretrain: error: Step 2: the loss is not finite (NaN or inf) on some rank; "
+                              "training stopped without saving this step's update")
+    assert f"the newest checkpoint, {out_dir / 'step-000001'}, is as it was" in message
+    assert [d.name for d in out_dir.glob("step-*")] == ["step-000001"]
+    assert all(torch.isfinite(v).all() for v in load_state_dict(out_dir / "step-000001" / "lit_model.pth").values())
+
+
+@pytest.mark.slow
 def test_on_nonfinite_skip_skips_the_updates_and_finishes(data, tmp_path):
     out_dir = tmp_path / "skip"
     p = litgpt(*pretrain_args(data, out_dir, 4), *EXPLODING, "--train.on_nonfinite", "skip")

@@ -315,7 +315,12 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
         apply_activation_checkpointing(model, case["activation_checkpointing"])
     if case.get("fsdp"):
         fsdp_wrap(model, precision, device)
-    optimizer = build_optimizer("AdamW", model.parameters(), device)
+    if case.get("optimizer_in_backward"):  # stepped by hooks in the backward pass; step() and zero_grad() do nothing
+        from litgpt.train.optimizer_in_backward import OptimizerInBackward
+
+        optimizer = OptimizerInBackward(lambda one: build_optimizer("AdamW", one, device), model.parameters())
+    else:
+        optimizer = build_optimizer("AdamW", model.parameters(), device)
     built()
     autocast = precision == "bf16-mixed" and not case.get("fsdp")
     training_loss = loss_function("cross_entropy", case.get("loss_chunk_size"))
@@ -373,7 +378,8 @@ def planned_peak(case: dict, device: str) -> int:
     lora = LoRASettings(**case.get("lora", {})) if case["method"] == "lora" else None
     train = train_args(case["seq_length"], case["micro_batch_size"],
                        activation_checkpointing=case.get("activation_checkpointing", False),
-                       loss_chunk_size=case.get("loss_chunk_size"))
+                       loss_chunk_size=case.get("loss_chunk_size"),
+                       optimizer_in_backward=case.get("optimizer_in_backward", False))
     plan = plan_for(
         Config(**case["config"]), method=case["method"], precision=case.get("precision", "32-true"), lora=lora,
         train=train, fsdp=FSDPArgs(sharding_strategy="NO_SHARD"), accumulate_gradients=case.get("accumulation", 1) > 1,
@@ -391,6 +397,7 @@ def compare(cases: list[dict], measured: list[int], device: str, tolerance: floa
             f"{case.get('precision', '32-true'):10} {case['method']:4} "
             f"ac={str(case.get('activation_checkpointing', False)).lower():7} "
             f"accum={case.get('accumulation', 1)} fsdp={int(bool(case.get('fsdp')))} "
+            f"oib={int(bool(case.get('optimizer_in_backward')))} "
             f"b={case['micro_batch_size']} s={case['seq_length']}"
         )
         rows.append(f"{label}: measured {peak / 2**20:9.1f} MiB, planned {planned / 2**20:9.1f} MiB ({ratio:.3f})")
@@ -426,6 +433,10 @@ def test_planned_peak_matches_measured_on_cpu():
         dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, activation_checkpointing="every:2"),
         dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, activation_checkpointing="ops"),
         dict(config=SMALL, method="lora", micro_batch_size=2, seq_length=256, activation_checkpointing="ops"),
+        # the optimizer in the backward pass: where all gradients would make the peak, and under FSDP
+        dict(config=SMALL, method="full", micro_batch_size=1, seq_length=128, optimizer_in_backward=True),
+        dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, optimizer_in_backward=True),
+        dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, fsdp=True, optimizer_in_backward=True),
     ]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
@@ -557,6 +568,27 @@ def test_strategies_lay_out_the_world():
 
 def config_params(config: Config) -> int:
     return plan_for(config, precision="32-true", train=train_args(16)).total_params
+
+
+def test_optimizer_in_backward_never_holds_all_gradients():
+    """Where all gradients make the peak (the optimizer step after a short sequence), stepping each parameter in the
+    backward pass lowers the planned peak by about their bytes (what remains: the head's gradient, which the chunked
+    loss makes in the forward pass); under FSDP at most one unit's shards are planned."""
+    deep = Config(**{**SMALL, "n_layer": 16})  # the blocks' gradients outweigh the head's
+
+    def plan(devices: int = 1, **kwargs):
+        return plan_for(deep, precision="32-true", train=train_args(16, 1, **kwargs), devices=devices,
+                        fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), accumulate_gradients=False, device="cpu")
+
+    after, in_backward = plan(), plan(optimizer_in_backward=True)
+    gradients = 4 * after.trainable_params  # float32, one per trainable weight
+    assert after.peak_phase == "optimizer step" and after.at_peak["gradients"] == gradients
+    assert 0.85 * gradients < after.peak - in_backward.peak <= gradients
+    sharded, sharded_in_backward = plan(4), plan(4, optimizer_in_backward=True)
+    assert sharded_in_backward.gradients < sharded.gradients / 2 and sharded_in_backward.peak <= sharded.peak
+    # Training refuses accumulation in this mode, so the plan never holds earlier micro-batches' gradients.
+    assert not plan_for(Config(**SMALL), train=train_args(16, 1, optimizer_in_backward=True),
+                        device="cpu").accumulate_gradients
 
 
 def test_cpu_offload_moves_the_sharded_state_to_the_host():

@@ -97,7 +97,8 @@ def plan_for(
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed, 16-true or fp8-mixed (planned as bf16-mixed: its float8
             copies live only within each matmul), as the training commands take it.
         train: The training commands' --train group; the plan reads micro_batch_size, max_seq_length (default: the
-            model's block size), activation_checkpointing and loss_chunk_size.
+            model's block size), activation_checkpointing, loss_chunk_size and optimizer_in_backward (which implies
+            one micro-batch per step).
         fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
             cpu_offload and backward_prefetch.
         lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).

@@ -17,7 +17,9 @@ What is counted, per device:
   `loading`, is planned too.
 - gradients: one per trainable parameter, in the master dtype, sharded like it. With gradient accumulation the
   earlier micro-batches' gradients are held while the next one runs forward (sharded: the sharded strategies
-  reduce-scatter after every micro-batch).
+  reduce-scatter after every micro-batch). With --train.optimizer_in_backward each parameter is stepped as soon as
+  its gradient is ready and the gradient freed: the largest one parameter's gradient on one device, one unit's sharded
+  gradients under FSDP (they share the reduce-scatter's output until the unit's last parameter is stepped).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
 - gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
   compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one
@@ -165,6 +167,7 @@ class _Run:
     activation_checkpointing: ActivationCheckpointing
     cpu_offload: bool
     accumulate_gradients: bool
+    optimizer_in_backward: bool  # each gradient stepped and freed in the backward pass
     shard: int  # the shard group: how many devices one copy of the state is split over
     loss_chunk_size: int  # positions per chunk of the head and loss
     backward_prefetch: int  # blocks a block's backward pass gathers ahead (0: FSDP2's implicit one)
@@ -341,7 +344,9 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         recipe=recipe, precision=precision, sharding_strategy=fsdp.sharding_strategy, device=device,
         devices=devices, num_nodes=num_nodes, micro_batch_size=rows, seq_length=seq_length,
         activation_checkpointing=ActivationCheckpointing.parse(train.activation_checkpointing),
-        cpu_offload=fsdp.cpu_offload, accumulate_gradients=accumulate_gradients, shard=shard,
+        # Training refuses accumulation with the optimizer in the backward pass: one micro-batch per step.
+        cpu_offload=fsdp.cpu_offload, accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
+        optimizer_in_backward=train.optimizer_in_backward, shard=shard,
         loss_chunk_size=_loss_chunk(recipe.config, rows * seq_length, train.loss_chunk_size),
         backward_prefetch=fsdp.backward_prefetch,
     )
@@ -398,11 +403,20 @@ def _resident_state(run: _Run, layout: Layout) -> dict:
         gradients_held=gradients if run.accumulate_gradients else 0,
         resident=dict(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state),
     )
+    if run.optimizer_in_backward:
+        state["resident"]["gradients"] = _gradients_in_flight(run, layout)
     if run.cpu_offload:
         state["host_per_node"] = run.devices * (parameters + gradients + optimizer_state)
         state["resident"] = dict(parameters=0, gradients=0, optimizer_state=0)
         state["gradients_held"] = 0  # FSDP2 moves each reduce-scattered gradient to CPU memory
     return state
+
+
+def _gradients_in_flight(run: _Run, layout: Layout) -> int:
+    """With --train.optimizer_in_backward, the most gradient bytes that exist at once after autograd (or FSDP's
+    reduce-scatter) made them: one parameter's on one device, one FSDP unit's shards."""
+    units = [layout.root, *layout.blocks] if run.fsdp else [[p] for p in layout.params]
+    return max(sum(_shard_numel(p.shape, run.shard) for p in unit if p.trainable) for unit in units) * run.master
 
 
 def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
@@ -515,6 +529,8 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     if run.fsdp:
         # The block's unsharded gradients in the compute dtype, and the reduce-scatter input in the reduce dtype.
         weight_grads = top_trainable * (run.compute + reduce_bytes)
+    elif run.optimizer_in_backward:  # each weight's gradient is stepped and freed as soon as it is made
+        weight_grads = max((math.prod(p.shape) for p in layout.top_block_trainable), default=0) * run.master
     else:
         weight_grads = 0 if run.accumulate_gradients else top_trainable * run.master
     largest_quantized = max(layout.quantized_numel, default=0)
@@ -524,8 +540,8 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     root_trainable = unsharded([p for p in layout.root if p.trainable])
     if run.fsdp:
         root_grads = root_trainable * run.compute  # the root reduces its gradients after the whole backward
-    else:
-        root_grads = 0 if run.accumulate_gradients else root_trainable * run.master
+    else:  # with the optimizer in the backward pass the head's gradient is gone before the blocks' backward
+        root_grads = 0 if run.accumulate_gradients or run.optimizer_in_backward else root_trainable * run.master
     return dict(
         activation_grads=activation_grads, weight_grads=weight_grads, dequantized=dequantized, root_grads=root_grads,
         attention=attention, math_attention=math_path,
@@ -641,6 +657,11 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
             f"The frozen base weights are stored in {master} (the training commands cast the whole model "
             "to the master dtype); --quantize stores the blocks' linear weights in 4 or 8 bits."
         )
+    if run.optimizer_in_backward:
+        unit = "one FSDP unit's sharded gradients" if run.fsdp else "one parameter's gradient"
+        details["gradients"] = f"{unit} at a time, {master} (stepped in the backward pass)"
+        notes.append("--train.optimizer_in_backward: each parameter is stepped as soon as its gradient is ready and "
+                     "the gradient freed, so the gradients are never all held; one micro-batch per step.")
     if run.fsdp and run.sharding_strategy == "HYBRID_SHARD" and run.num_nodes == 1:
         notes.append("HYBRID_SHARD on one node shards over its devices, as FULL_SHARD does.")
     if run.cpu_offload:

@@ -24,6 +24,7 @@ from litgpt.registry import ExtensionStrategy
 from litgpt.tokenizer import Tokenizer, check_vocab_fits
 from litgpt.train.objective import Objective
 from litgpt.train.optimizer import base_learning_rate, build_optimizer, optimizer_spec
+from litgpt.train.optimizer_in_backward import OptimizerInBackward, check_optimizer_in_backward
 from litgpt.train.recipe import Recipe
 from litgpt.train.run_record import write_run_args
 from litgpt.train.state import TrainState
@@ -66,7 +67,11 @@ def launch(fabric, job: Job) -> dict:
 
 def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
-    optimizer_spec(job.optimizer)  # a bad --optimizer stops the run before the tracker or out_dir exist
+    _, optimizer_class, _ = optimizer_spec(job.optimizer)  # a bad --optimizer stops the run before anything exists
+    if job.train.optimizer_in_backward:
+        check_optimizer_in_backward(job.train, optimizer_class, job.precision,
+                                    job.train.gradient_accumulation_iters(fabric.world_size),
+                                    isinstance(fabric.strategy, ExtensionStrategy))
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
         resume_dir = CheckpointManager.find_resume(job.out_dir, job.resume)
@@ -117,7 +122,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
         hyperparameters=job.hyperparameters, tokenizer_dir=job.tokenizer_dir, keep_last=train.keep_last,
         precision=job.precision, base_checkpoint=job.base_checkpoint,
     )
-    optimizer = fabric.setup_optimizers(build_optimizer(job.optimizer, io.parameters(model), fabric.device))
+    optimizer = training_optimizer(fabric, job, io.parameters(model))
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
     state = TrainState()
     if resume_dir is not None:
@@ -145,6 +150,15 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
                 print_once(f"Saved the final checkpoint to {checkpoints.final_dir}")
                 print_once(f"Try it: litgpt generate {checkpoints.final_dir} --prompt \"Once upon a time\"")
     return metrics
+
+
+def training_optimizer(fabric, job: Job, parameters: list):
+    """The run's optimizer: Fabric's wrapper of the --optimizer, or with --train.optimizer_in_backward one optimizer
+    per parameter stepped in the backward pass (not given to Fabric: its wrapper steps an optimizer after the backward
+    pass, through the precision plugin, and here nothing is left to step)."""
+    if job.train.optimizer_in_backward:
+        return OptimizerInBackward(lambda one: build_optimizer(job.optimizer, one, fabric.device), parameters)
+    return fabric.setup_optimizers(build_optimizer(job.optimizer, parameters, fabric.device))
 
 
 def build_objective(fabric, job: Job, model, frozen: dict) -> Objective:

@@ -72,6 +72,8 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.val_parts: dict[str, float] = {}  # the validation loss's other parts of the latest validation
         self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
+        # An optimizer stepped in the backward pass (--train.optimizer_in_backward) leaves no gradient to measure.
+        self.steps_in_backward = getattr(optimizer, "steps_in_backward", False)
         self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
         self.seq_length = self.objective.tokens(train_data.dataset[0])
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
@@ -184,8 +186,8 @@ class Trainer:
             state.tokens += self.objective.tokens(batch) * fabric.world_size
         failpoint("step:backward")
         loss_value, grad_norm = self.step_values(step_losses["loss"])  # the loop's one host-device sync per step
-        nonfinite, stop_signal = control.agree(not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
-                                               signals.received)
+        finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
+        nonfinite, stop_signal = control.agree(not finite, signals.received)
         if nonfinite and self.train.on_nonfinite == "stop":
             raise UserError(self.nonfinite_message(grad_norm))
         if nonfinite:
@@ -207,8 +209,11 @@ class Trainer:
                                    f"later runs of the same shapes in {inductor_cache_dir()})")
         return stop_signal
 
-    def step_values(self, step_loss: torch.Tensor) -> tuple[float, float]:
-        """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm)."""
+    def step_values(self, step_loss: torch.Tensor) -> tuple[float, Optional[float]]:
+        """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm);
+        None for the norm when the backward pass stepped and freed every gradient."""
+        if self.steps_in_backward:
+            return step_loss.float().item(), None
         if self.train.max_norm is not None:
             norm = self.fabric.clip_gradients(
                 self.model, self.optimizer, max_norm=self.train.max_norm, error_if_nonfinite=False)
@@ -220,10 +225,16 @@ class Trainer:
             norm = torch.zeros_like(norm)  # the grad scaler skips overflowing steps and lowers its scale by itself
         return tuple(torch.stack([step_loss.float(), norm.float().to(step_loss.device)]).tolist())
 
-    def nonfinite_message(self, grad_norm: float) -> str:
+    def nonfinite_message(self, grad_norm: Optional[float]) -> str:
         """The same text on every rank (the gradient norm is global), so a run of many ranks prints it once."""
         saved = self.checkpoints.saved()
         kept = f"the newest checkpoint, {saved[-1]}, is as it was" if saved else "no checkpoint had been saved yet"
+        if grad_norm is None:  # the backward pass has applied this update already; it is not saved
+            return (
+                f"Step {self.state.step + 1}: the loss is not finite (NaN or inf) on some rank; training stopped "
+                f"without saving this step's update ({kept}). Lower the learning rate, or leave out "
+                "--train.optimizer_in_backward to clip with --train.max_norm 1.0 or skip such steps."
+            )
         return (
             f"Step {self.state.step + 1}: the loss or the gradient norm (here {grad_norm}) is not finite (NaN or "
             f"inf); training stopped before this update ({kept}). Lower the learning rate, clip with "
