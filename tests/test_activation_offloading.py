@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 
 import pytest
 import torch
@@ -194,6 +195,39 @@ def test_pretraining_with_offloading_trains_the_same_weights(tmp_path):
         for key in final[reference]:
             assert torch.equal(final[run][key], final[reference][key]), (run, key)
 
+
+
+def test_qlora_with_offloading_trains_the_same_adapters(tmp_path):
+    """The quantized path (`Recipe._materialize_quantized`, not `parallelize`) offloads too: LoRA over a 4-bit base,
+    with checkpointing, the same adapters as without the option; the 4-bit weights are never copied."""
+    from checkpoint_helpers import write_random_checkpoint
+
+    from litgpt.data import JSON
+    from litgpt.data.tiny import TINY_DIR
+    from litgpt.finetune.lora import setup
+
+    config = Config(name="offload-qlora", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=2,
+                    n_embd=64, n_head=4, n_query_groups=2, intermediate_size=128, prompt_style="alpaca")
+    base = write_random_checkpoint(tmp_path / "base", config)
+    records = [{"instruction": "Tell a story.", "output": story[:120]}
+               for story in (TINY_DIR / "val.txt").read_text().split("\n\n")[:8]]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    adapters = {}
+    for offload in (False, True):
+        out = tmp_path / f"run-{offload}"
+        with moved_tensors() as moved:
+            setup(base, out_dir=out, quantize="bnb.nf4", devices=1, lora_dropout=0.1, lora_mlp=True, seed=3,
+                  data=JSON(tmp_path / "data.json", val_split_fraction=0.25), precision="32-true",
+                  train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=2, lr_warmup_steps=1,
+                                  save_interval=None, max_seq_length=64, activation_checkpointing="full",
+                                  offload_activations=offload),
+                  eval=EvalArgs(interval=1000, max_iters=1, final_validation=False, max_new_tokens=None))
+        assert bool(moved) == offload
+        assert not any(parameter for *_, was_moved, parameter in moved.calls if was_moved)
+        adapters[offload] = torch.load(out / "final" / "lit_model.pth.lora", weights_only=True)
+    assert adapters[True].keys() == adapters[False].keys() and adapters[False]
+    for key in adapters[False]:
+        assert torch.equal(adapters[True][key], adapters[False][key]), key
 
 # ---- with torch.compile ------------------------------------------------------------------------------------------------
 def test_offloading_compiles_the_blocks_instead_of_the_whole_loss():
