@@ -39,6 +39,13 @@ class TrainArgs:
             half of what full saves); ops (every block keeps the outputs of its matmuls and attention and recomputes
             the cheap rest: norms, rotary embedding, activation functions, elementwise ops). `litgpt plan
             --activation_checkpointing` shows what each setting needs.
+        offload_activations: Keep what the forward pass saves for the backward pass in host memory (pinned), copied
+            back as the backward pass reads it, so the device holds about one block's activations at a time; costs
+            the copies' time. With activation checkpointing only the checkpointed blocks' inputs are saved, and
+            moved (with ops, the matmul and attention outputs it keeps stay on the device in eager blocks).
+            Parameters are never copied. On a CPU the host is the device: it saves nothing there, but runs the same
+            copies and gives the same results. `litgpt plan --train.offload_activations true` shows the device and
+            host memory it needs.
         keep_last: Keep only this many newest complete step checkpoints, deleting older ones (None: keep all).
         on_nonfinite: What a NaN or infinite loss or gradient norm does: stop the run (naming the step; the last
             checkpoint stays as it was) or skip that step's update and go on.
@@ -66,6 +73,7 @@ class TrainArgs:
     optimizer_in_backward: bool = False
     min_lr: float = 6e-5
     activation_checkpointing: Union[bool, int, str] = False  # read through ActivationCheckpointing.parse
+    offload_activations: bool = False
     keep_last: Optional[int] = None
     on_nonfinite: Literal["stop", "skip"] = "stop"
     requeue: bool = False

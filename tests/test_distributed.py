@@ -310,6 +310,19 @@ def test_cpu_offload_equals_one_process(inputs, single_process, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_offloaded_activations_equal_one_process(checkpointing, inputs, single_process, tmp_path):
+    """--train.offload_activations under FSDP (the hooks around the sharded model's forward pass, FSDP's gathered
+    weights never copied) trains as one process without it, with and without checkpointing."""
+    out_dir = tmp_path / "offload-activations"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "2", "--train.offload_activations",
+                    "true", "--train.activation_checkpointing", checkpointing)
+    assert result.returncode == 0, result.stderr
+    assert "--train.offload_activations on a CPU" in result.stdout
+    assert_close_runs(out_dir, single_process["pretrain"], "lit_model.pth")
+
+
+@pytest.mark.slow
 def test_bf16_mixed_trains_close_to_float32(inputs, single_process, tmp_path):
     """bf16 compute with float32 master weights and gradient reduction: the losses follow the float32 run's."""
     out_dir = tmp_path / "bf16"

@@ -1,6 +1,6 @@
 """The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, float8 layers
-(fp8-mixed), activation checkpointing, compilation, sharding, then materialization and initialization (torchtitan's
-order).
+(fp8-mixed), activation checkpointing, compilation, activation offloading, sharding, then materialization and
+initialization (torchtitan's order).
 
 The model file knows nothing of this; recipes call `parallelize`.
 """
@@ -15,8 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from litgpt.args import ActivationCheckpointing
 from litgpt.distributed.activation_checkpointing import selective_checkpoint_contexts
+from litgpt.distributed.activation_offloading import offload_activations
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
+from litgpt.distributed.runtime import print_once
 from litgpt.precision import Precision
 
 
@@ -29,10 +31,12 @@ def parallelize(
     compile_blocks: bool = False,
     prepare_block: Optional[Callable[[int, nn.Module], None]] = None,
     dtype: Optional[torch.dtype] = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, activation checkpointing,
-    compilation (`compile_blocks`), sharding, then materialization and initialization (`initialize`), so no process
-    ever holds the full model.
+    compilation (`compile_blocks`), activation offloading (`offload`: the forward pass around the blocks saves
+    for the backward pass in host memory, `litgpt.distributed.activation_offloading`), sharding, then
+    materialization and initialization (`initialize`), so no process ever holds the full model.
 
     `activation_checkpointing` is any setting `ActivationCheckpointing.parse` reads (false, true, N, every:N, ops).
     Initialization is rank-aware: a sharded model gets the same weights as a single-process model from the same seed.
@@ -53,6 +57,8 @@ def parallelize(
         apply_activation_checkpointing(model, checkpointing)
     if compile_blocks:
         compile_each_block(model)
+    if offload:
+        apply_activation_offloading(model, fabric.device)
     strategy = fabric.strategy
     if isinstance(strategy, FSDPStrategy):
         shard_model(model, strategy.device_mesh, strategy.fsdp, precision, fabric.device, prepare_block)
@@ -76,6 +82,15 @@ def materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def apply_activation_offloading(model: nn.Module, device: torch.device) -> None:
+    """The model's forward pass saves its activations in host memory (`offload_activations`), around the compiled
+    and checkpointed blocks; on a CPU, where the host is the device, a note that this saves nothing."""
+    if device.type == "cpu":
+        print_once("--train.offload_activations on a CPU: the host is the device, so it saves no memory (the "
+                   "activations are copied within it); it matters on a GPU.")
+    offload_activations(model)
 
 
 def compile_each_block(model: torch.nn.Module) -> None:

@@ -34,7 +34,12 @@ What is counted, per device:
   only its input (as the hooks saw it) and, with `ops`, the outputs of its matmuls and attention kernels
   (`litgpt.distributed.activation_checkpointing`'s list of operations, recorded in the same fake run); the others
   (every:N) keep everything. In the backward pass one checkpointed block at a time recomputes the rest (a work
-  buffer).
+  buffer). With --train.offload_activations what the blocks save goes to host memory in the forward pass (pinned,
+  `litgpt.distributed.activation_offloading`) and comes back in the backward pass: the device keeps the rest of
+  the model's (counted whole, the head's input among it), with `ops` the outputs that checkpointing keeps (eager
+  blocks hold them outside autograd), and in the backward pass one block's saved tensors brought back (all of them
+  at once: an upper bound, each operation's come back as it runs); the host holds the blocks' (a view saved beside
+  its base is copied apart, which can add more).
 - logits and loss: training never holds the whole logits (`litgpt.train.loss.chunked_head_loss`): the head and the
   loss run over chunks of positions (`loss_chunk_size`, by default `litgpt.train.loss.auto_chunk_size`, the rule
   training uses), each chunk's gradients taken in the forward pass while its logits exist (a per-position loss, as
@@ -105,6 +110,7 @@ class MemoryPlan:
     micro_batch_size: int
     seq_length: int
     activation_checkpointing: str  # none, full, every:N or ops
+    offload_activations: bool
     cpu_offload: bool
     accumulate_gradients: bool
     quantize: Optional[str]
@@ -137,7 +143,8 @@ class MemoryPlan:
     fits: bool
     margin: int  # device_memory - what is needed (the total, or the loading): what is left (negative: missing)
     loading: int  # with --quantize: the base in the master dtype on the device, before it is quantized
-    host_memory_per_node: int  # with cpu_offload: the sharded state of the node's devices in CPU memory
+    host_memory_per_node: int  # with cpu_offload and offload_activations: the node's devices' part in CPU memory
+    host_activations: int  # with offload_activations: one device's saved activations in CPU memory
     activations_per_layer: int  # one (typical) block's saved activations without checkpointing
     attention: str  # which attention kernel the activations assume
     row_details: dict[str, str] = field(default_factory=dict)
@@ -165,6 +172,7 @@ class _Run:
     micro_batch_size: int
     seq_length: int
     activation_checkpointing: ActivationCheckpointing
+    offload_activations: bool
     cpu_offload: bool
     accumulate_gradients: bool
     optimizer_in_backward: bool  # each gradient stepped and freed in the backward pass
@@ -237,6 +245,7 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
     state = _resident_state(run, layout)
     activations = _activation_rows(run, saved)
     gathered = _gathered_params(run, layout, saved)
+    host_activations = activations["host"] + gathered.get("host", 0)  # offloaded: what the blocks saved
     backward = _block_backward(run, layout)
     moments = _moments(run, state, activations, gathered, backward)
     frozen = {name: (config, frozen_layout(config)) for name, config in recipe.frozen_configs().items()}
@@ -265,13 +274,15 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
         devices=run.devices, num_nodes=run.num_nodes, micro_batch_size=run.micro_batch_size,
         seq_length=run.seq_length, activation_checkpointing=str(run.activation_checkpointing),
-        cpu_offload=run.cpu_offload, accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
+        offload_activations=run.offload_activations, cpu_offload=run.cpu_offload,
+        accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
         lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
         shard_group_size=run.shard, replicate_groups=run.world // run.shard, fsdp=run.fsdp,
         total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=recipe.config.n_layer,
         **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=peak + overhead,
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
-        host_memory_per_node=state["host_per_node"], activations_per_layer=max(saved.per_layer, default=0),
+        host_memory_per_node=state["host_per_node"] + run.devices * host_activations,
+        host_activations=host_activations, activations_per_layer=max(saved.per_layer, default=0),
         attention=backward["attention"], row_details=details, notes=notes, loss_chunk_size=run.loss_chunk_size,
         teacher_params=frozen_params, teacher_bytes=sum(frozen_bytes.values()),
         kv_cache_bytes_per_token=kv_cache_per_token, summary=recipe.plan_summary(count(frozen_params)),
@@ -345,7 +356,8 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         devices=devices, num_nodes=num_nodes, micro_batch_size=rows, seq_length=seq_length,
         activation_checkpointing=ActivationCheckpointing.parse(train.activation_checkpointing),
         # Training refuses accumulation with the optimizer in the backward pass: one micro-batch per step.
-        cpu_offload=fsdp.cpu_offload, accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
+        offload_activations=train.offload_activations, cpu_offload=fsdp.cpu_offload,
+        accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
         optimizer_in_backward=train.optimizer_in_backward, shard=shard,
         loss_chunk_size=_loss_chunk(recipe.config, rows * seq_length, train.loss_chunk_size),
         backward_prefetch=fsdp.backward_prefetch,
@@ -424,25 +436,32 @@ def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
     whose backward pass holds the most, what is held then (its own and the earlier blocks' activations) and what
     it recomputes on top."""
     checkpointing = run.activation_checkpointing
-    kept, recomputed = [], []
+    saved_by_autograd, cached, recomputed = [], [], []  # per block
     for index, layer in enumerate(saved.per_layer):
         if not checkpointing.checkpoints(index):
-            kept.append(layer)
+            saved_by_autograd.append(layer)
+            cached.append(0)
             recomputed.append(0)
         elif checkpointing.mode == "ops":  # the input and the cached outputs; the rest is recomputed
-            kept.append(saved.block_inputs[index] + saved.kept_outputs[index])
+            saved_by_autograd.append(saved.block_inputs[index])
+            cached.append(saved.kept_outputs[index])
             recomputed.append(layer - saved.kept_outputs_saved[index])
         else:  # only the input; the whole block is recomputed
-            kept.append(saved.block_inputs[index])
+            saved_by_autograd.append(saved.block_inputs[index])
+            cached.append(0)
             recomputed.append(layer)
+    if run.offload_activations:  # what autograd saves waits on the host; a block's comes back for its backward
+        device, host = cached, saved_by_autograd
+    else:
+        device, host = [s + c for s, c in zip(saved_by_autograd, cached)], [0] * len(cached)
     # The backward pass runs the blocks last to first, freeing each one's activations when it is done.
-    held = [sum(kept[: index + 1]) + recomputed[index] for index in range(len(kept))]
-    worst = max(range(len(kept)), key=held.__getitem__, default=None)
+    held = [sum(device[: index + 1]) + host[index] + recomputed[index] for index in range(len(device))]
+    worst = max(range(len(device)), key=held.__getitem__, default=None)
     chunk_logits, loss_gradients = _chunked_loss_bytes(run)
     return dict(
-        activations=saved.root + sum(kept), root=saved.root, logits_loss=chunk_logits + loss_gradients,
-        chunk_logits=chunk_logits,
-        backward=sum(kept[: worst + 1]) if worst is not None else 0,
+        activations=saved.root + sum(device), root=saved.root, logits_loss=chunk_logits + loss_gradients,
+        chunk_logits=chunk_logits, host=sum(host),
+        backward=sum(device[: worst + 1]) + host[worst] if worst is not None else 0,
         recompute=recomputed[worst] if worst is not None else 0,
         largest_layer=max(saved.per_layer, default=0),
     )
@@ -491,20 +510,29 @@ def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict
             gathered.update(start=root_bytes, detail=f"root + {1 + max(1, run.backward_prefetch)} blocks at a time, "
                                                      "compute dtype")
     elif run.autocast:
-        # Autocast's 16-bit copies of the weights that autograd saved; with checkpointing only the head's and the
-        # recomputed block's are saved, but the cached copies of trainable weights last until the forward pass ends.
-        gathered.update(start=saved.weight_copies, backward=saved.weight_copies)
-        gathered["detail"] = "autocast's 16-bit copies of the linear weights"
-        if run.activation_checkpointing:
-            checkpointed = run.activation_checkpointing.checkpoints
-            layer_copies = list(enumerate(saved.layer_weight_copies))
-            kept = saved.weight_copies - sum(copies for index, copies in layer_copies if checkpointed(index))
-            gathered["start"] = kept  # the head's, and those of the blocks not checkpointed (every:N)
-            gathered["backward"] = kept + max((c for i, c in layer_copies if checkpointed(i)), default=0)
-            gathered["forward_end"] = max(saved.cached_weight_copies, kept)
+        gathered.update(_autocast_copies(run, saved), detail="autocast's 16-bit copies of the linear weights")
     else:
         gathered.update(start=0, backward=0, detail="none on a single device")
     return gathered
+
+
+def _autocast_copies(run: _Run, saved: SavedActivations) -> dict:
+    """Autocast's 16-bit copies of the weights that autograd saved, at each moment; with checkpointing only the
+    head's and the recomputed block's are saved, but the cached copies of trainable weights last until the forward
+    pass ends. Offloaded, the blocks' saved copies wait on the host (`host`) and one block's come back; the head's
+    are saved outside the model's forward pass and stay."""
+    if not (run.activation_checkpointing or run.offload_activations):
+        return dict(start=saved.weight_copies, backward=saved.weight_copies, forward_end=0, host=0)
+    checkpointed = run.activation_checkpointing.checkpoints
+    layer_copies = list(enumerate(saved.layer_weight_copies))
+    # the head's, and those of the blocks not checkpointed (every:N)
+    kept = saved.weight_copies - sum(copies for index, copies in layer_copies if checkpointed(index))
+    if run.offload_activations:
+        head = saved.weight_copies - sum(saved.layer_weight_copies)
+        return dict(start=head, backward=head + max(saved.layer_weight_copies, default=0), host=kept - head,
+                    forward_end=max(saved.cached_weight_copies, head))
+    return dict(start=kept, backward=kept + max((c for i, c in layer_copies if checkpointed(i)), default=0),
+                forward_end=max(saved.cached_weight_copies, kept), host=0)
 
 
 def _block_backward(run: _Run, layout: Layout) -> dict:
@@ -555,7 +583,7 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
     buffers += backward["dequantized"]
     root_grads = backward["root_grads"]
     moments = {}
-    if run.autocast and run.activation_checkpointing:
+    if run.autocast and (run.activation_checkpointing or run.offload_activations):
         moments["end of the forward pass"] = dict(
             gradients=held, gathered_params=gathered["forward_end"], activations=activations["activations"],
             logits_loss=activations["chunk_logits"], buffers=backward["dequantized"],
@@ -688,6 +716,9 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
 
 
 def _activations_detail(run: _Run, activations: dict) -> str:
+    if run.offload_activations:
+        kept = " + matmul and attention outputs" if run.activation_checkpointing.mode == "ops" else ""
+        return f"head{kept} + 1 block's brought back; the blocks' saved tensors on the host"
     checkpointing, n_layer = run.activation_checkpointing, run.config.n_layer
     every_block = f"{n_layer} blocks x {fmt(activations['largest_layer'])} + head"
     if checkpointing.mode == "every":

@@ -64,7 +64,8 @@ def format_plan(plan: "MemoryPlan") -> str:
     lines.append(
         f"micro batch {plan.micro_batch_size} x {plan.seq_length:,} tokens on {plan.device} ({plan.attention}), "
         f"activation checkpointing {_checkpointing_words(plan.activation_checkpointing)}, "
-        f"gradient accumulation {'on' if plan.accumulate_gradients else 'off'}"
+        + ("activation offloading on, " if plan.offload_activations else "")
+        + f"gradient accumulation {'on' if plan.accumulate_gradients else 'off'}"
     )
     lines.append("")
     width = 28
@@ -88,10 +89,12 @@ def format_plan(plan: "MemoryPlan") -> str:
     else:
         verdict = f"does NOT fit in {fmt(plan.device_memory)}: {fmt(-plan.margin)} short{when}"
     lines.append(f"{'device memory':<{width}} {'':>12} {fmt(plan.device_memory):>12}  {verdict}")
-    if plan.cpu_offload:
+    if plan.host_memory_per_node:
         per_device = fmt(plan.host_memory_per_node // plan.devices)
+        held = (["sharded parameters, gradients, optimizer state"] if plan.cpu_offload else []) + (
+            [f"activations ({fmt(plan.host_activations)}, pinned)"] if plan.offload_activations else [])
         lines.append(f"{'host memory per node':<{width}} {'':>12} {fmt(plan.host_memory_per_node):>12}  "
-                     f"{plan.devices} device(s) x {per_device}: sharded parameters, gradients, optimizer state")
+                     f"{plan.devices} device(s) x {per_device}: {'; '.join(held)}")
     if plan.notes:
         lines.append("")
         lines.extend(f"- {note}" for note in plan.notes)

@@ -109,7 +109,8 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
     check_disk_space(job.out_dir, model, recipe.trains, train)
     load_initial = resume_dir is None or not recipe.checkpoint_holds_every_weight
     checkpointing = ActivationCheckpointing.parse(train.activation_checkpointing)
-    model = recipe.materialize(fabric, model, job.precision, checkpointing, job.compile_blocks, load_initial)
+    model = recipe.materialize(fabric, model, job.precision, checkpointing, job.compile_blocks, load_initial,
+                               train.offload_activations)
     model = fabric.setup(model)
     # Frozen models (a teacher, a reference) are the objective's alone: never in the optimizer or the checkpoints.
     frozen = recipe.materialize_frozen(fabric, job.precision, job.compile_blocks)

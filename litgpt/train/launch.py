@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from litgpt.args import FSDPArgs
+from litgpt.errors import UserError
 from litgpt.registry import CORE_COMPILERS, CompilerExtension, load_compiler
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
     elif compiler not in CORE_COMPILERS:
         extension = load_compiler(compiler)
     if extension is not None:
+        if job.train.offload_activations:
+            raise UserError(f"--train.offload_activations works with --compiler auto, none or torch; the "
+                            f"{compiler if isinstance(compiler, str) else type(compiler).__name__} compiler runs "
+                            "its own forward pass: leave the option off.")
         extension.check(job, fsdp)
 
     from litgpt.distributed.fabric import build_fabric  # Lightning: imported once the arguments are known to be good
@@ -43,12 +48,14 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
     """What --compiler torch, none or auto (`auto_compiles`: this device and run length) compiles, said in one line:
     one CPU process compiles the whole loss (`Job.compile_loss`: forward, chunked head and loss in one graph,
-    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block."""
+    measured fastest there), GPUs and several processes (FSDP's hooks sit between the blocks) each block, and so
+    does --train.offload_activations (its saved-tensor hooks stay outside compiled code)."""
     from litgpt.distributed.parallelize import auto_compiles
     from litgpt.distributed.runtime import print_once
 
     steps = job.train.planned_steps(job.train.max_seq_length or job.recipe.config.block_size)
     compiles = compiler == "torch" or (compiler == "auto" and auto_compiles(device, job.recipe.config, steps))
+    whole_loss = whole_loss and not job.train.offload_activations
     job.compile_loss = compiles and whole_loss and device.type == "cpu" and world_size == 1
     job.compile_blocks = compiles and not job.compile_loss
     what = ("torch.compile of the whole loss (model, head and loss)" if job.compile_loss

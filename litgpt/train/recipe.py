@@ -125,19 +125,22 @@ class Recipe:
 
     def materialize(self, fabric, model: nn.Module, precision: Precision,
                     activation_checkpointing: ActivationCheckpointing,
-                    compile_blocks: bool, load_initial: bool) -> nn.Module:
+                    compile_blocks: bool, load_initial: bool, offload_activations: bool = False) -> nn.Module:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
-        `load_initial` is False because a resumed checkpoint replaces every weight)."""
+        `load_initial` is False because a resumed checkpoint replaces every weight). `offload_activations`: its
+        forward pass saves for the backward pass in host memory (`parallelize`)."""
         from litgpt.distributed.fsdp import FSDPStrategy
         from litgpt.distributed.parallelize import parallelize
 
         if self.quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
             model = self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
-                                                        compile_blocks)
+                                                        compile_blocks, offload_activations)
         elif self.quantize is not None:
-            model = self._materialize_quantized(fabric, model, precision, activation_checkpointing)
+            model = self._materialize_quantized(fabric, model, precision, activation_checkpointing,
+                                                offload_activations)
         else:
-            model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks)
+            model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks,
+                                offload=offload_activations)
             if self.initial_weights is not None and load_initial:
                 path = Path(self.initial_weights)
                 copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
@@ -147,10 +150,11 @@ class Recipe:
         return model
 
     def _materialize_quantized(self, fabric, model: nn.Module, precision: Precision,
-                               activation_checkpointing: ActivationCheckpointing) -> nn.Module:
+                               activation_checkpointing: ActivationCheckpointing,
+                               offload_activations: bool) -> nn.Module:
         """QLoRA (one device): the frozen base goes from the memory-mapped file straight into quantized layers, so
         the model is never whole in memory at its stored precision."""
-        from litgpt.distributed.parallelize import apply_activation_checkpointing
+        from litgpt.distributed.parallelize import apply_activation_checkpointing, apply_activation_offloading
         from litgpt.nf4 import is_nf4
         from litgpt.quantize import quantize_frozen_base
 
@@ -170,11 +174,13 @@ class Recipe:
                     param.data = param.data.float()
         if activation_checkpointing:
             apply_activation_checkpointing(model, activation_checkpointing)
+        if offload_activations:
+            apply_activation_offloading(model, fabric.device)
         return model
 
     def _materialize_quantized_sharded(self, fabric, model: nn.Module, precision: Precision,
                                        activation_checkpointing: ActivationCheckpointing,
-                                       compile_blocks: bool) -> nn.Module:
+                                       compile_blocks: bool, offload_activations: bool) -> nn.Module:
         """QLoRA under FSDP2 (`ao.nf4`): `parallelize` with each block's base linears quantized from the
         memory-mapped file just before the block is sharded; the rest of the base is copied in after.
 
@@ -205,7 +211,7 @@ class Recipe:
                 quantized.add(key)
 
         model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks,
-                            prepare_block=quantize_block)
+                            prepare_block=quantize_block, offload=offload_activations)
         rest = {key: value for key, value in state_dict.items() if key not in quantized}
         copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized)
         return model
