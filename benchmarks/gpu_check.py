@@ -3,20 +3,22 @@
     bash benchmarks/gpu_check.sh                 # all stages, results under benchmarks/results/gpu-check-<date>/
     python benchmarks/gpu_check.py --only qlora generation --out /tmp/check
 
-Stages, each a subprocess with its own time limit (the run stops starting stages when its budget is spent):
+Stages, each a subprocess with its own time limit, in this order (the run starts no stage once its budget is spent):
   fp8_mlp      one Llama-3.2-1B MLP (8,192 tokens), compiled, forward + backward in bf16 and with its linear layers
                in float8 (`--precision fp8-mixed`'s conversion), and the graph breaks torch.compile meets in it
   training     MFU of a Llama-3.2-1B-shaped pretrain (seq 2048, micro batch 4, global batch 32, compiled) in
                bf16-mixed and in fp8-mixed (`benchmarks/run.py --suite gpu`); goals: >= 50 % bf16 MFU on an H100,
                fp8 >= 1.25x bf16
-  moe          the grouped mixture-of-experts kernels against the per-expert loop (`benchmarks/moe.py`)
-  chunked_loss peak memory of a step with the chunked output head + loss against whole logits
-               (`benchmarks/chunked_loss_memory.py`, 128k vocabulary)
+  plan         `litgpt plan` against the measured peak of real Llama-3.2-1B pretrain runs (`benchmarks/plan_accuracy.py`):
+               plain, activation checkpointing, --train.offload_activations, --train.optimizer_in_backward, each
+               with its tokens/s
   qlora        `litgpt finetune_lora --quantize bnb.nf4` and `--quantize ao.nf4` on one GPU, on a random checkpoint
                with a 704-wide MLP. QLoRA under FSDP2 with NCCL needs two GPUs: NCCL refuses two ranks on one GPU,
                and FSDP2 on a one-rank group skips the all-gather that torchao's NF4 tensor hooks into
   generation   `litgpt generate` eager against `--compile true` (CUDA graphs), bf16-true
-  plan         `litgpt plan` against the measured peak of real runs (`benchmarks/plan_accuracy.py`)
+  moe          the grouped mixture-of-experts kernels against the per-expert loop (`benchmarks/moe.py`)
+  chunked_loss peak memory of a step with the chunked output head + loss against whole logits
+               (`benchmarks/chunked_loss_memory.py`, 128k vocabulary)
 
 Each stage's output goes to <out>/<stage>.log (and its JSON beside it); the summary at the end is read from those
 files. A stage that fails prints its last lines and the run goes on.
@@ -40,7 +42,9 @@ PYTHON = sys.executable
 QLORA_MODEL = dict(name="qlora-check", block_size=2048, vocab_size=4096, padded_vocab_size=4096, n_layer=8,
                    n_embd=1024, n_head=16, n_query_groups=4, intermediate_size=704, norm_class_name="RMSNorm",
                    mlp_class_name="LLaMAMLP", bias=False, rope_base=10000.0)
-QLORA_STEPS = 20
+QLORA_STEPS = 10
+PLAN_SETTINGS = ["no checkpointing", "activation checkpointing", "offloaded activations",
+                 "optimizer in the backward pass"]
 
 
 @dataclass
@@ -56,15 +60,15 @@ def stages(out: Path, work: Path) -> list[Stage]:
         Stage("fp8_mlp", [PYTHON, __file__, "--fp8-worker"], 90),
         Stage("training", [*run_py, "--cases", "pretrain-1b-compiled,pretrain-1b-fp8", "--work-dir", work / "run",
                            "--output", out / "training.json"], 300),
+        Stage("plan", [PYTHON, "benchmarks/plan_accuracy.py", "--device", "cuda", "--steps", "3", "--settings",
+                       *PLAN_SETTINGS, "--json", out / "plan.json"], 150),
+        Stage("qlora", [PYTHON, __file__, "--qlora-worker", "--out", out, "--work", work], 90),
+        Stage("generation", [*run_py, "--cases", "generate-5m-bf16-true,generate-5m-bf16-true-compiled",
+                             "--work-dir", work / "run", "--output", out / "generation.json"], 90),
         Stage("moe", [PYTHON, "benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384",
                       "--warmup", "2", "--steps", "5", "--only", "loop", "litgpt", "--output", out / "moe.json"], 60),
         Stage("chunked_loss", [PYTHON, "benchmarks/chunked_loss_memory.py", "--device", "cuda", "--precision",
                                "bf16-mixed", "--n_embd", "2048", "--batch", "4", "--seq", "2048", "--steps", "2"], 60),
-        Stage("qlora", [PYTHON, __file__, "--qlora-worker", "--out", out, "--work", work], 90),
-        Stage("generation", [*run_py, "--cases", "generate-5m-bf16-true,generate-5m-bf16-true-compiled",
-                             "--work-dir", work / "run", "--output", out / "generation.json"], 90),
-        Stage("plan", [PYTHON, "benchmarks/plan_accuracy.py", "--device", "cuda", "--steps", "2", "--json",
-                       out / "plan.json"], 120),
     ]
 
 
@@ -252,7 +256,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"gpu-check-{datetime.date.today()}")
     parser.add_argument("--work", type=Path, default=Path("/tmp/litgpt-gpu-check"))
-    parser.add_argument("--budget", type=float, default=470, help="seconds: no stage starts after this")
+    parser.add_argument("--budget", type=float, default=480, help="seconds: no stage starts after this")
     parser.add_argument("--only", nargs="*", help="stages to run (default: all, in order)")
     parser.add_argument("--qlora-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp8-worker", action="store_true", help=argparse.SUPPRESS)
