@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -72,7 +73,13 @@ def stages(out: Path, work: Path) -> list[Stage]:
     ]
 
 
-def run_stage(stage: Stage, out: Path, seconds_left: float) -> dict:
+def remove_checkpoints(work: Path) -> None:
+    """The stage's runs' checkpoints (15 GiB each at 1B): each run checks the free disk space for its own first."""
+    for folder in [work / "run" / "out", *work.glob("qlora-*.nf4")]:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_stage(stage: Stage, out: Path, work: Path, seconds_left: float) -> dict:
     limit = min(stage.limit, seconds_left)
     log = out / f"{stage.name}.log"
     print(f"== {stage.name} (limit {limit:.0f} s)", flush=True)
@@ -84,6 +91,7 @@ def run_stage(stage: Stage, out: Path, seconds_left: float) -> dict:
         except subprocess.TimeoutExpired:
             code = "timeout"
     seconds = round(time.perf_counter() - start, 1)
+    remove_checkpoints(work)
     print(f"   {stage.name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds} s", flush=True)
     if code != 0:
         print("   " + "\n   ".join(log.read_text(errors="replace").splitlines()[-20:]), flush=True)
@@ -282,7 +290,7 @@ def main() -> None:
         if left < 20:
             results.append({"stage": stage.name, "returncode": "skipped: budget spent"})
             continue
-        results.append(run_stage(stage, args.out, left))
+        results.append(run_stage(stage, args.out, args.work, left))
     lines = summary(args.out)
     (args.out / "summary.json").write_text(json.dumps({**facts, "stages": results, "summary": lines}, indent=1) + "\n")
     print("\n" + "\n".join(lines))
