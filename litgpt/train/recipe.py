@@ -168,10 +168,11 @@ class Recipe:
         # weights keep their layout), float32 master copies otherwise.
         if precision.weights_dtype != torch.float32:
             model.to(precision.weights_dtype)
-        else:
+        else:  # on the device already, as the quantized weights are (Fabric would move them itself, with a warning)
             for param in model.parameters():
-                if param.dtype in (torch.float16, torch.bfloat16) and not is_nf4(param):
-                    param.data = param.data.float()
+                if not is_nf4(param):
+                    half = param.dtype in (torch.float16, torch.bfloat16)
+                    param.data = param.data.to(fabric.device, torch.float32 if half else param.dtype)
         if activation_checkpointing:
             apply_activation_checkpointing(model, activation_checkpointing)
         if offload_activations:
