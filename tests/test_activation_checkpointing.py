@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import write_story_files
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -268,14 +269,11 @@ def test_pretraining_with_each_setting_trains_the_same_weights(tmp_path):
     """The setting reaches `parallelize` from TrainArgs: the checkpointed blocks run again in each backward pass,
     and two steps of AdamW end in the same weights in every mode."""
     from litgpt.data import TextFiles
-    from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+    from litgpt.data.tiny import TOKENIZER_DIR
     from litgpt.io import load_state_dict
     from litgpt.pretrain import setup
 
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:40]):
-        (texts / f"{i:03d}.txt").write_text(story)
+    texts = write_story_files(tmp_path / "texts", 40)
     config = Config(name="ac", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=3, n_embd=64,
                     n_head=4, n_query_groups=2, intermediate_size=128)
     final, calls = {}, {}

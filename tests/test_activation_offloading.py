@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from data_helpers import write_story_files
 from test_activation_checkpointing import CONFIGS, LLAMA, LiveTensors, build, held_after_forward, training_step
 
 from litgpt.args import ActivationCheckpointing, EvalArgs, TrainArgs
@@ -163,14 +164,11 @@ def test_pretraining_with_offloading_trains_the_same_weights(tmp_path):
     """The option reaches `parallelize` from TrainArgs: two steps of AdamW with offloading, with and without
     checkpointing, end in the same losses and weights as the run without it."""
     from litgpt.data import TextFiles
-    from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+    from litgpt.data.tiny import TOKENIZER_DIR
     from litgpt.io import load_state_dict
     from litgpt.pretrain import setup
 
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:40]):
-        (texts / f"{i:03d}.txt").write_text(story)
+    texts = write_story_files(tmp_path / "texts", 40)
     config = Config(name="offload", block_size=64, vocab_size=4096, padded_vocab_size=4096, n_layer=3, n_embd=64,
                     n_head=4, n_query_groups=2, intermediate_size=128)
     final, losses = {}, {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
+from data_helpers import write_story_files
 
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
@@ -37,10 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def text_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("stories")
-    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:60]):
-        (folder / f"{i:03d}.txt").write_text(story)
-    return folder
+    return write_story_files(tmp_path_factory.mktemp("stories"), 60)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoint_helpers import write_random_checkpoint
+from data_helpers import write_story_files
 from torch import nn
 
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data import TextFiles
 from litgpt.data.base import IGNORE_INDEX
-from litgpt.data.tiny import TINY_DIR, TOKENIZER_DIR
+from litgpt.data.tiny import TOKENIZER_DIR
 from litgpt.io import load_state_dict
 from litgpt.precision import Precision
 from litgpt.train.objective import Objective
@@ -72,10 +73,7 @@ class AnchoredRecipe(Recipe):
 
 @pytest.fixture(scope="module")
 def text_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("stories")
-    for i, story in enumerate((TINY_DIR / "train.txt").read_text().split("\n\n")[:60]):
-        (folder / f"{i:03d}.txt").write_text(story)
-    return folder
+    return write_story_files(tmp_path_factory.mktemp("stories"), 60)
 
 
 @pytest.fixture(scope="module")
