@@ -181,8 +181,17 @@ def torchrun(nodes: int, folder: str, out: Path, micro_batches: str, *extra, cac
         launches.append(subprocess.Popen(command, env=environment, text=True, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE))
     outcomes = [(process, process.communicate(timeout=300)[1]) for process in launches]
-    failed = [f"node {rank}:\n{stderr[-3000:]}" for rank, (process, stderr) in enumerate(outcomes) if process.returncode]
+    # A rank's own error comes before the launcher's report of it, which alone can fill the tail.
+    failed = [f"node {rank}:\n{first_errors(stderr)}\n...\n{stderr[-1500:]}"
+              for rank, (process, stderr) in enumerate(outcomes) if process.returncode]
     assert not failed, "\n".join(failed)
+
+
+def first_errors(stderr: str) -> str:
+    """The lines of the ranks' own tracebacks' last frames and messages (`[rankN]: ...Error: ...`), at most 40."""
+    lines = stderr.splitlines()
+    marks = [i for i, line in enumerate(lines) if "Error" in line and "[rank" in line]
+    return "\n".join(line for i in marks[:8] for line in lines[max(0, i - 4):i + 1])
 
 
 PREPARE_ALONE = """
