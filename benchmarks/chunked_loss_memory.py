@@ -60,7 +60,7 @@ def worker(args) -> dict:
     if args.mode == "plain":
         loss_fn = lambda model, x, y: cross_entropy(model(x), y)  # noqa: E731 - the old path
     else:
-        chunked = loss_function("cross_entropy", args.chunk)
+        chunked = loss_function("cross_entropy", args.chunk[0] if args.chunk else None)  # the worker gets one
         loss_fn = lambda model, x, y: chunked(model, x, y)["loss"]  # noqa: E731 - the loss without its parts
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else None
 
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=1, help="steps measured (CUDA: after one warm-up step)")
-    parser.add_argument("--chunk", type=int, default=None, help="a chunk size to run besides the automatic one")
+    parser.add_argument("--chunk", type=int, nargs="*", default=[], help="chunk sizes to run besides the automatic one")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--worker", choices=("plain", "chunked"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -135,8 +135,7 @@ def main() -> None:
 
     auto = auto_chunk_size(args.batch * args.seq, args.n_embd, args.vocab)
     settings = [("plain (whole logits)", "plain", None), (f"chunked, automatic ({auto})", "chunked", None)]
-    if args.chunk is not None:
-        settings.append((f"chunked, --chunk {args.chunk}", "chunked", args.chunk))
+    settings += [(f"chunked, --chunk {chunk}", "chunked", chunk) for chunk in args.chunk]
     print(f"{args.device}, {args.precision}: vocabulary {args.vocab:,}, n_embd {args.n_embd}, {args.n_layer} layers, "
           f"batch {args.batch} x {args.seq} tokens; whole float32 logits = "
           f"{args.batch * args.seq * args.vocab * 4 / MiB:,.0f} MiB")

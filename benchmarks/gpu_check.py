@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -69,8 +70,19 @@ def stages(out: Path, work: Path) -> list[Stage]:
         Stage("moe", [PYTHON, "benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384",
                       "--warmup", "2", "--steps", "5", "--only", "loop", "litgpt", "--output", out / "moe.json"], 60),
         Stage("chunked_loss", [PYTHON, "benchmarks/chunked_loss_memory.py", "--device", "cuda", "--precision",
-                               "bf16-mixed", "--n_embd", "2048", "--batch", "4", "--seq", "2048", "--steps", "2"], 60),
+                               "bf16-mixed", "--n_embd", "2048", "--batch", "4", "--seq", "2048", "--steps", "2",
+                               "--chunk", "2048", "4096", "8192"], 90),
     ]
+
+
+def default_work_dir() -> Path:
+    """Where the stages' runs write: a memory file system when it has room for two 1B runs' resumable checkpoints
+    (15 GiB each, written at the end of every training run: on a disk they took ~50 s each of the check's time),
+    else /tmp."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free >= 40 * 2**30:
+        return shm / "litgpt-gpu-check"
+    return Path("/tmp/litgpt-gpu-check")
 
 
 def remove_checkpoints(work: Path) -> None:
@@ -86,8 +98,9 @@ def run_stage(stage: Stage, out: Path, work: Path, seconds_left: float) -> dict:
     start = time.perf_counter()
     with open(log, "w") as f:
         try:
+            # TMPDIR: plan_accuracy.py's runs write into a temporary folder
             code = subprocess.run([str(a) for a in stage.argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=limit).returncode
+                                  timeout=limit, env={**os.environ, "TMPDIR": str(work)}).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     seconds = round(time.perf_counter() - start, 1)
@@ -263,12 +276,14 @@ def summary(out: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"gpu-check-{datetime.date.today()}")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/litgpt-gpu-check"))
+    parser.add_argument("--work", type=Path, default=None, help="default: /dev/shm/litgpt-gpu-check where it has "
+                        "40 GiB free, else /tmp/litgpt-gpu-check")
     parser.add_argument("--budget", type=float, default=480, help="seconds: no stage starts after this")
     parser.add_argument("--only", nargs="*", help="stages to run (default: all, in order)")
     parser.add_argument("--qlora-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp8-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.work = args.work or default_work_dir()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.qlora_worker:
@@ -281,7 +296,8 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu_check.py needs a CUDA GPU.")
     facts = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
              "torch": torch.__version__, "capability": list(torch.cuda.get_device_capability())}
-    print(f"GPU check: {facts['gpu']} (compute capability {facts['capability']}), torch {facts['torch']}", flush=True)
+    print(f"GPU check: {facts['gpu']} (compute capability {facts['capability']}), torch {facts['torch']}; runs write "
+          f"under {args.work}", flush=True)
     start, results = time.perf_counter(), []
     for stage in stages(args.out, args.work):
         if args.only and stage.name not in args.only:
@@ -291,6 +307,7 @@ def main() -> None:
             results.append({"stage": stage.name, "returncode": "skipped: budget spent"})
             continue
         results.append(run_stage(stage, args.out, args.work, left))
+    shutil.rmtree(args.work, ignore_errors=True)  # on /dev/shm it holds memory
     lines = summary(args.out)
     (args.out / "summary.json").write_text(json.dumps({**facts, "stages": results, "summary": lines}, indent=1) + "\n")
     print("\n" + "\n".join(lines))

@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -287,6 +288,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/litgpt-bench"))
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--ours-args", default="", help="more flags for our training commands, e.g. "
+                        "'--train.loss_chunk_size 8192' (recorded in the case's description and commands)")
     parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                         help="before each training run, wait up to this long for a quiet machine")
     args = parser.parse_args()
@@ -328,6 +331,10 @@ def main() -> None:
         }, indent=1, default=str) + "\n")
     training = training_cases([n for n in names if n.startswith(("pretrain", "lora"))], work, python_ours, python_ref,
                               device == "cuda", (args.warmup, args.steps))
+    for case, *_ in training.values():
+        if args.ours_args:
+            case.ours.argv += shlex.split(args.ours_args)
+            case.description += f"; ours with {args.ours_args}"
     results = []
     for name in names:
         record: dict = {"case": name, "runs": {"ours": [], "litgpt": []}}
