@@ -1,4 +1,4 @@
-"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --kd.*, --logger.*, --log.*) and their
+"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --parallel.*, --kd.*, --logger.*, --log.*) and their
 checks, in one place (LitGPT's names, so commands and YAML files carry over). What a run records of its arguments is
 `litgpt.train.run_record`."""
 
@@ -205,6 +205,28 @@ class FSDPArgs:
         # Read here, so a bad value fails while the command line is parsed and the fields hold numbers afterwards.
         self.forward_prefetch = prefetch_blocks(self.forward_prefetch, "--fsdp.forward_prefetch")
         self.backward_prefetch = prefetch_blocks(self.backward_prefetch, "--fsdp.backward_prefetch", FSDP1_BACKWARD)
+
+
+@dataclass
+class ParallelArgs:
+    """How many devices split each layer, beside the data parallelism (FSDP, `FSDPArgs`) that takes the rest of the
+    world: the device mesh is (replicate, shard, tensor), the tensor dimension innermost so that the ranks of one
+    tensor-parallel group are neighbours on one node.
+
+    Args:
+        tensor: Tensor parallelism with sequence parallelism (Megatron's layout): each of N neighbouring devices holds
+            1/N of every attention and MLP layer (its own heads, its own MLP columns) and of the vocabulary, and the
+            residual stream between the layers is split over the sequence. N must divide the devices per node, the
+            heads, the key-value groups and the MLP width; dense models only (not yet mixture-of-experts or latent
+            attention). 1: none.
+    """
+
+    # expert, pipeline and context parallelism will be further degrees here.
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
+            raise UserError(f"--parallel.tensor must be a whole number of devices >= 1, got {self.tensor!r}.")
 
 
 # FSDP1's BackwardPrefetch names, as `--fsdp.backward_prefetch` reads them (see FSDPArgs).

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, KDArgs, LoggerArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, ParallelArgs, KDArgs, LoggerArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -45,6 +45,7 @@ def setup(
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
     fsdp: FSDPArgs = FSDPArgs(),
+    parallel: ParallelArgs = ParallelArgs(),
     tokenizer_dir: Optional[Path] = None,
     logger_name: LoggerName = "csv",
     logger: LoggerArgs = LoggerArgs(),
@@ -78,6 +79,8 @@ def setup(
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the student and the teacher (--fsdp.sharding_strategy, ...).
+        parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
+            (tensor and sequence parallelism; FSDP shards over the rest of the world).
         tokenizer_dir: The folder with tokenizer.json (default: student_dir, else teacher_dir).
         logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
             mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
@@ -99,7 +102,7 @@ def setup(
     from litgpt.train.launch import run_fabric
 
     # whole_loss False: torch compiles the teacher's blocks too, as the student's.
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, parallel=parallel,
                       run_name=f"distill-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy,
                       whole_loss=False), job)
 

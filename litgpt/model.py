@@ -241,6 +241,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         self.config = config
+        # The heads this layer computes: the config's, or under tensor parallelism this rank's share of them.
+        self.n_head, self.n_query_groups = config.n_head, config.n_query_groups
         # q, k and v of all heads in one matmul; rows are laid out [q heads | k groups | v groups].
         self.qkv = nn.Linear(config.n_embd, config.qkv_size, bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
@@ -259,8 +261,8 @@ class CausalSelfAttention(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> "KVCache":
         """An empty cache of this layer's keys and values for `max_seq_length` positions of `batch_size` rows."""
-        c = self.config
-        return KVCache(batch_size, c.n_query_groups, max_seq_length, c.head_size, device=device, dtype=dtype)
+        return KVCache(batch_size, self.n_query_groups, max_seq_length, self.config.head_size, device=device,
+                       dtype=dtype)
 
     def forward(
         self,
@@ -275,15 +277,14 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)
         if c.clip_qkv is not None:
             qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
-        q, k, v = qkv.split(
-            (c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), dim=-1
-        )
+        nh, ng = self.n_head, self.n_query_groups
+        q, k, v = qkv.split((nh * c.head_size, ng * c.head_size, ng * c.head_size), dim=-1)
         whole_qk_norm = c.norm_qk and c.norm_qk_type == "olmo2"
         if whole_qk_norm:
             q, k = self.norm_q(q), self.norm_k(k)
-        q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # (B, ng, T, hs)
-        v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)
+        q = q.view(B, T, nh, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, ng, c.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        v = v.view(B, T, ng, c.head_size).transpose(1, 2)
         if c.norm_qk and not whole_qk_norm:
             q, k = self.norm_q(q), self.norm_k(k)
         if rope is not None:
@@ -295,7 +296,7 @@ class CausalSelfAttention(nn.Module):
             k, v = self.kv_cache.update(input_pos, k, v)
 
         y = self.attend(q, k, v, mask)
-        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
+        y = y.transpose(1, 2).reshape(B, T, nh * c.head_size)
         return self.proj(y)
 
     def attend_with_sink_key(
@@ -317,7 +318,7 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         mask = F.pad(mask, (0, 1), value=True)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=c.n_query_groups != c.n_head
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_query_groups != self.n_head
         )
         return y[..., :hs]
 
@@ -329,11 +330,11 @@ class CausalSelfAttention(nn.Module):
             # mask None means plain causal attention over the whole sequence.
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=c.n_query_groups != c.n_head,
+                enable_gqa=self.n_query_groups != self.n_head,
             )
         # Soft-capping squashes the scores before the softmax, which SDPA cannot express.
-        if c.n_query_groups != c.n_head:
-            repeats = c.n_head // c.n_query_groups
+        if self.n_query_groups != self.n_head:
+            repeats = self.n_head // self.n_query_groups
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
         scores = (q @ k.transpose(-2, -1)) * self.scale

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, ParallelArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data.base import DataModule
 from litgpt.errors import UserError
@@ -44,6 +44,7 @@ def setup(
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
     fsdp: FSDPArgs = FSDPArgs(),
+    parallel: ParallelArgs = ParallelArgs(),
     tokenizer_dir: Optional[Path] = None,
     logger_name: LoggerName = "csv",
     logger: LoggerArgs = LoggerArgs(),
@@ -70,6 +71,8 @@ def setup(
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
+        parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
+            (tensor and sequence parallelism; FSDP shards over the rest of the world).
         tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
         logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
             mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).
@@ -94,7 +97,7 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, parallel=parallel,
                       run_name=f"pretrain-{job.recipe.config.name or 'model'}", compiler=compiler, strategy=strategy),
            job)
 

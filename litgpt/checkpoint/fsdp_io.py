@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -16,11 +17,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from litgpt.checkpoint.interface import KeySelector
+from litgpt.checkpoint.manager import unwrap
 from litgpt.checkpoint.model_files import copy_weights
 from litgpt.checkpoint.sharded_reader import load_sharded_state
 from litgpt.checkpoint.store import SHARDED_DIR
 from litgpt.distributed.dtensor import gather_full
 from litgpt.distributed.runtime import is_rank_zero
+from litgpt.distributed.tensor_parallel import row_orders
 from litgpt.io import read_sharded_metadata
 
 
@@ -37,10 +40,10 @@ class FSDPCheckpointIO:
         return list(model.parameters())
 
     def gather_weights(self, model: nn.Module, select: KeySelector) -> dict:
-        gathered = {}
+        gathered, orders = {}, row_orders(unwrap(model))
         for key, value in model.state_dict().items():
             if select(key):
-                full = gather_full(value).detach()
+                full = gather_full(value, orders.get(key)).detach()
                 if is_rank_zero():
                     gathered[key] = full.cpu()
         return gathered
@@ -48,13 +51,15 @@ class FSDPCheckpointIO:
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, optimizer, options=options)
+        state = get_optimizer_state_dict(model, optimizer, options=options)
+        return reorder_rows(state, row_orders(unwrap(model)), to_stored=False)
 
     def copy_weights(self, model: nn.Module, state_dict: dict, source: str, select: KeySelector) -> None:
-        copy_weights(model, state_dict, source, select)
+        copy_weights(model, state_dict, source, select, row_orders=row_orders(unwrap(model)))
 
     def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
 
+        state = reorder_rows(state, row_orders(unwrap(model)), to_stored=True)
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     @staticmethod
@@ -78,3 +83,25 @@ class FSDPCheckpointIO:
                            "(e.g. lora_r) are those of the run that saved it.")
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def reorder_rows(optimizer_state: dict, orders: dict, to_stored: bool) -> dict:
+    """A full optimizer state dict (keyed by parameter name) with the per-parameter tensors of the parameters stored
+    with permuted rows (`orders`) put into their stored order (`to_stored`) or back into the checkpoint's."""
+    if not orders:
+        return optimizer_state
+    state = dict(optimizer_state.get("state", {}))
+    for key, order in orders.items():
+        if key in state:
+            state[key] = {name: reorder(value, order, to_stored) for name, value in state[key].items()}
+    return {**optimizer_state, "state": state}
+
+
+def reorder(value, order, to_stored: bool):
+    if not torch.is_tensor(value) or value.dim() == 0 or value.size(0) != order.numel():
+        return value  # a step count
+    if to_stored:
+        return value[order]
+    restored = torch.empty_like(value)
+    restored[order] = value
+    return restored

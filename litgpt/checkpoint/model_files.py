@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -177,17 +177,19 @@ def copy_weights(
     select: Callable[[str], bool] = lambda key: True,
     subject: str = "The weights",
     fix: str = "",
+    row_orders: Optional[dict] = None,
 ) -> None:
     """Copy a full `state_dict` (e.g. memory-mapped) into a materialized model's selected keys, sharded or not.
 
     Each rank reads only the part of each tensor that it holds. Names the first missing, unexpected or misshapen key.
+    `row_orders`: the keys the model stores with permuted rows (`litgpt.distributed.tensor_parallel.row_orders`).
     """
     from litgpt.distributed.dtensor import copy_into_shard  # torch.distributed.tensor: only loads that shard need it
 
     targets = {key: value for key, value in model.state_dict().items() if select(key)}
     check_weights_match({key: value.shape for key, value in targets.items()}, state_dict, source, subject, fix)
     for key, target in targets.items():
-        copy_into_shard(target, state_dict[key])
+        copy_into_shard(target, state_dict[key], (row_orders or {}).get(key))
 
 
 def assign_weights(model: torch.nn.Module, state_dict: dict, source: str, select: Callable[[str], bool]) -> None:

@@ -1,7 +1,10 @@
 """Pieces of sharded tensors (DTensor): read a rank's piece out of a whole tensor, gather a whole one, and draw random
-initial weights so that a sharded model gets the same weights as one process from the same seed."""
+initial weights so that a sharded model gets the same weights as one process from the same seed; a tensor stored with
+its rows permuted (tensor parallelism's fused qkv) is read and gathered in its own order."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -20,6 +23,11 @@ class FullTensorInit(torch.overrides.TorchFunctionMode):
         nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
     }
 
+    def __init__(self, row_orders: Optional[dict[int, torch.Tensor]] = None) -> None:
+        super().__init__()
+        # id(parameter) -> the rows it stores permuted (tensor parallelism's fused qkv, `copy_into_shard`)
+        self.row_orders = row_orders or {}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
@@ -29,25 +37,37 @@ class FullTensorInit(torch.overrides.TorchFunctionMode):
                 func(full, *args[1:], **kwargs)
             else:
                 func(**{**kwargs, "tensor": full})
-            copy_into_shard(target, full)
+            copy_into_shard(target, full, self.row_orders.get(id(target)))
             return target
         return func(*args, **kwargs)
 
 
-def copy_into_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the piece of `full` (e.g. a memory-mapped checkpoint tensor) that this rank holds of `target`.
+def copy_into_shard(target: torch.Tensor, full: torch.Tensor, row_order: Optional[torch.Tensor] = None) -> None:
+    """Copy the piece of `full` (e.g. a memory-mapped checkpoint tensor) that this rank holds of `target`; with
+    `row_order`, `target` stores row `row_order[i]` of `full` at row i.
 
     Only that piece is read, so loading a full checkpoint into a sharded model never holds the whole model.
     """
     with torch.no_grad():
         if not isinstance(target, DTensor):
-            target.copy_(full)
+            target.copy_(full if row_order is None else full[row_order])
             return
         shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
-        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+        pieces = [slice(start, start + size) for start, size in zip(offset, shape)]
+        if row_order is not None:  # the stored rows of this piece, read from where the full tensor keeps them
+            pieces[0] = row_order[pieces[0]]
+            piece = full[pieces[0]][tuple(pieces[1:])] if len(pieces) > 1 else full[pieces[0]]
+        else:
+            piece = full[tuple(pieces)]
         target.to_local().copy_(piece)
 
 
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a shard (every rank must call this; collective for a DTensor)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def gather_full(tensor: torch.Tensor, row_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The whole tensor of a shard (every rank must call this; collective for a DTensor), its rows put back in
+    their own order when it stores them permuted (`row_order`, see `copy_into_shard`)."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if row_order is None:
+        return full
+    restored = torch.empty_like(full)
+    restored[row_order] = full
+    return restored

@@ -54,7 +54,20 @@ class FSDPStrategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:  # the parent reads a "data_parallel" mesh dimension we do not have
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # The ranks of one tensor-parallel group read the same batches.
+        return {"num_replicas": self.topology.data_parallel_size,
+                "rank": self.topology.data_parallel_rank(self.global_rank)}
+
+    @property
+    def data_mesh(self):
+        """The (replicate, shard) mesh FSDP shards over."""
+        mesh = self.device_mesh
+        return mesh if self.topology.tensor == 1 else mesh["replicate", "shard"]
+
+    @property
+    def tensor_mesh(self):
+        """The 1-D mesh of this rank's tensor-parallel group; None without tensor parallelism."""
+        return None if self.topology.tensor == 1 else self.device_mesh["tensor"]
 
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
         # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing.

@@ -1,6 +1,7 @@
-"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, float8 layers
-(fp8-mixed), activation checkpointing, compilation, activation offloading, sharding, then materialization and
-initialization (torchtitan's order).
+"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, tensor
+parallelism (`--parallel.tensor`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
+offloading, sharding (FSDP over the data-parallel mesh), then materialization and initialization (torchtitan's
+order).
 
 The model file knows nothing of this; recipes call `parallelize`.
 """
@@ -19,6 +20,7 @@ from litgpt.distributed.activation_offloading import offload_activations
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
 from litgpt.distributed.runtime import print_once
+from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
 from litgpt.precision import Precision
 
 
@@ -33,7 +35,8 @@ def parallelize(
     dtype: Optional[torch.dtype] = None,
     offload: bool = False,
 ) -> nn.Module:
-    """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, activation checkpointing,
+    """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, tensor parallelism (the
+    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), activation checkpointing,
     compilation (`compile_blocks`), activation offloading (`offload`: the forward pass around the blocks saves
     for the backward pass in host memory, `litgpt.distributed.activation_offloading`), sharding, then
     materialization and initialization (`initialize`), so no process ever holds the full model.
@@ -48,6 +51,10 @@ def parallelize(
     dtype = dtype or precision.weights_dtype
     if dtype != torch.float32:
         model.to(dtype)
+    strategy = fabric.strategy
+    tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
+    if tensor_mesh is not None:
+        apply_tensor_parallel(model, tensor_mesh)
     if precision.float8:
         from litgpt.distributed.float8 import convert_to_float8
 
@@ -59,13 +66,14 @@ def parallelize(
         compile_each_block(model)
     if offload:
         apply_activation_offloading(model, fabric.device)
-    strategy = fabric.strategy
     if isinstance(strategy, FSDPStrategy):
-        shard_model(model, strategy.device_mesh, strategy.fsdp, precision, fabric.device, prepare_block)
+        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block)
     elif prepare_block is not None:
         raise RuntimeError("prepare_block is applied just before sharding: it needs the FSDP strategy.")
     materialize_meta_tensors(model, fabric.device)
-    with torch.no_grad(), FullTensorInit():
+    orders = row_orders(model)  # the permuted rows draw what one process draws, in their stored order
+    params = dict(model.named_parameters())
+    with torch.no_grad(), FullTensorInit({id(params[key]): order for key, order in orders.items()}):
         initialize(model)
     return model
 

@@ -1,5 +1,5 @@
-"""How a run's processes lay out over nodes and devices, and the FSDP mesh over them: light to import (no torch until
-a mesh is built), so `litgpt plan` shares it with training."""
+"""How a run's processes lay out over nodes and devices, and the mesh over them (data and tensor parallelism):
+light to import (no torch until a mesh is built), so `litgpt plan` shares it with training."""
 
 from __future__ import annotations
 
@@ -22,19 +22,27 @@ def check_sharding_strategy(strategy: str, option: str = "--fsdp.sharding_strate
 
 @dataclass(frozen=True)
 class Topology:
-    """How the run's processes lay out: `devices` per node on `num_nodes` nodes, and the FSDP mesh over them.
+    """How the run's processes lay out: `devices` per node on `num_nodes` nodes, and the mesh over them.
 
-    The mesh has two dimensions, (replicate, shard): parameters are sharded over the `shard` dimension and
-    replicated over the other. HYBRID_SHARD: (num_nodes, devices); FULL_SHARD and SHARD_GRAD_OP: (1, world);
-    NO_SHARD: (world, 1). HYBRID_SHARD on one node is FULL_SHARD.
+    Data parallelism (FSDP) has two dimensions, (replicate, shard): parameters are sharded over the `shard` dimension
+    and replicated over the other. With tensor parallelism (`tensor` > 1) a third, innermost dimension `tensor` holds
+    the ranks that split each layer (neighbours, on one node), and data parallelism takes the rest of the world:
+    HYBRID_SHARD: (num_nodes, devices / tensor); FULL_SHARD and SHARD_GRAD_OP: (1, world / tensor); NO_SHARD:
+    (world / tensor, 1). HYBRID_SHARD on one node is FULL_SHARD.
     """
 
     devices: int
     num_nodes: int
     sharding_strategy: str = "HYBRID_SHARD"
+    tensor: int = 1
 
     def __post_init__(self) -> None:
         check_sharding_strategy(self.sharding_strategy)
+        if self.devices % self.tensor:
+            raise UserError(
+                f"--parallel.tensor {self.tensor} does not divide --devices {self.devices}: a tensor-parallel group "
+                "is that many devices of one node; use a divisor of the devices per node."
+            )
         if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes == 1:
             print_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.",
                        file=sys.stderr)
@@ -45,14 +53,25 @@ class Topology:
         return self.devices * self.num_nodes
 
     @property
+    def data_parallel_size(self) -> int:
+        """The ranks that read different batches: the world over the tensor-parallel degree."""
+        return self.world_size // self.tensor
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """Which batches rank `global_rank` reads: the ranks of one tensor-parallel group (neighbours) read the same."""
+        return global_rank // self.tensor
+
+    @property
     def mesh_shape(self) -> tuple[int, int]:
+        """The data-parallel (replicate, shard) shape."""
         if self.sharding_strategy == "HYBRID_SHARD":
-            return self.num_nodes, self.devices
+            return self.num_nodes, self.devices // self.tensor
         if self.sharding_strategy == "NO_SHARD":
-            return self.world_size, 1
-        return 1, self.world_size
+            return self.data_parallel_size, 1
+        return 1, self.data_parallel_size
 
     def device_mesh(self, device_type: str):
+        """The run's mesh: (replicate, shard), or (replicate, shard, tensor) with tensor parallelism."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -61,4 +80,16 @@ class Topology:
                 f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
                 f"{self.num_nodes} makes {self.world_size}."
             )
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
+        if self.tensor == 1:
+            return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (*self.mesh_shape, self.tensor),
+                                mesh_dim_names=("replicate", "shard", "tensor"))
+
+
+def data_parallel(fabric) -> tuple[int, int]:
+    """(rank, size) of this process among the ranks that read different batches: the global ones, except under
+    tensor parallelism, where the ranks of a tensor-parallel group read one batch together."""
+    topology = getattr(fabric.strategy, "topology", None)
+    if isinstance(topology, Topology):
+        return topology.data_parallel_rank(fabric.global_rank), topology.data_parallel_size
+    return fabric.global_rank, fabric.world_size

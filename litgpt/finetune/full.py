@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, ParallelArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -17,6 +17,7 @@ def setup(
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
     fsdp: FSDPArgs = FSDPArgs(),
+    parallel: ParallelArgs = ParallelArgs(),
     resume: Union[bool, Literal["auto"], Path] = False,
     data: Optional[DataModule] = None,
     train: TrainArgs = TrainArgs(
@@ -48,6 +49,8 @@ def setup(
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
+        parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
+            (tensor and sequence parallelism; FSDP shards over the rest of the world).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         train: Training schedule and batch sizes.
@@ -72,5 +75,5 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
+    launch(run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, parallel=parallel,
                       run_name=f"finetune-full-{job.recipe.config.name or 'model'}", compiler=compiler), job)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from litgpt.args import EvalArgs, FSDPArgs, LoggerArgs, LogArgs, TrainArgs
+from litgpt.args import EvalArgs, FSDPArgs, ParallelArgs, LoggerArgs, LogArgs, TrainArgs
 from litgpt.data.base import DataModule
 from litgpt.loggers import LoggerName
 
@@ -18,6 +18,7 @@ def setup(
     devices: Union[int, str] = "auto",
     num_nodes: int = 1,
     fsdp: FSDPArgs = FSDPArgs(),
+    parallel: ParallelArgs = ParallelArgs(),
     lora_r: int = 8,
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
@@ -65,6 +66,8 @@ def setup(
         devices: Devices per node (an int, or "auto").
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
+        parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
+            (tensor and sequence parallelism; FSDP shards over the rest of the world).
         lora_r: The adapters' rank.
         lora_alpha: The adapters' scale numerator (the update is scaled by alpha / r).
         lora_dropout: Dropout on the adapters' input.
@@ -103,7 +106,7 @@ def setup(
     from litgpt.train.job import launch
     from litgpt.train.launch import run_fabric
 
-    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp,
+    fabric = run_fabric(job, devices=devices, num_nodes=num_nodes, fsdp=fsdp, parallel=parallel,
                         run_name=f"finetune-lora-{job.recipe.config.name or 'model'}", compiler=compiler)
     if quantize is not None:
         job = quantization_for(job, fabric.strategy if isinstance(fabric.strategy, FSDPStrategy) else None)

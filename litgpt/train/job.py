@@ -17,6 +17,7 @@ from litgpt.checkpoint.manager import CheckpointManager, check_disk_space, unwra
 from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
+from litgpt.distributed.topology import data_parallel
 from litgpt.loggers import start_tracking
 from litgpt.precision import Precision
 from litgpt.preemption import slurm_job_id
@@ -70,7 +71,7 @@ def run_job(fabric, job: Job) -> dict:
     _, optimizer_class, _ = optimizer_spec(job.optimizer)  # a bad --optimizer stops the run before anything exists
     if job.train.optimizer_in_backward:
         check_optimizer_in_backward(job.train, optimizer_class, job.precision,
-                                    job.train.gradient_accumulation_iters(fabric.world_size),
+                                    job.train.gradient_accumulation_iters(data_parallel(fabric)[1]),
                                     isinstance(fabric.strategy, ExtensionStrategy))
     check_writable(job.out_dir)
     with out_dir_claimed(job.out_dir):  # one run per out_dir, the same folder on every node
@@ -80,7 +81,7 @@ def run_job(fabric, job: Job) -> dict:
         max_seq_length = job.train.seq_length(job.recipe.config)
         tokenizer = Tokenizer(job.tokenizer_dir)
         check_vocab_fits(tokenizer, job.recipe.config, job.tokenizer_dir)
-        job.train.gradient_accumulation_iters(fabric.world_size)  # fail early on impossible batch arithmetic
+        job.train.gradient_accumulation_iters(data_parallel(fabric)[1])  # fail early on impossible batch arithmetic
         fabric.seed_everything(job.seed)
         train_data, val_data = prepare_data(fabric, job, tokenizer, max_seq_length)
         style_used = getattr(job.data, "style", None)  # finetuning data records the prompt style it laid samples in
@@ -139,8 +140,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
                                profile=job.profile, timeout=job.timeout, compiles_blocks=job.compile_blocks)
     trainer = Trainer(
         fabric, model, optimizer, objective, settings, tokenizer, checkpoints, state, base_lr,
-        train_data=job.data.batches(train_data, train.micro_batch_size, job.seed, fabric.global_rank,
-                                    fabric.world_size),
+        train_data=job.data.batches(train_data, train.micro_batch_size, job.seed, *data_parallel(fabric)),
         val_data=val_data,
     )
     metrics = trainer.fit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
-from litgpt.args import FSDPArgs
+from litgpt.args import FSDPArgs, ParallelArgs
 from litgpt.errors import UserError
 from litgpt.registry import CORE_COMPILERS, CompilerExtension, load_compiler
 
@@ -14,13 +14,16 @@ if TYPE_CHECKING:
 
 
 def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name: str,
-               compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True):
-    """The job's Fabric, logging to the job's tracker (`run_name` unless --logger.name names the run).
+               compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True,
+               parallel: ParallelArgs = ParallelArgs()):
+    """The job's Fabric, logging to the job's tracker (`run_name` unless --logger.name names the run), with
+    `parallel.tensor`-way tensor parallelism (`check_parallel`).
 
     `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
     an extension itself (its own entry point passes one with its options); the extension checks the job first and
     gives the Fabric strategy (`strategy`: --strategy auto|fsdp|ddp). `whole_loss`: torch.compile may compile the
     whole loss on one CPU process (a recipe with frozen models compiles their blocks instead)."""
+    check_parallel(job, parallel, fsdp, compiler)
     extension = None
     if not isinstance(compiler, str):
         extension = compiler
@@ -40,9 +43,27 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
     if extension is not None:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
-    fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp)
+    fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor)
     set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
     return fabric
+
+
+def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
+    """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
+    whose sizes it does not divide, a compiler extension (its strategy splits the model its own way), sharded
+    checkpoints (not yet: their qkv rows are stored in the tensor-parallel order)."""
+    if parallel.tensor == 1:
+        return
+    from litgpt.distributed.plans import check_tensor_parallel
+
+    if compiler not in CORE_COMPILERS:
+        raise UserError(f"--parallel.tensor {parallel.tensor} works with --compiler auto, none or torch; an extension "
+                        "compiler shards the model its own way.")
+    if fsdp.state_dict_type == "sharded":
+        raise UserError(f"--parallel.tensor {parallel.tensor} with --fsdp.state_dict_type sharded is not supported "
+                        "yet: use --fsdp.state_dict_type full.")
+    for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
+        check_tensor_parallel(config, parallel.tensor, lora=job.recipe.lora is not None)
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:

@@ -113,13 +113,18 @@ class OutputHead:
 
     @classmethod
     def of(cls, head: nn.Module, hidden: torch.Tensor, softcap: Optional[float] = None) -> "OutputHead":
-        """The tensors of `head`: an `nn.Linear`, or a `litgpt.lora.LoRALinear` (its adapters' gradients flow)."""
+        """The tensors of `head`: an `nn.Linear`, or a `litgpt.lora.LoRALinear` (its adapters' gradients flow).
+
+        A head split by tensor parallelism is gathered whole (differentiably: each rank of the group computes the
+        same loss of the same batch, and keeps its own rows of the gradient)."""
+        from litgpt.distributed.dtensor import gather_full
         from litgpt.lora import LoRALinear
 
         if isinstance(head, LoRALinear) and head.applies_update:
             lora_input, lora_b = head.low_rank(hidden)
             return cls(head.weight, head.bias, lora_input, lora_b, softcap)
-        return cls(head.weight, head.bias, softcap=softcap)
+        bias = None if head.bias is None else gather_full(head.bias)
+        return cls(gather_full(head.weight), bias, softcap=softcap)
 
 
 def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,

@@ -131,6 +131,7 @@ class Recipe:
         forward pass saves for the backward pass in host memory (`parallelize`)."""
         from litgpt.distributed.fsdp import FSDPStrategy
         from litgpt.distributed.parallelize import parallelize
+        from litgpt.distributed.tensor_parallel import row_orders
 
         if self.quantize is not None and isinstance(fabric.strategy, FSDPStrategy):
             model = self._materialize_quantized_sharded(fabric, model, precision, activation_checkpointing,
@@ -143,7 +144,8 @@ class Recipe:
                                 offload=offload_activations)
             if self.initial_weights is not None and load_initial:
                 path = Path(self.initial_weights)
-                copy_weights(model, read_model_weights(path), str(path), self.is_initial_key)
+                copy_weights(model, read_model_weights(path), str(path), self.is_initial_key,
+                             row_orders=row_orders(model))
         if self.initial_adapters is not None:  # a resumed checkpoint's adapters replace these afterwards
             copy_weights(model, self.initial_adapters, "the initial adapter", is_lora_key,
                          subject="The LoRA adapters", fix="Check that the adapter belongs to this base model.")
@@ -251,13 +253,14 @@ class Recipe:
         with --fsdp.cpu_offload, from the device)."""
         from litgpt.distributed.fsdp import is_sharded
         from litgpt.distributed.parallelize import parallelize
+        from litgpt.distributed.tensor_parallel import row_orders
 
         model = parallelize(fabric, cls.build_frozen(config), precision, initialize=lambda model: None, activation_checkpointing=False,
                             compile_blocks=compile_blocks, dtype=precision.compute_dtype)
         if is_sharded(model):
             for block in model.transformer.h:
                 block.set_reshard_after_forward(True)
-        copy_weights(model, read_model_weights(weights), str(weights), subject=subject)
+        copy_weights(model, read_model_weights(weights), str(weights), subject=subject, row_orders=row_orders(model))
         return model.eval()
 
     def finish(self, final_dir: Path) -> None:

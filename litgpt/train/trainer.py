@@ -24,6 +24,7 @@ from litgpt.checkpoint.manager import CheckpointManager, unwrap
 from litgpt.data.base import IGNORE_INDEX, MicroBatches, SampleDataset
 from litgpt.data.packing import PackedDataset
 from litgpt.distributed.runtime import every_rank, print_once
+from litgpt.distributed.topology import data_parallel
 from litgpt.errors import UserError
 from litgpt.failpoints import failpoint
 from litgpt.generate import generate
@@ -71,10 +72,12 @@ class Trainer:
         self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
         self.train_data, self.val_data = train_data, val_data
         self.val_parts: dict[str, float] = {}  # the validation loss's other parts of the latest validation
-        self.accumulation = self.train.gradient_accumulation_iters(fabric.world_size)
+        # Ranks of one tensor-parallel group read the same batches: the batch arithmetic counts the groups.
+        self.data_rank, self.data_world = data_parallel(fabric)
+        self.accumulation = self.train.gradient_accumulation_iters(self.data_world)
         # An optimizer stepped in the backward pass (--train.optimizer_in_backward) leaves no gradient to measure.
         self.steps_in_backward = getattr(optimizer, "steps_in_backward", False)
-        self.samples_per_micro_step = self.train.micro_batch_size * fabric.world_size
+        self.samples_per_micro_step = self.train.micro_batch_size * self.data_world
         self.seq_length = self.objective.tokens(train_data.dataset[0])
         self.total_steps = self.train.total_steps(train_data.per_epoch / self.accumulation, self.seq_length)
         self.stopped_by: Optional[str] = None  # the name of the stop signal that ended the run early
@@ -95,7 +98,8 @@ class Trainer:
         trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
         print_once(
             f"Training {self.total_steps} steps from step {state.step}: global batch {self.train.global_batch_size} "
-            f"= {fabric.world_size} device(s) x micro batch {self.train.micro_batch_size} x {self.accumulation} "
+            f"= {self.data_world} {'device(s)' if self.data_world == fabric.world_size else 'tensor-parallel group(s)'}"
+            f" x micro batch {self.train.micro_batch_size} x {self.accumulation} "
             f"accumulation, {trainable:,} trainable parameters."
         )
         if self.eval.initial_validation and state.step == 0:
@@ -183,7 +187,7 @@ class Trainer:
             last_of_epoch = index + 1 == self.train_data.per_epoch
             state.epoch, state.epoch_samples = (
                 (epoch + 1, 0) if last_of_epoch else (epoch, (index + 1) * self.samples_per_micro_step))
-            state.tokens += self.objective.tokens(batch) * fabric.world_size
+            state.tokens += self.objective.tokens(batch) * self.data_world
         failpoint("step:backward")
         loss_value, grad_norm = self.step_values(step_losses["loss"])  # the loop's one host-device sync per step
         finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
@@ -203,7 +207,7 @@ class Trainer:
         state.train_seconds += seconds
         window.add_step(seconds)
         if self.first_step is None:
-            self.first_step = (seconds, self.objective.tokens(batch) * fabric.world_size * self.accumulation)
+            self.first_step = (seconds, self.objective.tokens(batch) * self.data_world * self.accumulation)
             if self.settings.compiles_blocks or self.objective.compiles_train_loss:
                 self.say(progress, f"The first step took {seconds:.1f} s with torch.compile's compilation (cached for "
                                    f"later runs of the same shapes in {inductor_cache_dir()})")
@@ -268,7 +272,9 @@ class Trainer:
                 self.fabric.log_dict({f"val_{name}": value for name, value in self.val_parts.items()}, step=step)
             parts = "".join(f" | val {name} {value:.4f}" for name, value in self.val_parts.items())
             self.say(progress, f"step {step} | val loss {val_loss:.4f}{parts}")
-            if self.eval.max_new_tokens:
+            if self.eval.max_new_tokens and self.data_world != self.fabric.world_size:
+                self.say(progress, "(no text sample: decoding under tensor parallelism is not supported yet)")
+            elif self.eval.max_new_tokens:
                 prompt, continuation = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample prompt: {prompt!r}")
                 self.say(progress, f"sample: {continuation!r}")
@@ -300,12 +306,12 @@ class Trainer:
     # ---- validation -------------------------------------------------------------------------------------------------
     def validation_batches(self) -> MicroBatches:
         """The validation set in a fixed order, in micro-batches no larger than it allows."""
-        world = self.fabric.world_size
+        world = self.data_world
         if len(self.val_data) < world:
             raise UserError(f"The validation set has {len(self.val_data)} samples, fewer than the {world} devices: "
                             "add validation data.")
         size = min(self.train.micro_batch_size, len(self.val_data) // world)
-        return MicroBatches(self.val_data, size, seed=0, rank=self.fabric.global_rank, world_size=world,
+        return MicroBatches(self.val_data, size, seed=0, rank=self.data_rank, world_size=world,
                             shuffle=False)
 
     @torch.no_grad()

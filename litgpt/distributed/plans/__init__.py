@@ -1,0 +1,33 @@
+"""Tensor-parallel plans per model family, as data (`dense.py`), and the check of which configs a plan covers.
+
+Light to import (no torch): entry points check `--parallel.tensor` before anything heavy loads."""
+
+from __future__ import annotations
+
+from litgpt.config import Config
+from litgpt.errors import UserError
+
+
+def check_tensor_parallel(config: Config, degree: int, lora: bool = False) -> None:
+    """UserError unless `degree`-way tensor parallelism covers `config`: a dense family the plan knows, whose heads,
+    key-value groups, MLP width and vocabulary split evenly."""
+    if degree == 1:
+        return
+    unsupported = {
+        "mixture-of-experts layers": config.mlp_class_name == "LLaMAMoE",
+        "latent attention": config.kv_lora_rank is not None,
+        "attention sinks": bool(config.attention_sinks),
+        "query/key norms": bool(config.norm_qk),
+        "LoRA adapters": lora,
+    }
+    for feature, present in unsupported.items():
+        if present:
+            raise UserError(f"--parallel.tensor {degree}: tensor parallelism of models with {feature} "
+                            f"({config.name or 'this model'}) is not supported yet; use --parallel.tensor 1.")
+    sizes = {"heads (n_head)": config.n_head, "key-value groups (n_query_groups)": config.n_query_groups,
+             "MLP width (intermediate_size)": config.intermediate_size,
+             "vocabulary rows (padded_vocab_size)": config.padded_vocab_size}
+    for what, size in sizes.items():
+        if size % degree:
+            raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of "
+                            f"{config.name or 'this model'}: use a divisor of it.")

@@ -1,0 +1,56 @@
+"""Tensor parallelism (with sequence parallelism) of a model built on the meta device: the family's plan
+(`litgpt.distributed.plans`) applied with `parallelize_module` over the mesh's "tensor" dimension, the fused qkv rows
+permuted so each rank holds its own heads, and the attention told its local head counts.
+
+Checkpoints stay in the one-process layout: `row_orders` names the parameters stored permuted, and
+`litgpt.distributed.dtensor` permutes what is copied in and un-permutes what is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from litgpt.distributed.plans import check_tensor_parallel
+from litgpt.distributed.plans.dense import BLOCK_PLAN, MODEL_PLAN, qkv_row_order
+from litgpt.model import CausalSelfAttention
+
+
+def apply_tensor_parallel(model: nn.Module, mesh) -> None:
+    """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place."""
+    config, degree = model.config, mesh.size()
+    check_tensor_parallel(config, degree)
+    for block in model.transformer.h:
+        parallelize_module(block, mesh, {name: style for name, style in BLOCK_PLAN if placeable(block, name)})
+        block.attn.n_head = config.n_head // degree
+        block.attn.n_query_groups = config.n_query_groups // degree
+    for name, style in MODEL_PLAN:
+        parallelize_module(model, mesh, {name: style})
+    if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
+        model.lm_head.weight = model.transformer.wte.weight
+    left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
+        raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")
+
+
+def placeable(block: nn.Module, name: str) -> bool:
+    """Whether the block has a module `name` that the plan should place: identity norms have nothing to split."""
+    try:
+        module = block.get_submodule(name)
+    except AttributeError:
+        return False
+    return not isinstance(module, nn.Identity)
+
+
+def row_orders(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of `model` stored with permuted rows, by state-dict key: `order[i]` is the checkpoint's row
+    stored at row i (the fused qkv under tensor parallelism); empty for a model that is not split."""
+    orders = {}
+    for name, module in model.named_modules():
+        if isinstance(module, CausalSelfAttention) and module.n_head != module.config.n_head:
+            order = qkv_row_order(module.config, module.config.n_head // module.n_head)
+            for param_name, _ in module.qkv.named_parameters(recurse=False):
+                orders[f"{name}.qkv.{param_name}"] = order
+    return orders
