@@ -8,7 +8,10 @@ Checkpoints stay in the one-process layout: `row_orders` names the parameters st
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -28,11 +31,32 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> None:
         block.attn.n_query_groups = config.n_query_groups // degree
     for name, style in MODEL_PLAN:
         parallelize_module(model, mesh, {name: style})
+    model.forward = padded_to_multiple(model.forward, degree)
     if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
     left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
         raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")
+
+
+def padded_to_multiple(forward: Callable, degree: int) -> Callable:
+    """`GPT.forward` on sequences padded at their end to a multiple of `degree` (sequence parallelism splits the
+    positions evenly over the group) and its output cut back to the given length: causal attention keeps the padding
+    out of every real position. Packed samples' positions go on counting, so the padding joins the last sample."""
+
+    def padded_forward(idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        length = idx.size(1)
+        pad = -length % degree
+        if pad == 0 or input_pos is not None:
+            return forward(idx, input_pos, **kwargs)
+        idx = F.pad(idx, (0, pad))
+        positions = kwargs.get("sample_positions")
+        if positions is not None:
+            steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
+            kwargs["sample_positions"] = torch.cat((positions, positions[:, -1:] + steps), dim=1)
+        return forward(idx, **kwargs)[:, :length]
+
+    return padded_forward
 
 
 def placeable(block: nn.Module, name: str) -> bool:

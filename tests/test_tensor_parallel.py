@@ -1,0 +1,198 @@
+"""Tensor parallelism (`--parallel.tensor`, with sequence parallelism) with real processes on the CPU (gloo), against
+one process: TP2, TP2 x FSDP2 (two torchrun "nodes" of 2), checkpoints resumed across the two layouts, the fused
+qkv's per-rank layout, and the refusals.
+
+The runs are in float32 (`--precision 32-true`): under bf16 autocast a rowwise matmul's partial sums are rounded
+before they are added, so a split layer cannot equal the whole one to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_distributed import (
+    SMALL,
+    assert_close_runs,
+    assert_same_final,
+    child_environment,
+    command_args,
+    inputs,  # noqa: F401 (the module-scoped fixture, shared)
+    litgpt,
+    torchrun_nodes,
+)
+
+from litgpt.config import Config
+from litgpt.distributed.plans.dense import qkv_row_order
+
+FLOAT32 = ["--precision", "32-true"]
+TP2 = ["--devices", "2", "--parallel.tensor", "2", *FLOAT32]
+
+
+@pytest.fixture(scope="module")
+def one_process(inputs) -> Path:  # noqa: F811
+    """The reference: pretraining in one process."""
+    out_dir = inputs["root"] / "tp-one"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "1", *FLOAT32)
+    assert result.returncode == 0, result.stderr
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def tp2_run(inputs) -> Path:  # noqa: F811
+    """Pretraining split over 2 processes by tensor parallelism (one tensor-parallel group, no data parallelism)."""
+    out_dir = inputs["root"] / "tp-two"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), *TP2)
+    assert result.returncode == 0, result.stderr
+    return out_dir
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pretraining_equals_one_process(tp2_run, one_process):
+    assert_close_runs(tp2_run, one_process, "lit_model.pth")
+    metrics = json.loads((tp2_run / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_times_fsdp_equals_one_process(inputs, one_process):  # noqa: F811
+    """4 processes: 2 data-parallel ranks (FULL_SHARD) x 2 tensor-parallel ranks, each group reading its own batches."""
+    out_dir = inputs["root"] / "tp-four"
+    args = [*command_args("pretrain", inputs, out_dir), "--devices", "2", "--num_nodes", "2", "--parallel.tensor", "2",
+            "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
+    for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(out_dir, one_process, "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process(inputs, tp2_run, one_process, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "1", *FLOAT32,
+                    "--resume", tp2_run / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_tensor_parallelism(inputs, one_process, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), *TP2, "--resume", one_process / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+# ---- the fused qkv's layout ------------------------------------------------------------------------------------------
+def test_qkv_row_order_gives_each_rank_its_heads_and_groups():
+    config = Config(**SMALL)  # 4 heads, 2 key-value groups of head size 16
+    order = qkv_row_order(config, 2)
+    assert sorted(order.tolist()) == list(range(config.qkv_size))  # a permutation
+    rows = torch.arange(config.qkv_size)
+    restored = torch.empty_like(rows)
+    restored[order] = rows[order]
+    assert torch.equal(restored, rows)
+    hs, q_rows, kv_rows = 16, 4 * 16, 2 * 16
+    rank_1 = order[config.qkv_size // 2:]  # Shard(0)'s second half
+    assert rank_1[:2 * hs].tolist() == list(range(2 * hs, 4 * hs))  # query heads 2 and 3
+    assert rank_1[2 * hs:3 * hs].tolist() == list(range(q_rows + hs, q_rows + 2 * hs))  # key group 1
+    assert rank_1[3 * hs:].tolist() == list(range(q_rows + kv_rows + hs, q_rows + 2 * kv_rows))  # value group 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
+    (gathered, in the checkpoint's row order) its gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from litgpt.distributed.dtensor import copy_into_shard, gather_full
+    from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        config = Config(**{**SMALL, "bias": True})  # a qkv bias too, permuted as its rows are
+        torch.manual_seed(0)
+        whole = GPT(config)
+        whole.init_weights()
+        with torch.device("meta"):
+            split = GPT(config)
+        apply_tensor_parallel(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)))
+        split.to_empty(device="cpu")
+        orders = row_orders(split)
+        assert set(orders) == {f"transformer.h.{i}.attn.qkv.{p}" for i in range(2) for p in ("weight", "bias")}
+        for key, target in split.state_dict().items():
+            copy_into_shard(target, whole.state_dict()[key], orders.get(key))
+        generator = torch.Generator().manual_seed(1)
+        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+        loss = loss_function("cross_entropy")
+        expected, actual = loss(whole, idx, labels)["loss"], loss(split, idx, labels)["loss"]  # 63: padded to 64
+        expected.backward()
+        actual.backward()
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+        split_params = dict(split.named_parameters())
+        for key, param in whole.named_parameters():
+            grad = gather_full(split_params[key].grad, orders.get(key))
+            torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+    except BaseException as error:  # reported to the test, which runs in the parent
+        failures.put(f"rank {rank}: {error}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_split_attention_and_mlp_equal_the_whole_model():
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=split_model_matches_whole, args=(rank, 2, port, failures)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    messages = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not messages, messages
+    assert all(process.exitcode == 0 for process in processes)
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+def write_config(path: Path, **changes) -> Path:
+    path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, flags, message",
+    [
+        ({"n_query_groups": 4}, ["--devices", "2", "--parallel.tensor", "4"],
+         "--parallel.tensor 4 does not divide --devices 2"),
+        ({}, ["--devices", "1", "--parallel.tensor", "2"], "--parallel.tensor 2 splits each layer over 2 devices"),
+        ({}, ["--devices", "2", "--parallel.tensor", "0"], "--parallel.tensor must be a whole number"),
+        ({"n_head": 3, "n_query_groups": 3, "n_embd": 48}, TP2, "does not divide the 3 heads (n_head)"),
+        ({"n_query_groups": 1}, TP2, "does not divide the 1 key-value groups (n_query_groups)"),
+        ({"intermediate_size": 129}, TP2, "does not divide the 129 MLP width (intermediate_size)"),
+        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}, TP2,
+         "mixture-of-experts layers (dist-llama) is not supported yet"),
+        ({}, [*TP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported yet"),
+    ],
+)
+def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811
+    args = command_args("pretrain", inputs, tmp_path / "out")
+    args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **changes)
+    result = litgpt(*args, *flags, env=child_environment())
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
