@@ -196,3 +196,10 @@ def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_pa
     lines = result.stderr.strip().splitlines()
     assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_lora_under_tensor_parallelism_is_refused(inputs, tmp_path):  # noqa: F811
+    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "out"), *TP2)
+    assert result.returncode == 1
+    assert "LoRA adapters (dist-llama) is not supported yet" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
