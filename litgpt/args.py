@@ -1,6 +1,6 @@
-"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --parallel.*, --kd.*, --logger.*, --log.*) and their
-checks, in one place (LitGPT's names, so commands and YAML files carry over). What a run records of its arguments is
-`litgpt.train.run_record`."""
+"""The argument dataclasses of the commands (--train.*, --eval.*, --fsdp.*, --parallel.*, --kd.*, --logger.*,
+--log.*) and their checks, in one place (LitGPT's names, so commands and YAML files carry over). What a run records of
+its arguments is `litgpt.train.run_record`."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from test_distributed import (
 
 from litgpt.config import Config
 from litgpt.distributed.plans.dense import qkv_row_order
+from litgpt.distributed.topology import Topology
 
 FLOAT32 = ["--precision", "32-true"]
 TP2 = ["--devices", "2", "--parallel.tensor", "2", *FLOAT32]
@@ -203,3 +204,14 @@ def test_lora_under_tensor_parallelism_is_refused(inputs, tmp_path):  # noqa: F8
     assert result.returncode == 1
     assert "LoRA adapters (dist-llama) is not supported yet" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, shape, data_ranks",
+    [("HYBRID_SHARD", 4, 2, (2, 2), [0, 0, 1, 1, 2, 2, 3, 3]), ("FULL_SHARD", 4, 1, (1, 2), [0, 0, 1, 1]),
+     ("NO_SHARD", 2, 2, (2, 1), [0, 0, 1, 1])],
+)
+def test_the_tensor_dimension_is_innermost(strategy, devices, nodes, shape, data_ranks):
+    topology = Topology(devices, nodes, strategy, tensor=2)
+    assert topology.mesh_shape == shape and topology.data_parallel_size == devices * nodes // 2
+    assert [topology.data_parallel_rank(rank) for rank in range(devices * nodes)] == data_ranks
