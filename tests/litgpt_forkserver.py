@@ -12,7 +12,8 @@ command is a process of its own (nothing it changes reaches the next one); what 
 the state the imports left, the same as in a fresh `python -m litgpt`. The ranks that a command starts itself
 (`--devices 2`: Lightning's launcher runs `python -m litgpt.__main__ ARGS` for each) are forked too: in a forked
 command the launcher runs the server's shim with the same arguments instead, in the environment it gives the rank.
-(Runs that tests start with `subprocess.Popen`, torchrun or srun show the launcher's own command.)
+(Runs that tests start with `subprocess.Popen` or srun show the launcher's own command; a launcher given the shim
+as its program, `torchrun --no-python SHIM ARGS` with `launched_litgpt`, has each of its ranks forked.)
 
 Two clients:
 - `run_litgpt(args, cwd=..., env=..., input=...)` stands for `subprocess.run([sys.executable, "-m", "litgpt",
@@ -23,7 +24,8 @@ Two clients:
   environment and its own stdin, stdout and stderr to the server named by FORKSERVER_VARIABLE, passes on the signals
   it gets (`kill $pid` of a background `litgpt`), and exits as the command did (killed by the same signal, or with its
   exit code). Where the server cannot take it, it runs the real `litgpt` script in its place (exec): no server, or an
-  environment that differs from the server's in a variable read at import (under `srun` or `torchrun`, for instance).
+  environment that differs from the server's in a variable read at import (under `srun`, for instance; torchrun's
+  variables are read at run time only). `launched_litgpt(env)` gives the shim and the environment for a launcher.
 
 Variables read at run time only (RUN_TIME_VARIABLES) may differ between the server and a command; every other one
 must be the same, because the server's imports read them.
@@ -53,13 +55,21 @@ PREIMPORTS = ("torch", "lightning.fabric", "jsonargparse", "litgpt.pretrain", "l
               "litgpt.convert.hf_to_litgpt", "litgpt.convert.litgpt_to_hf", "litgpt.merge_lora", "litgpt.consolidate",
               "litgpt.plan")
 
+# What torchrun's agent sets for each rank besides the five of torch.distributed (torch.distributed.elastic): read by
+# torch and Lightning when a process group or cluster environment is set up, never at import (Lightning's import-time
+# guess of the rank from RANK is replaced by the strategy's setup, as for the ranks Lightning's launcher starts).
+TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                      "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+                      "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
 # The variables that may differ between the server and a command forked from it: no import reads them. pytest names
 # the running test in PYTEST_CURRENT_TEST; Lightning's launcher sets the five of torch.distributed for the ranks it
 # starts and PL_GLOBAL_SEED; litgpt reads LITGPT_CPUINFO when it picks the default precision and the failpoints' two
 # when a process first passes one; a shell sets the last four for the commands it starts.
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE",
                       "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_FAILPOINT", "LITGPT_FAILPOINTS_ARMED", "PWD",
-                      "OLDPWD", "SHLVL", "_")
+                      "OLDPWD", "SHLVL", "_", *TORCHRUN_VARIABLES)
 # Where a server listens: set in the server's environment (and so in that of every shell block started with it).
 FORKSERVER_VARIABLE = "LITGPT_TEST_FORKSERVER"
 
@@ -349,6 +359,19 @@ def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout
     """`python -m litgpt *args` in `cwd` with `env` (this process's environment if None), reading `input` (nothing
     if None), forked from the server started with that environment (see the module's docstring)."""
     env = dict(os.environ if env is None else env)
+    return server_for(env).run(args, cwd=cwd, timeout=timeout, input=input, env=env)
+
+
+def launched_litgpt(env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """For a launcher that starts the ranks itself (`torchrun --no-python LITGPT ARGS`): the shim to run as `litgpt`
+    and the environment to give the launcher, so that each rank is forked from the server started with `env` (the
+    variables the launcher adds for its ranks are read at run time only)."""
+    server = server_for(env)
+    return str(server.shim_folder / "litgpt"), {**env, FORKSERVER_VARIABLE: server.socket_path}
+
+
+def server_for(env: dict[str, str]) -> "ForkServer":
+    """The running server started with `env` (but its run-time variables), or a new one."""
     key = _key(env)
     server = _SERVERS.pop(key, None)
     if server is not None and server.process.poll() is not None:
@@ -360,7 +383,7 @@ def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout
         # Started in a folder of its own, so that nothing is imported from a test's folder.
         server = ForkServer(env, cwd=tempfile.gettempdir())
     _SERVERS[key] = server  # now the most recently used
-    return server.run(args, cwd=cwd, timeout=timeout, input=input, env=env)
+    return server
 
 
 @atexit.register

@@ -8,13 +8,13 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from checkpoint_helpers import write_random_checkpoint
+from litgpt_forkserver import run_litgpt
 from test_bad_input import tree_state
 
 from litgpt.__main__ import main as cli_main
@@ -158,8 +158,8 @@ def test_nearest_kept_expert_ties_go_to_the_lower_index():
 
 # ---- through the CLI and transformers -------------------------------------------------------------------------
 def litgpt_cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "litgpt", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=env, stdin=subprocess.DEVNULL)
+    """`python -m litgpt ARGS`, forked from a server that imported torch and Lightning once."""
+    return run_litgpt(args, cwd=ROOT, env=env)
 
 
 def text_folder(folder: Path) -> Path:

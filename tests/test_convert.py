@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from hf_models import FAMILY_CASES, build_hf_model, save_hf_model
+from litgpt_forkserver import run_litgpt
 
 from litgpt.checkpoint.model_files import load_model_weights
 from litgpt.io import load_state_dict
@@ -199,7 +200,7 @@ def test_config_that_hf_cannot_express(tmp_path):
 def test_cli_errors_are_one_line_with_exit_code_1(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     for args in (["convert_to_litgpt", str(tmp_path)], ["convert_from_litgpt", str(tmp_path), str(tmp_path / "o")]):
-        result = subprocess.run([sys.executable, "-m", "litgpt", *args], capture_output=True, text=True)
+        result = run_litgpt(args, cwd=ROOT)
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr
         assert "error:" in result.stderr
@@ -207,11 +208,7 @@ def test_cli_errors_are_one_line_with_exit_code_1(tmp_path):
 
 def test_cli_converts(tmp_path):
     hf = save_hf_model("qwen2", tmp_path / "hf")
-    result = subprocess.run(
-        [sys.executable, "-m", "litgpt", "convert_to_litgpt", str(tmp_path / "hf"), "--dtype", "float32"],
-        capture_output=True,
-        text=True,
-    )
+    result = run_litgpt(["convert_to_litgpt", tmp_path / "hf", "--dtype", "float32"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert max_logit_diff(load_lit(tmp_path / "hf"), hf) <= 1e-4
 

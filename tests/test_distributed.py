@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
-from litgpt_forkserver import run_litgpt
+from litgpt_forkserver import launched_litgpt, run_litgpt
 
 from litgpt.io import load_state_dict
 from litgpt.config import Config
@@ -149,16 +149,18 @@ def torchrun_two_nodes(*args, timeout: int = 600) -> list[subprocess.CompletedPr
 
 def torchrun_nodes(args_per_node: list, env_per_node: list[dict], timeout: int = 600) -> list:
     """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
-    arguments and extra environment variables (a node's own disks, say)."""
+    arguments and extra environment variables (a node's own disks, say). Each rank runs `litgpt ARGS`, forked from
+    a server that imported torch and Lightning once (`launched_litgpt`)."""
     port = free_port()
     launches = []
     for node_rank, (args, env) in enumerate(zip(args_per_node, env_per_node)):
+        litgpt_command, launcher_env = launched_litgpt(child_environment(**env))
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
             "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "-m", "litgpt", *map(str, args),
+            "--no-python", litgpt_command, *map(str, args),
         ]
-        launches.append(subprocess.Popen(command, cwd=ROOT, env=child_environment(**env), text=True,
+        launches.append(subprocess.Popen(command, cwd=ROOT, env=launcher_env, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     for process in launches:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from litgpt_forkserver import run_litgpt
+from litgpt_forkserver import launched_litgpt, run_litgpt
 
 from litgpt.checkpoint.store import (
     check_free_space,
@@ -355,10 +355,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(data, uninterrup
 @pytest.mark.slow
 def test_sigterm_from_outside_stops_a_run_with_a_checkpoint(data, tmp_path):
     out_dir = tmp_path / "terminated"
-    command = [sys.executable, "-m", "litgpt", *map(str, pretrain_args(data, out_dir, 500)), "--train.save_interval",
-               "1000"]
-    p = subprocess.Popen(command, cwd=ROOT, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    # The shim `litgpt` (forked from a server, `launched_litgpt`) passes the signal on to the command.
+    litgpt_command, env = launched_litgpt(child_environment())
+    command = [litgpt_command, *map(str, pretrain_args(data, out_dir, 500)), "--train.save_interval", "1000"]
+    p = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if line.startswith("step 2/500"):
             p.send_signal(signal.SIGTERM)
@@ -413,11 +413,11 @@ def free_port() -> int:
 @pytest.mark.parametrize("action", ["raise", "hang"])
 def test_when_one_of_two_ranks_fails_the_other_leaves_soon_and_the_error_is_printed_once(action, data, tmp_path):
     out_dir = tmp_path / action
-    # Both ranks must join within it as well: on a loaded 2-core machine the second one's start-up took over 30 s.
-    timeout = 60
-    command = [sys.executable, "-m", "litgpt", *map(str, pretrain_args(data, out_dir, 4, "--devices", "2",
-                                                                          "--fsdp.timeout", timeout))]
-    env = child_environment(LITGPT_FAILPOINT=f"step:backward@2/1={action}")
+    # Both ranks must join within it as well: on a loaded 2-core machine the second one's start-up took over 30 s
+    # where it imported torch and Lightning itself; forked from a server (`launched_litgpt`) it takes a second or two.
+    timeout = 40
+    litgpt_command, env = launched_litgpt(child_environment(LITGPT_FAILPOINT=f"step:backward@2/1={action}"))
+    command = [litgpt_command, *map(str, pretrain_args(data, out_dir, 4, "--devices", "2", "--fsdp.timeout", timeout))]
     marker = "raised on purpose" if action == "raise" else "another rank died or stopped answering"
     launch = popen(command, env)
     stderr, seconds = time_failure([launch], marker)
@@ -442,14 +442,16 @@ def test_when_one_of_four_ranks_raises_all_leave_soon(data, tmp_path):
     port = str(free_port())
     marker = "[rank 3] RuntimeError: failpoint step:backward (hit 2) raised on purpose"
     launches = []
+    # Each rank forked from a server that imported torch and Lightning once (`launched_litgpt`).
+    litgpt_command, env = launched_litgpt(child_environment(LITGPT_FAILPOINT="step:backward@2/3=raise"))
     for node_rank in ("0", "1"):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
-            node_rank, "--master_addr", "127.0.0.1", "--master_port", port, "-m", "litgpt",
+            node_rank, "--master_addr", "127.0.0.1", "--master_port", port, "--no-python", litgpt_command,
             *map(str, pretrain_args(data, out_dir, 4, "--devices", "2", "--num_nodes", "2", "--fsdp.timeout", "60",
                                     "--train.micro_batch_size", "1")),
         ]
-        launches.append(popen(command, child_environment(LITGPT_FAILPOINT="step:backward@2/3=raise")))
+        launches.append(popen(command, env))
     stderr, seconds = time_failure(launches, marker)
     seconds += wait_until_gone(str(out_dir))
     print(f"four processes, rank 3 raises: every process gone {seconds:.1f} s after its error was printed")
