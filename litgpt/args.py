@@ -219,14 +219,21 @@ class ParallelArgs:
             residual stream between the layers is split over the sequence. N must divide the devices per node, the
             heads, the key-value groups and the MLP width; dense models only (not yet mixture-of-experts or latent
             attention). 1: none.
+        expert: Expert parallelism for mixture-of-experts models: each of N data-parallel devices holds 1/N of every
+            MoE layer's experts (whole experts), and tokens travel to their experts' devices and back by all-to-all;
+            the devices of one expert group still read different batches, and FSDP shards the experts over the
+            data-parallel devices left (world / N). N must divide the experts and the data-parallel devices. 1: none.
     """
 
-    # expert, pipeline and context parallelism will be further degrees here.
+    # pipeline and context parallelism will be further degrees here.
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise UserError(f"--parallel.tensor must be a whole number of devices >= 1, got {self.tensor!r}.")
+        if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
+            raise UserError(f"--parallel.expert must be a whole number of devices >= 1, got {self.expert!r}.")
 
 
 # FSDP1's BackwardPrefetch names, as `--fsdp.backward_prefetch` reads them (see FSDPArgs).

@@ -4,7 +4,7 @@ every expert's linear layer as one multiplication (with LoRA adapters on the exp
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,17 @@ class AdaptedLinear(Protocol):
     lora_A: torch.Tensor  # (r, in_features)
     lora_B: torch.Tensor  # (out_features, r)
     lora_dropout: nn.Module  # applied to the input of the update only
+
+
+class ExpertDispatch(Protocol):
+    """Where a MoE layer's expert rows are computed when its experts are not all its own (expert parallelism, set
+    from outside: `litgpt.distributed.expert_parallel`): `dispatch(rows, counts, run_local)` takes the rows sorted by
+    expert (`counts[e]` of them, int64, for each of the layer's n_expert experts), has them computed where their
+    experts live by `run_local(rows, experts)` (the layer's own experts on rows, row i to `self.experts[experts[i]]`)
+    and returns their outputs in the same order."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+                 run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 
 
 class LLaMAMoE(nn.Module):
@@ -56,6 +67,8 @@ class LLaMAMoE(nn.Module):
         self.config = config
         # What the load-balancing loss needs from the latest forward pass (`GPT.router_aux_loss`).
         self.router_stats: Optional[RouterStats] = None
+        # None: `self.experts` are all of the layer's experts, computed here.
+        self.dispatch: Optional[ExpertDispatch] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -72,19 +85,34 @@ class LLaMAMoE(nn.Module):
                 # loss' graph) when activation checkpointing runs the block again in the backward pass.
                 self.router_stats = RouterStats(route.counts(), probabilities.sum(dim=0), x.size(0))
         rows = x.index_select(0, route.token)
-        if route.kernel == "modules":
-            y = self._expert_modules(rows, route)
-        elif dtype == x.dtype:
-            y = route.from_layout(self._experts(route.to_layout(rows), route))
-        else:  # autocast: the experts run in its dtype, cast here once (it does not know torch._grouped_mm)
-            with torch.autocast(x.device.type, enabled=False):
-                y = route.from_layout(self._experts(route.to_layout(rows.to(dtype)), route))
+        if self.dispatch is None:
+            y = self._sorted_rows(rows, route, dtype)
+        else:
+            y = self.dispatch(rows, route.counts().long(), self.local_experts)
         # Back to (token, slot) order; every token has exactly k slots, so the weighted sum is a reshape.
         y = y.index_select(0, route.inverse).view(-1, k, C)
         y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1, dtype=x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(B, T, C)
+
+    def local_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This layer's own experts (`self.experts`) on `rows`, row i going to `self.experts[experts[i]]`: the
+        outputs in the rows' order (what an `ExpertDispatch` runs on the rows it brought here)."""
+        dtype = _compute_dtype(rows)
+        route = Routing.sort(experts.unsqueeze(1), len(self.experts), self._kernel(rows, dtype))
+        y = self._sorted_rows(rows.index_select(0, route.token), route, dtype)
+        return y.index_select(0, route.inverse)
+
+    def _sorted_rows(self, rows: torch.Tensor, route: "Routing", dtype: torch.dtype) -> torch.Tensor:
+        """The experts on rows sorted by expert (`route`), in the kernel `route` names."""
+        if route.kernel == "modules":
+            return self._expert_modules(rows, route)
+        if dtype == rows.dtype:
+            return route.from_layout(self._experts(route.to_layout(rows), route))
+        # autocast: the experts run in its dtype, cast here once (it does not know torch._grouped_mm)
+        with torch.autocast(rows.device.type, enabled=False):
+            return route.from_layout(self._experts(route.to_layout(rows.to(dtype)), route))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, n_expert_per_token), and the scores of every expert (tokens, n_expert),

@@ -1,5 +1,7 @@
 """`CheckpointIO` for a model on one device or sharded by FSDP2: whole tensors gathered from DTensors for full
-checkpoints, torch.distributed.checkpoint for sharded ones (resharded to any world size on load)."""
+checkpoints, torch.distributed.checkpoint for sharded ones (resharded to any world size on load). Under expert
+parallelism a full checkpoint still holds every expert under its one-process name, gathered from the ranks owning
+them, and each rank reads its own experts back."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from litgpt.checkpoint.model_files import copy_weights
 from litgpt.checkpoint.sharded_reader import load_sharded_state
 from litgpt.checkpoint.store import SHARDED_DIR
 from litgpt.distributed.dtensor import gather_full
+from litgpt.distributed.expert_parallel import expert_group, expert_peers, gather_across_experts, held_elsewhere
 from litgpt.distributed.runtime import is_rank_zero
 from litgpt.distributed.tensor_parallel import row_orders
 from litgpt.io import read_sharded_metadata
@@ -41,23 +44,30 @@ class FSDPCheckpointIO:
 
     def gather_weights(self, model: nn.Module, select: KeySelector) -> dict:
         gathered, orders = {}, row_orders(unwrap(model))
+        peers, group = expert_peers(unwrap(model)), expert_group(unwrap(model))
         for key, value in model.state_dict().items():
             if select(key):
                 full = gather_full(value, orders.get(key)).detach()
-                if is_rank_zero():
-                    gathered[key] = full.cpu()
+                for name, tensor in gather_across_experts(key, full, peers, group).items():
+                    if is_rank_zero():
+                        gathered[name] = tensor.cpu()
         return gathered
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
+        peers = expert_peers(unwrap(model))
+        if peers:
+            return gather_expert_optimizer_state(model, optimizer, peers, expert_group(unwrap(model)))
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(model, optimizer, options=options)
         return reorder_rows(state, row_orders(unwrap(model)), to_stored=False)
 
     def copy_weights(self, model: nn.Module, state_dict: dict, source: str, select: KeySelector) -> None:
-        copy_weights(model, state_dict, source, select, row_orders=row_orders(unwrap(model)))
+        copy_weights(model, state_dict, source, select, row_orders=row_orders(unwrap(model)),
+                     held_elsewhere=held_elsewhere(unwrap(model)))
 
     def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        state = without_keys(state, held_elsewhere(unwrap(model)))
 
         state = reorder_rows(state, row_orders(unwrap(model)), to_stored=True)
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -83,6 +93,34 @@ class FSDPCheckpointIO:
                            "(e.g. lora_r) are those of the run that saved it.")
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def gather_expert_optimizer_state(model: nn.Module, optimizer, peers: dict, group) -> dict:
+    """The full optimizer state (keyed by parameter name) on rank zero under expert parallelism: this rank's sharded
+    state gathered tensor by tensor, each expert's from the rank of the expert group that owns it (`peers`)."""
+    sharded = get_optimizer_state_dict(model, optimizer)
+    state: dict = {}
+    for key, values in sharded["state"].items():  # the same order on every rank: the optimizer's parameters'
+        for name, value in values.items():
+            full = gather_full(value).detach() if torch.is_tensor(value) else value
+            pieces = gather_across_experts(key, full, peers, group) if torch.is_tensor(full) else {
+                peer: full for peer in peers.get(key, [key])}
+            if is_rank_zero():
+                for peer, tensor in pieces.items():
+                    state.setdefault(peer, {})[name] = tensor.cpu() if torch.is_tensor(tensor) else tensor
+    groups = [{**group_, "params": [peer for key in group_["params"] for peer in peers.get(key, [key])]}
+              for group_ in sharded["param_groups"]]
+    return {"state": state, "param_groups": groups} if is_rank_zero() else {}
+
+
+def without_keys(optimizer_state: dict, elsewhere: dict) -> dict:
+    """A full optimizer state without the parameters other ranks hold (`elsewhere`: other ranks' experts)."""
+    if not elsewhere:
+        return optimizer_state
+    state = {key: value for key, value in optimizer_state.get("state", {}).items() if key not in elsewhere}
+    groups = [{**group, "params": [key for key in group["params"] if key not in elsewhere]}
+              for group in optimizer_state.get("param_groups", [])]
+    return {**optimizer_state, "state": state, "param_groups": groups}
 
 
 def reorder_rows(optimizer_state: dict, orders: dict, to_stored: bool) -> dict:

@@ -178,16 +178,21 @@ def copy_weights(
     subject: str = "The weights",
     fix: str = "",
     row_orders: Optional[dict] = None,
+    held_elsewhere: Optional[dict] = None,
 ) -> None:
     """Copy a full `state_dict` (e.g. memory-mapped) into a materialized model's selected keys, sharded or not.
 
     Each rank reads only the part of each tensor that it holds. Names the first missing, unexpected or misshapen key.
     `row_orders`: the keys the model stores with permuted rows (`litgpt.distributed.tensor_parallel.row_orders`).
+    `held_elsewhere`: key -> shape of what other ranks hold in place of this one (other ranks' experts under expert
+    parallelism, `litgpt.distributed.expert_parallel.held_elsewhere`): checked, not copied.
     """
     from litgpt.distributed.dtensor import copy_into_shard  # torch.distributed.tensor: only loads that shard need it
 
     targets = {key: value for key, value in model.state_dict().items() if select(key)}
-    check_weights_match({key: value.shape for key, value in targets.items()}, state_dict, source, subject, fix)
+    expected = {key: value.shape for key, value in targets.items()}
+    expected.update({key: shape for key, shape in (held_elsewhere or {}).items() if select(key)})
+    check_weights_match(expected, state_dict, source, subject, fix)
     for key, target in targets.items():
         copy_into_shard(target, state_dict[key], (row_orders or {}).get(key))
 

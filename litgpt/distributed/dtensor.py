@@ -23,10 +23,14 @@ class FullTensorInit(torch.overrides.TorchFunctionMode):
         nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
     }
 
-    def __init__(self, row_orders: Optional[dict[int, torch.Tensor]] = None) -> None:
+    def __init__(self, row_orders: Optional[dict[int, torch.Tensor]] = None,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         # id(parameter) -> the rows it stores permuted (tensor parallelism's fused qkv, `copy_into_shard`)
         self.row_orders = row_orders or {}
+        # With a device, a draw for a tensor left on the meta device (another rank's expert) is made there and
+        # dropped, so the random stream goes on as one process's.
+        self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -38,6 +42,13 @@ class FullTensorInit(torch.overrides.TorchFunctionMode):
             else:
                 func(**{**kwargs, "tensor": full})
             copy_into_shard(target, full, self.row_orders.get(id(target)))
+            return target
+        if func in self.RANDOM_INIT and self.device is not None and isinstance(target, torch.Tensor) and target.is_meta:
+            scratch = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            if args:
+                func(scratch, *args[1:], **kwargs)
+            else:
+                func(**{**kwargs, "tensor": scratch})
             return target
         return func(*args, **kwargs)
 

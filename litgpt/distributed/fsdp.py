@@ -47,6 +47,9 @@ class FSDPStrategy(ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)  # not the parent's (data, tensor) mesh: ours is (replicate, shard)
         self._setup_distributed()
         self._device_mesh = self.topology.device_mesh(self.root_device.type)
+        self._expert_mesh = None
+        if self.topology.expert > 1:
+            self._expert_mesh = self.topology.expert_device_mesh(self.root_device.type)
 
     def _configure_launcher(self) -> None:
         if not self.cluster_environment.creates_processes_externally:
@@ -69,6 +72,21 @@ class FSDPStrategy(ModelParallelStrategy):
         """The 1-D mesh of this rank's tensor-parallel group; None without tensor parallelism."""
         return None if self.topology.tensor == 1 else self.device_mesh["tensor"]
 
+    @property
+    def expert_mesh(self):
+        """The experts' (expert_replicate, expert_shard, expert) mesh (`Topology.expert_mesh_shape`); None without
+        expert parallelism."""
+        return self._expert_mesh
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer, max_norm, norm_type=2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        if self._expert_mesh is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        from litgpt.distributed.expert_parallel import clip_gradients_with_experts
+
+        self.precision.unscale_gradients(optimizer)
+        return clip_gradients_with_experts(module, self._expert_mesh["expert"], max_norm, norm_type)
+
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
         # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing.
         if not is_sharded(module):
@@ -86,11 +104,13 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
-                prepare_block: Optional[Callable[[int, nn.Module], None]] = None) -> None:
+                prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None) -> None:
     """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
 
     `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
-    there), so a rank holds the whole of at most one block's weights that exist before sharding. Parameters that
+    there), so a rank holds the whole of at most one block's weights that exist before sharding. Under expert
+    parallelism each MoE layer's local experts are a unit of their own, sharded over `expert_mesh`'s (expert_replicate,
+    expert_shard) ranks, those that hold the same experts (`shard_experts`). Parameters that
     are not on the meta device must be on `device`; FSDP keeps this rank's piece of them (in CPU memory with
     `cpu_offload`) and frees the rest.
     """
@@ -103,12 +123,28 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
     for index, block in enumerate(model.transformer.h):
         if prepare_block is not None:
             prepare_block(index, block)
+        if expert_mesh is not None:
+            shard_experts(block, expert_mesh, dict(reshard_after_forward=reshard, mp_policy=mp_policy,
+                                                   offload_policy=offload))
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
                     ignored_params=frozen_unshardable(block, mesh))
     # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
     if mesh.shape[-1] > 1:  # a shard group of one device gathers nothing: nothing to issue ahead
         set_prefetching(list(model.transformer.h), fsdp.forward_prefetch, fsdp.backward_prefetch)
+
+
+def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:
+    """FSDP2 over each of the block's `LocalExperts` on the ranks holding the same experts. Their gradients sum the
+    tokens of the whole expert group (the all-to-all brings them), so they are divided by every data-parallel rank,
+    not only by those of this unit's mesh, to be the data-parallel mean the other parameters get."""
+    from litgpt.distributed.expert_parallel import LocalExperts
+
+    data_parallel = expert_mesh.size()
+    for module in block.modules():
+        if isinstance(module, LocalExperts):
+            fully_shard(module, mesh=expert_mesh["expert_replicate", "expert_shard"], **options)
+            module.set_gradient_divide_factor(float(data_parallel))
 
 
 def set_prefetching(blocks: list[FSDPModule], forward: int, backward: int) -> None:

@@ -1,5 +1,5 @@
 """The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, tensor
-parallelism (`--parallel.tensor`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
+parallelism (`--parallel.tensor`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
 offloading, sharding (FSDP over the data-parallel mesh), then materialization and initialization (torchtitan's
 order).
 
@@ -18,6 +18,7 @@ from litgpt.args import ActivationCheckpointing
 from litgpt.distributed.activation_checkpointing import selective_checkpoint_contexts
 from litgpt.distributed.activation_offloading import offload_activations
 from litgpt.distributed.dtensor import FullTensorInit
+from litgpt.distributed.expert_parallel import apply_expert_parallel, whole_experts
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
 from litgpt.distributed.runtime import print_once
 from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
@@ -36,7 +37,8 @@ def parallelize(
     offload: bool = False,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, tensor parallelism (the
-    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), activation checkpointing,
+    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), expert parallelism (the strategy's expert mesh,
+    `litgpt.distributed.expert_parallel`), activation checkpointing,
     compilation (`compile_blocks`), activation offloading (`offload`: the forward pass around the blocks saves
     for the backward pass in host memory, `litgpt.distributed.activation_offloading`), sharding, then
     materialization and initialization (`initialize`), so no process ever holds the full model.
@@ -55,6 +57,9 @@ def parallelize(
     tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
     if tensor_mesh is not None:
         apply_tensor_parallel(model, tensor_mesh)
+    expert_mesh = strategy.expert_mesh if isinstance(strategy, FSDPStrategy) else None
+    if expert_mesh is not None:
+        apply_expert_parallel(model, expert_mesh["expert"])
     if precision.float8:
         from litgpt.distributed.float8 import convert_to_float8
 
@@ -67,13 +72,14 @@ def parallelize(
     if offload:
         apply_activation_offloading(model, fabric.device)
     if isinstance(strategy, FSDPStrategy):
-        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block)
+        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block, expert_mesh)
     elif prepare_block is not None:
         raise RuntimeError("prepare_block is applied just before sharding: it needs the FSDP strategy.")
     materialize_meta_tensors(model, fabric.device)
     orders = row_orders(model)  # the permuted rows draw what one process draws, in their stored order
     params = dict(model.named_parameters())
-    with torch.no_grad(), FullTensorInit({id(params[key]): order for key, order in orders.items()}):
+    rows = {id(params[key]): order for key, order in orders.items()}
+    with torch.no_grad(), FullTensorInit(rows, fabric.device), whole_experts(model):
         initialize(model)
     return model
 

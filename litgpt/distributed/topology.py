@@ -29,12 +29,17 @@ class Topology:
     the ranks that split each layer (neighbours, on one node), and data parallelism takes the rest of the world:
     HYBRID_SHARD: (num_nodes, devices / tensor); FULL_SHARD and SHARD_GRAD_OP: (1, world / tensor); NO_SHARD:
     (world / tensor, 1). HYBRID_SHARD on one node is FULL_SHARD.
+
+    Expert parallelism (`expert` > 1) borrows from data parallelism: the innermost `expert` data-parallel ranks form
+    an expert group (each holds its share of every MoE layer's experts, and each reads its own batches), and the
+    ranks holding the same experts shard them by FSDP: `expert_mesh`, (replicate, shard, expert).
     """
 
     devices: int
     num_nodes: int
     sharding_strategy: str = "HYBRID_SHARD"
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
         check_sharding_strategy(self.sharding_strategy)
@@ -47,6 +52,8 @@ class Topology:
             print_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.",
                        file=sys.stderr)
             object.__setattr__(self, "sharding_strategy", "FULL_SHARD")
+        if self.expert > 1:
+            self.expert_mesh_shape  # refuses a degree the mesh cannot carve
 
     @property
     def world_size(self) -> int:
@@ -84,6 +91,35 @@ class Topology:
             return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (*self.mesh_shape, self.tensor),
                                 mesh_dim_names=("replicate", "shard", "tensor"))
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, int, int]:
+        """(replicate, shard, expert) of the experts' mesh: data-parallel rank d = (r * shard + s) * expert + e holds
+        expert group e's share, sharded by FSDP over the shard ranks and replicated over the replicate ranks. The
+        expert groups take the innermost data-parallel ranks: within the shard dimension when `expert` divides it,
+        else whole shard groups of the replicate dimension (NO_SHARD, or groups spanning nodes)."""
+        replicate, shard = self.mesh_shape
+        if self.tensor > 1:
+            raise UserError(f"--parallel.expert {self.expert} with --parallel.tensor {self.tensor} is not supported yet: "
+                            "use one of the two.")
+        if self.data_parallel_size % self.expert:
+            raise UserError(f"--parallel.expert {self.expert} does not divide the {self.data_parallel_size} "
+                            "data-parallel devices (--devices x --num_nodes): use a divisor of them.")
+        if shard % self.expert == 0:
+            return replicate, shard // self.expert, self.expert
+        if self.expert % shard == 0:
+            return self.data_parallel_size // self.expert, 1, self.expert
+        raise UserError(f"--parallel.expert {self.expert} neither divides nor is a multiple of the {shard} devices "
+                        f"FSDP shards over ({self.sharding_strategy}): choose a degree that is.")
+
+    def expert_device_mesh(self, device_type: str):
+        """The experts' mesh (`expert_mesh_shape`), named ("expert_replicate", "expert_shard", "expert"); every rank
+        must build it (its process groups are made together)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world_size).view(self.expert_mesh_shape)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=("expert_replicate", "expert_shard", "expert"))
 
 
 def data_parallel(fabric) -> tuple[int, int]:

@@ -17,7 +17,7 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
                compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True,
                parallel: ParallelArgs = ParallelArgs()):
     """The job's Fabric, logging to the job's tracker (`run_name` unless --logger.name names the run), with
-    `parallel.tensor`-way tensor parallelism (`check_parallel`).
+    `parallel.tensor`-way tensor parallelism and `parallel.expert`-way expert parallelism (`check_parallel`).
 
     `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
     an extension itself (its own entry point passes one with its options); the extension checks the job first and
@@ -43,7 +43,8 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
     if extension is not None:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
-    fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor)
+    fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor,
+                          expert=parallel.expert)
     set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
     return fabric
 
@@ -51,7 +52,10 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
 def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
     """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
     whose sizes it does not divide, a compiler extension (its strategy splits the model its own way), sharded
-    checkpoints (not yet: their qkv rows are stored in the tensor-parallel order)."""
+    checkpoints (not yet: their qkv rows are stored in the tensor-parallel order); the same for expert parallelism
+    (`check_expert_parallel`)."""
+    if parallel.expert > 1:
+        check_expert_parallelism(job, parallel.expert, fsdp, compiler)
     if parallel.tensor == 1:
         return
     from litgpt.distributed.plans import check_tensor_parallel
@@ -64,6 +68,23 @@ def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler)
                         "yet: use --fsdp.state_dict_type full.")
     for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
         check_tensor_parallel(config, parallel.tensor, lora=job.recipe.lora is not None)
+
+
+def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) -> None:
+    """UserError for expert parallelism the run cannot have: a dense model (or frozen model), experts the degree
+    does not divide, a compiler extension, sharded checkpoints (not yet: each rank writes only its own experts)."""
+    from litgpt.distributed.plans import check_expert_parallel
+
+    if compiler not in CORE_COMPILERS:
+        raise UserError(f"--parallel.expert {degree} works with --compiler auto, none or torch; an extension "
+                        "compiler shards the model its own way.")
+    if fsdp.state_dict_type == "sharded":
+        raise UserError(f"--parallel.expert {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
+                        "--fsdp.state_dict_type full.")
+    check_expert_parallel(job.recipe.config, degree)
+    for config in job.recipe.frozen_configs().values():
+        if config.mlp_class_name == "LLaMAMoE":  # a dense teacher stays whole on every rank
+            check_expert_parallel(config, degree)
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:

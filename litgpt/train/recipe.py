@@ -129,6 +129,7 @@ class Recipe:
         """Take the meta model to the devices: shard, allocate, initialize, then load `initial_weights` (unless
         `load_initial` is False because a resumed checkpoint replaces every weight). `offload_activations`: its
         forward pass saves for the backward pass in host memory (`parallelize`)."""
+        from litgpt.distributed.expert_parallel import held_elsewhere
         from litgpt.distributed.fsdp import FSDPStrategy
         from litgpt.distributed.parallelize import parallelize
         from litgpt.distributed.tensor_parallel import row_orders
@@ -145,10 +146,11 @@ class Recipe:
             if self.initial_weights is not None and load_initial:
                 path = Path(self.initial_weights)
                 copy_weights(model, read_model_weights(path), str(path), self.is_initial_key,
-                             row_orders=row_orders(model))
+                             row_orders=row_orders(model), held_elsewhere=held_elsewhere(model))
         if self.initial_adapters is not None:  # a resumed checkpoint's adapters replace these afterwards
             copy_weights(model, self.initial_adapters, "the initial adapter", is_lora_key,
-                         subject="The LoRA adapters", fix="Check that the adapter belongs to this base model.")
+                         subject="The LoRA adapters", fix="Check that the adapter belongs to this base model.",
+                         held_elsewhere=held_elsewhere(model))
         return model
 
     def _materialize_quantized(self, fabric, model: nn.Module, precision: Precision,
@@ -251,6 +253,7 @@ class Recipe:
         the sharding strategy); the root (embeddings, final norm, head) stays gathered after the first forward, as
         the trained model's does from forward to backward, so a loss reads its head without another gather (and
         with --fsdp.cpu_offload, from the device)."""
+        from litgpt.distributed.expert_parallel import held_elsewhere
         from litgpt.distributed.fsdp import is_sharded
         from litgpt.distributed.parallelize import parallelize
         from litgpt.distributed.tensor_parallel import row_orders
@@ -260,7 +263,8 @@ class Recipe:
         if is_sharded(model):
             for block in model.transformer.h:
                 block.set_reshard_after_forward(True)
-        copy_weights(model, read_model_weights(weights), str(weights), subject=subject, row_orders=row_orders(model))
+        copy_weights(model, read_model_weights(weights), str(weights), subject=subject, row_orders=row_orders(model),
+                     held_elsewhere=held_elsewhere(model))
         return model.eval()
 
     def finish(self, final_dir: Path) -> None:

@@ -31,3 +31,17 @@ def check_tensor_parallel(config: Config, degree: int, lora: bool = False) -> No
         if size % degree:
             raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of "
                             f"{config.name or 'this model'}: use a divisor of it.")
+
+
+def check_expert_parallel(config: Config, degree: int) -> None:
+    """UserError unless `degree`-way expert parallelism covers `config`: a mixture-of-experts model whose experts
+    split evenly over the degree."""
+    if degree == 1:
+        return
+    name = config.name or "this model"
+    if config.mlp_class_name != "LLaMAMoE":
+        raise UserError(f"--parallel.expert {degree}: {name} is a dense model (no mixture-of-experts layers to "
+                        "split); use --parallel.expert 1.")
+    if config.n_expert % degree:
+        raise UserError(f"--parallel.expert {degree} does not divide the {config.n_expert} experts (n_expert) of "
+                        f"{name}: use a divisor of it.")
