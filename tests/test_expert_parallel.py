@@ -81,3 +81,83 @@ def test_expert_parallel_pretraining_equals_one_process(shape, runs):
     assert {k: v.shape for k, v in final_weights(two, "lit_model.pth").items()} == {
         k: v.shape for k, v in reference.items()}
     assert json.loads((two / "metrics.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F811
+    """4 processes (two torchrun "nodes" of 2, FULL_SHARD): 2 expert groups of 2, each expert's weights FSDP-sharded
+    over the 2 ranks holding it, every rank reading its own batches."""
+    out_dir = inputs["root"] / "ep-qwen3-moe-four"
+    args = [*pretrain_args(inputs, out_dir, QWEN3_MOE), "--devices", "2", "--num_nodes", "2", "--parallel.expert",
+            "2", "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
+    for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(out_dir, runs("qwen3-moe", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_path):  # noqa: F811
+    one = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32)
+    two = runs("deepseek-v3", "two", *EP2)
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir, DEEPSEEK_V3), "--devices", "1", *FLOAT32,
+                    "--resume", two / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_final(out_dir, one, "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_expert_parallelism(inputs, runs, tmp_path):  # noqa: F811
+    one = runs("qwen3-moe", "one", "--devices", "1", *FLOAT32)
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir, QWEN3_MOE), *EP2, "--resume", one / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_final(out_dir, one, "lit_model.pth", atol=1e-4)
+
+
+# ---- the mesh -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, expert, shape",
+    [("FULL_SHARD", 2, 1, 2, (1, 1, 2)), ("FULL_SHARD", 2, 2, 2, (1, 2, 2)), ("HYBRID_SHARD", 4, 2, 2, (2, 2, 2)),
+     ("HYBRID_SHARD", 2, 2, 4, (1, 1, 4)), ("NO_SHARD", 2, 2, 2, (2, 1, 2))],
+)
+def test_expert_groups_are_the_innermost_data_parallel_ranks(strategy, devices, nodes, expert, shape):
+    topology = Topology(devices, nodes, strategy, expert=expert)
+    assert topology.expert_mesh_shape == shape
+    assert topology.data_parallel_size == devices * nodes  # every rank reads its own batches
+
+
+@pytest.mark.parametrize(
+    "devices, nodes, strategy, tensor, expert, message",
+    [(4, 1, "FULL_SHARD", 1, 3, "--parallel.expert 3 does not divide the 4 data-parallel devices"),
+     (4, 1, "FULL_SHARD", 2, 2, "with --parallel.tensor 2 is not supported yet"),
+     (4, 2, "HYBRID_SHARD", 1, 8, None)],
+)
+def test_what_the_expert_mesh_refuses(devices, nodes, strategy, tensor, expert, message):
+    if message is None:
+        assert Topology(devices, nodes, strategy, tensor, expert).expert_mesh_shape == (1, 1, 8)
+        return
+    with pytest.raises(UserError, match=message):
+        Topology(devices, nodes, strategy, tensor, expert)
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model, flags, message",
+    [
+        (SMALL, EP2, "--parallel.expert 2: dist-llama is a dense model"),
+        ({**QWEN3_MOE, "n_expert": 3}, EP2, "--parallel.expert 2 does not divide the 3 experts (n_expert)"),
+        (QWEN3_MOE, ["--devices", "2", "--parallel.expert", "4", *FLOAT32],
+         "--parallel.expert 4 does not divide the 2 data-parallel devices"),
+        (QWEN3_MOE, ["--devices", "1", "--parallel.expert", "2"], "--parallel.expert 2 splits the experts over 2"),
+        (QWEN3_MOE, ["--devices", "2", "--parallel.expert", "0"], "--parallel.expert must be a whole number"),
+        (QWEN3_MOE, [*EP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported"),
+    ],
+)
+def test_what_expert_parallelism_refuses(model, flags, message, inputs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "out"
+    result = litgpt(*pretrain_args(inputs, out_dir, model), *flags, env=child_environment())
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not out_dir.exists()

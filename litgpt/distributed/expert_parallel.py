@@ -49,7 +49,12 @@ class LocalExperts(nn.ModuleList):
 class AllToAllDispatch:
     """A MoE layer's rows, sorted by expert, sent to the ranks of the expert group that own their experts (rank r
     owns experts r * n_local ... (r + 1) * n_local - 1), computed there by `run_local` (through `experts`, the layer's
-    `LocalExperts`) and sent back in the same order. The one read to the host: the rows each rank sends and gets."""
+    `LocalExperts`) and sent back in the same order. The one read to the host: the rows each rank sends and gets.
+
+    The experts' gradients sum the tokens of the whole expert group, and FSDP averages them only over the ranks
+    holding the same experts: they are divided by the group's size (the gradient of the experts' output, multiplied
+    back at their input) to be the data-parallel mean every other parameter gets. (FSDP's own divide factor would
+    need a premultiplied sum, which gloo lacks.)"""
 
     def __init__(self, experts: LocalExperts, group, degree: int) -> None:
         self.experts, self.group, self.degree = experts, group, degree
@@ -63,8 +68,21 @@ class AllToAllDispatch:
         received = _AllToAll.apply(rows, receive, send, self.group)
         # Received by (source rank, my expert); `local_experts` sorts them by expert.
         local = torch.arange(n_local, device=rows.device).repeat(self.degree).repeat_interleave(incoming)
-        out = self.experts(run_local, received, local)
-        return _AllToAll.apply(out, send, receive, self.group)
+        out = self.experts(run_local, _ScaleGradient.apply(received, float(self.degree)), local)
+        return _AllToAll.apply(_ScaleGradient.apply(out, 1.0 / self.degree), send, receive, self.group)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, its gradient multiplied by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 class _AllToAll(torch.autograd.Function):

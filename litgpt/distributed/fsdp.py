@@ -135,16 +135,13 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
 
 
 def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:
-    """FSDP2 over each of the block's `LocalExperts` on the ranks holding the same experts. Their gradients sum the
-    tokens of the whole expert group (the all-to-all brings them), so they are divided by every data-parallel rank,
-    not only by those of this unit's mesh, to be the data-parallel mean the other parameters get."""
+    """FSDP2 over each of the block's `LocalExperts` on the ranks holding the same experts (FSDP averages their
+    gradients over those ranks; `AllToAllDispatch` divides them by the expert group's size beforehand)."""
     from litgpt.distributed.expert_parallel import LocalExperts
 
-    data_parallel = expert_mesh.size()
     for module in block.modules():
         if isinstance(module, LocalExperts):
             fully_shard(module, mesh=expert_mesh["expert_replicate", "expert_shard"], **options)
-            module.set_gradient_divide_factor(float(data_parallel))
 
 
 def set_prefetching(blocks: list[FSDPModule], forward: int, backward: int) -> None:
