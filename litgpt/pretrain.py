@@ -72,7 +72,8 @@ def setup(
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
-            (tensor and sequence parallelism; FSDP shards over the rest of the world).
+            (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
+            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism).
         tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
         logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
             mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).

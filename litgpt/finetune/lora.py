@@ -67,7 +67,8 @@ def setup(
         num_nodes: Nodes of the run.
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
-            (tensor and sequence parallelism; FSDP shards over the rest of the world).
+            (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
+            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism).
         lora_r: The adapters' rank.
         lora_alpha: The adapters' scale numerator (the update is scaled by alpha / r).
         lora_dropout: Dropout on the adapters' input.
