@@ -168,14 +168,13 @@ class LoRALinear(nn.Linear):
         """A Kaiming-uniform (as nn.Linear, a=sqrt(5)), B zero: the update starts at exactly zero.
 
         Factors still on the meta device are first materialized beside the base weight (its device and dtype);
-        while the base weight itself is on meta there is nothing to initialize yet.
+        while the base weight itself is on meta the factors stay there, drawn on meta all the same (where a caller
+        keeps the random stream going, as expert parallelism does for other ranks' experts).
         """
         device, dtype = self._base_placement()
-        if device.type == "meta":
-            return
         for suffix, _, _, a, b in self.lora_factors():
             for name, param in ((f"lora_A{suffix}", a), (f"lora_B{suffix}", b)):
-                if param.is_meta:
+                if param.is_meta and device.type != "meta":
                     fresh = torch.empty(param.shape, device=device, dtype=dtype)
                     setattr(self, name, nn.Parameter(fresh, requires_grad=param.requires_grad))
             a, b = getattr(self, f"lora_A{suffix}"), getattr(self, f"lora_B{suffix}")

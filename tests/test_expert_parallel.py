@@ -161,3 +161,22 @@ def test_what_expert_parallelism_refuses(model, flags, message, inputs, tmp_path
     lines = result.stderr.strip().splitlines()
     assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not out_dir.exists()
+
+
+@pytest.mark.slow
+def test_expert_parallel_lora_equals_one_process(inputs, tmp_path_factory):  # noqa: F811
+    """LoRA on every linear layer, the experts' too (--lora_mlp), of a Qwen3-MoE shape: each rank adapts its own
+    experts, whose adapters draw what one process draws; the adapters equal one process's."""
+    from checkpoint_helpers import write_random_checkpoint
+
+    from litgpt.config import Config
+
+    root = tmp_path_factory.mktemp("ep-lora")
+    moe_inputs = {**inputs, "base": write_random_checkpoint(root / "base", Config(**QWEN3_MOE))}
+    out = {}
+    for name, flags in {"one": ["--devices", "1", *FLOAT32], "two": EP2}.items():
+        out[name] = root / name
+        result = litgpt(*command_args("finetune_lora", moe_inputs, out[name]), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(out["two"], out["one"], "lit_model.pth.lora")
+    assert any(".mlp.experts.3." in key for key in final_weights(out["two"], "lit_model.pth.lora"))
