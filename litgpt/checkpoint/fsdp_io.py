@@ -24,7 +24,13 @@ from litgpt.checkpoint.model_files import copy_weights
 from litgpt.checkpoint.sharded_reader import load_sharded_state
 from litgpt.checkpoint.store import SHARDED_DIR
 from litgpt.distributed.dtensor import gather_full
-from litgpt.distributed.expert_parallel import expert_group, expert_peers, gather_across_experts, held_elsewhere
+from litgpt.distributed.expert_parallel import (
+    expert_group,
+    expert_peers,
+    gather_across_experts,
+    held_elsewhere,
+    in_one_process_order,
+)
 from litgpt.distributed.runtime import is_rank_zero
 from litgpt.distributed.tensor_parallel import row_orders
 from litgpt.io import read_sharded_metadata
@@ -51,7 +57,7 @@ class FSDPCheckpointIO:
                 for name, tensor in gather_across_experts(key, full, peers, group).items():
                     if is_rank_zero():
                         gathered[name] = tensor.cpu()
-        return gathered
+        return in_one_process_order(gathered, unwrap(model))
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
         peers = expert_peers(unwrap(model))
@@ -108,9 +114,10 @@ def gather_expert_optimizer_state(model: nn.Module, optimizer, peers: dict, grou
             if is_rank_zero():
                 for peer, tensor in pieces.items():
                     state.setdefault(peer, {})[name] = tensor.cpu() if torch.is_tensor(tensor) else tensor
-    groups = [{**group_, "params": [peer for key in group_["params"] for peer in peers.get(key, [key])]}
-              for group_ in sharded["param_groups"]]
-    return {"state": state, "param_groups": groups} if is_rank_zero() else {}
+    groups = [{**group_, "params": list(in_one_process_order(
+        {peer: None for key in group_["params"] for peer in peers.get(key, [key])}, unwrap(model)))}
+        for group_ in sharded["param_groups"]]
+    return {"state": in_one_process_order(state, unwrap(model)), "param_groups": groups} if is_rank_zero() else {}
 
 
 def without_keys(optimizer_state: dict, elsewhere: dict) -> dict:

@@ -162,6 +162,26 @@ def expert_peers(model: nn.Module) -> dict[str, list[str]]:
     return peers
 
 
+def in_one_process_order(state: dict, model: nn.Module) -> dict:
+    """`state` (full, keyed by state-dict name) with each MoE layer's experts in the order of one process's state dict:
+    gathered slot by slot over the expert group they come in the ranks' order (0, 2, 1, 3 for 4 experts on 2)."""
+    layer_keys = {}  # an expert's key -> every expert key of its layer, in one process's order
+    for name, layer in moe_layers(model):
+        local = getattr(layer, SPLIT)
+        if isinstance(local, LocalExperts):
+            keys = [f"{name}.{SPLIT}.{index}.{key}" for index, expert in enumerate(local.whole)
+                    for key in expert.state_dict()]
+            layer_keys.update(dict.fromkeys(keys, keys))
+    if not layer_keys:
+        return state
+    ordered = {}
+    for key in state:
+        for name in layer_keys.get(key, [key]):
+            if name in state and name not in ordered:
+                ordered[name] = state[name]
+    return ordered
+
+
 def held_elsewhere(model: nn.Module) -> dict[str, torch.Size]:
     """The shapes of the state-dict keys that other ranks of the expert group hold (a full checkpoint has them)."""
     shapes = {}
@@ -195,8 +215,23 @@ def gather_across_experts(key: str, full: torch.Tensor, peers: dict[str, list[st
 
 
 def clip_gradients_with_experts(model: nn.Module, expert_mesh, max_norm: float, norm_type: float = 2.0):
-    """Clip the gradients by their norm over the whole model: the experts' squared norms summed over the expert group
-    (each rank holds others), everyone else's as FSDP's DTensors give it; returns that norm."""
+    """Clip the gradients by their norm over the whole model (`gradient_norm_with_experts`); returns that norm."""
+    total, groups = _norm_and_gradients(model, expert_mesh, norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grads in groups.values():
+            for grad in grads:
+                grad.mul_(coefficient.to(grad.device))
+    return total
+
+
+def gradient_norm_with_experts(model: nn.Module, expert_mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """The gradients' norm over the whole model: the experts' squared norms summed over the expert group (each rank
+    holds others), everyone else's as FSDP's DTensors give it (the two live on different meshes)."""
+    return _norm_and_gradients(model, expert_mesh, norm_type)[0]
+
+
+def _norm_and_gradients(model: nn.Module, expert_mesh, norm_type: float):
     groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     experts = {id(p) for _, layer in moe_layers(model) for p in getattr(layer, SPLIT).parameters()}
     for param in model.parameters():
@@ -210,10 +245,4 @@ def clip_gradients_with_experts(model: nn.Module, expert_mesh, max_norm: float, 
         if is_expert:
             dist.all_reduce(power, group=expert_mesh.get_group())
         powers.append(power)
-    total = sum(powers) ** (1.0 / norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for grads in groups.values():
-            for grad in grads:
-                grad.mul_(coefficient.to(grad.device))
-    return total
+    return sum(powers) ** (1.0 / norm_type), groups

@@ -87,6 +87,15 @@ class FSDPStrategy(ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         return clip_gradients_with_experts(module, self._expert_mesh["expert"], max_norm, norm_type)
 
+    def gradient_norm(self, module: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of `module`'s gradients over all ranks, without clipping them."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if self._expert_mesh is None:
+            return torch.nn.utils.get_total_norm(grads, norm_type)
+        from litgpt.distributed.expert_parallel import gradient_norm_with_experts
+
+        return gradient_norm_with_experts(module, self._expert_mesh["expert"], norm_type)
+
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
         # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing.
         if not is_sharded(module):

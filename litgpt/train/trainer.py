@@ -216,11 +216,15 @@ class Trainer:
     def step_values(self, step_loss: torch.Tensor) -> tuple[float, Optional[float]]:
         """This rank's loss of the step and the gradient norm over all ranks (clipped after, with --train.max_norm);
         None for the norm when the backward pass stepped and freed every gradient."""
+        from litgpt.distributed.fsdp import FSDPStrategy  # Lightning's: imported once a run trains
+
         if self.steps_in_backward:
             return step_loss.float().item(), None
         if self.train.max_norm is not None:
             norm = self.fabric.clip_gradients(
                 self.model, self.optimizer, max_norm=self.train.max_norm, error_if_nonfinite=False)
+        elif isinstance(self.fabric.strategy, FSDPStrategy):  # its gradients may live on several meshes
+            norm = self.fabric.strategy.gradient_norm(self.model)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if isinstance(norm, DTensor):
