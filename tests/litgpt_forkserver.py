@@ -69,22 +69,26 @@ TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WOR
 # when a process first passes one; a shell sets the last four for the commands it starts.
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE",
                       "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_FAILPOINT", "LITGPT_FAILPOINTS_ARMED", "PWD",
-                      "OLDPWD", "SHLVL", "_", *TORCHRUN_VARIABLES)
+                      "OLDPWD", "SHLVL", "_", "TMPDIR", *TORCHRUN_VARIABLES)
+# Slurm's variables, set by srun and sbatch for each task (job and step ids, ranks, nodes): read by Lightning's and
+# litgpt's cluster detection when a run starts, never at import (as torchrun's, above). Slurm sets TMPDIR too: a
+# forked command looks it up again (the server's `tempfile.tempdir` is reset).
+RUN_TIME_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 # Where a server listens: set in the server's environment (and so in that of every shell block started with it).
 FORKSERVER_VARIABLE = "LITGPT_TEST_FORKSERVER"
 
 SERVER = r"""
-import gc, importlib, json, os, runpy, selectors, socket, sys
+import gc, importlib, json, os, runpy, selectors, socket, sys, tempfile
 
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1] + ".binding")
 listener.listen(64)  # clients that connect while the imports run wait in the backlog
 # Only a listening socket gets its name: one that a client finds bound but not listening yet refuses it.
 os.rename(sys.argv[1] + ".binding", sys.argv[1])
-RUN_TIME_VARIABLES = set(json.loads(sys.argv[2]))
-SHIM = sys.argv[3]
+RUN_TIME_VARIABLES, RUN_TIME_PREFIXES = set(json.loads(sys.argv[2])), tuple(json.loads(sys.argv[3]))
+SHIM = sys.argv[4]
 started_with = dict(os.environ)
-for name in sys.argv[4:]:
+for name in sys.argv[5:]:
     importlib.import_module(name)
 # Variables the imports set (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK, ...): a fresh process has them too, and so
 # does the environment a command passes on to the ranks it starts.
@@ -96,7 +100,8 @@ gc.freeze()
 
 
 def key(env):
-    return {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES and name not in set_by_imports}
+    return {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES and name not in set_by_imports
+            and not name.startswith(RUN_TIME_PREFIXES)}
 
 
 def read_request(conn):
@@ -122,6 +127,7 @@ def run_command(request, fds):
     os.environ.clear()
     os.environ.update(request["env"])  # differs from the server's only in variables read at run time
     os.environ.update(set_by_imports)
+    tempfile.tempdir = None  # found again from this environment's TMPDIR, which Slurm sets for its tasks
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # as `python -m` puts it
     sys.modules.pop("litgpt.__main__", None)  # `python -m` runs it before anything imports it
@@ -286,7 +292,8 @@ class ForkServer:
             self.env["PATH"] = os.pathsep.join((str(self.shim_folder), env.get("PATH", os.defpath)))
         self._log = open(self.folder / "server.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER, self.socket_path, json.dumps(RUN_TIME_VARIABLES), str(shim), *preimports],
+            [sys.executable, "-c", SERVER, self.socket_path, json.dumps(RUN_TIME_VARIABLES),
+             json.dumps(RUN_TIME_PREFIXES), str(shim), *preimports],
             cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self._count = 0
@@ -351,7 +358,8 @@ _SERVERS: dict[tuple, ForkServer] = {}
 
 def _key(env: dict[str, str]) -> tuple:
     return tuple(sorted((name, value) for name, value in env.items()
-                        if name not in RUN_TIME_VARIABLES and name != FORKSERVER_VARIABLE))
+                        if name not in RUN_TIME_VARIABLES and name != FORKSERVER_VARIABLE
+                        and not name.startswith(RUN_TIME_PREFIXES)))
 
 
 def run_litgpt(args, cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300,
