@@ -218,7 +218,7 @@ class ParallelArgs:
             1/N of every attention and MLP layer (its own heads, its own MLP columns) and of the vocabulary, and the
             residual stream between the layers is split over the sequence. N must divide the devices per node, the
             heads, the key-value groups and the MLP width; dense models only (not yet mixture-of-experts or latent
-            attention). 1: none.
+            attention); LoRA adapters are split with their layers (not yet lora_head or QLoRA). 1: none.
         expert: Expert parallelism for mixture-of-experts models: each of N data-parallel devices holds 1/N of every
             MoE layer's experts (whole experts), and tokens travel to their experts' devices and back by all-to-all;
             the devices of one expert group still read different batches, and FSDP shards the experts over the

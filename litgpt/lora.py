@@ -221,31 +221,17 @@ class LoRALinear(nn.Linear):
 
     def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The update as two factors, update = low_rank @ b_all.T: low_rank = dropout(x) @ A.T * scaling (r columns
-        per part) and b_all every part's B over the rows it writes (a chunked loss multiplies by b_all itself)."""
-        factors = list(self.lora_factors())
-        # One matmul for every part's A (stacked), one for every part's B (laid out block-diagonally over the rows
-        # it writes, zero rows elsewhere), and one add: the adapters cost O(r) per row next to the base matmul.
-        if len(factors) == 1:
-            a_all = factors[0][3]
-        else:
-            a_all = torch.cat([f[3] for f in factors], dim=0)
-        h = self.lora_dropout(x).to(a_all.dtype)
-        return F.linear(h, a_all) * self.scaling, self._stacked_b(factors)
+        per part, `adapter_input`) and b_all every part's B over the rows it writes (a chunked loss multiplies by
+        b_all itself)."""
+        rows = [(start, stop, b) for _, start, stop, _, b in self.lora_factors()]
+        return self.adapter_input(x), stacked_rows(rows, self.out_features, self.r)
 
-    def _stacked_b(self, factors: list) -> torch.Tensor:
-        _, start, stop, _, b = factors[0]
-        if len(factors) == 1 and start == 0 and stop == self.out_features:
-            return b
-        r, width = self.r, self.r * len(factors)
-        blocks, row = [], 0
-        for index, (_, start, stop, _, b) in enumerate(factors):
-            if start > row:
-                blocks.append(b.new_zeros(start - row, width))
-            blocks.append(F.pad(b, (index * r, width - (index + 1) * r)))
-            row = stop
-        if row < self.out_features:
-            blocks.append(b.new_zeros(self.out_features - row, width))
-        return torch.cat(blocks, dim=0)
+    def adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x) @ A.T * scaling, every part's A stacked: one matmul for all of them."""
+        factors = [a for _, _, _, a, _ in self.lora_factors()]
+        a_all = factors[0] if len(factors) == 1 else torch.cat(factors, dim=0)
+        h = self.lora_dropout(x).to(a_all.dtype)
+        return F.linear(h, a_all) * self.scaling
 
     # ---- merging ----------------------------------------------------------------------------------------------------
     def merged_weight(self) -> torch.Tensor:
@@ -269,6 +255,25 @@ class LoRALinear(nn.Linear):
             raise UserError("LoRA adapters cannot be merged into a quantized base weight; merge with the float base.")
         if self.weight.is_meta:
             raise RuntimeError("The base weight is on the meta device: load the base weights before merging.")
+
+
+def stacked_rows(parts: list[tuple[int, int, torch.Tensor]], rows: int, r: int) -> torch.Tensor:
+    """The B factors `parts` ((row start, row stop, B) each, in row order) as one (rows, r * len(parts)) matrix: part
+    i's B in columns [i * r, (i + 1) * r) of the rows it writes, zero elsewhere, so one matmul applies every part and
+    each writes only its own rows."""
+    start, stop, b = parts[0]
+    if len(parts) == 1 and start == 0 and stop == rows:
+        return b
+    width = r * len(parts)
+    blocks, row = [], 0
+    for index, (start, stop, b) in enumerate(parts):
+        if start > row:
+            blocks.append(b.new_zeros(start - row, width))
+        blocks.append(F.pad(b, (index * r, width - (index + 1) * r)))
+        row = stop
+    if row < rows:
+        blocks.append(b.new_zeros(rows - row, width))
+    return torch.cat(blocks, dim=0)
 
 
 # ---- applying LoRA to a GPT ------------------------------------------------------------------------------------------

@@ -89,6 +89,29 @@ def test_a_one_process_checkpoint_resumes_under_tensor_parallelism(inputs, one_p
     assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
 
 
+# ---- LoRA ----------------------------------------------------------------------------------------------------------
+# Every kind of adapter the plan splits: q, k and v parts of the fused qkv (colwise, rows permuted), the projection
+# and the MLP's output (rowwise), the MLP's inputs (colwise).
+EVERY_ADAPTER = ["--lora_key", "true", "--lora_projection", "true"]
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(inputs) -> Path:  # noqa: F811
+    out_dir = inputs["root"] / "tp-lora-one"
+    result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, "--devices", "1", *FLOAT32)
+    assert result.returncode == 0, result.stderr
+    return out_dir
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_equals_one_process(inputs, lora_one_process):  # noqa: F811
+    out_dir = inputs["root"] / "tp-lora-two"
+    result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, *TP2)
+    assert result.returncode == 0, result.stderr
+    assert_close_runs(out_dir, lora_one_process, "lit_model.pth.lora")  # the adapters, in the one-process layout
+    assert_same_final(out_dir, lora_one_process, "lit_model.pth", atol=1e-4)  # final/: merged into the base
+
+
 # ---- the fused qkv's layout ------------------------------------------------------------------------------------------
 def test_qkv_row_order_gives_each_rank_its_heads_and_groups():
     config = Config(**SMALL)  # 4 heads, 2 key-value groups of head size 16
@@ -199,10 +222,15 @@ def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_lora_under_tensor_parallelism_is_refused(inputs, tmp_path):  # noqa: F811
-    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "out"), *TP2)
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--lora_head", "true"], "a LoRA adapter on the output head (lora_head) (dist-llama) is not supported yet"),
+     (["--quantize", "bnb.nf4"], "a quantized base (--quantize, QLoRA) (dist-llama) is not supported yet")],
+)
+def test_what_lora_under_tensor_parallelism_refuses(flags, message, inputs, tmp_path):  # noqa: F811
+    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "out"), *TP2, *flags)
     assert result.returncode == 1
-    assert "LoRA adapters (dist-llama) is not supported yet" in result.stderr.strip().splitlines()[-1]
+    assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
 
 

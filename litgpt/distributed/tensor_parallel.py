@@ -25,6 +25,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> None:
     """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place."""
     config, degree = model.config, mesh.size()
     check_tensor_parallel(config, degree)
+    # PyTorch's SequenceParallel registers the norms' weights anew, trainable: a frozen base (LoRA, a teacher) keeps
+    # its own setting.
+    trains = {name: param.requires_grad for name, param in model.named_parameters()}
     for block in model.transformer.h:
         parallelize_module(block, mesh, {name: style for name, style in BLOCK_PLAN if placeable(block, name)})
         block.attn.n_head = config.n_head // degree
@@ -34,6 +37,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> None:
     model.forward = padded_to_multiple(model.forward, degree)
     if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains[name])
     left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
         raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")
@@ -75,6 +80,8 @@ def row_orders(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, CausalSelfAttention) and module.n_head != module.config.n_head:
             order = qkv_row_order(module.config, module.config.n_head // module.n_head)
-            for param_name, _ in module.qkv.named_parameters(recurse=False):
-                orders[f"{name}.qkv.{param_name}"] = order
+            # The base's rows only: LoRA's B factors are split part by part (`litgpt.distributed.plans.styles`).
+            for param_name in ("weight", "bias"):
+                if getattr(module.qkv, param_name, None) is not None:
+                    orders[f"{name}.qkv.{param_name}"] = order
     return orders

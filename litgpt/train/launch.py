@@ -67,7 +67,9 @@ def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler)
         raise UserError(f"--parallel.tensor {parallel.tensor} with --fsdp.state_dict_type sharded is not supported "
                         "yet: use --fsdp.state_dict_type full.")
     for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
-        check_tensor_parallel(config, parallel.tensor, lora=job.recipe.lora is not None)
+        recipe = job.recipe
+        check_tensor_parallel(config, parallel.tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
+                              quantized=recipe.quantize is not None)
 
 
 def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) -> None:

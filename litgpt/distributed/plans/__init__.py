@@ -8,9 +8,11 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 
 
-def check_tensor_parallel(config: Config, degree: int, lora: bool = False) -> None:
+def check_tensor_parallel(config: Config, degree: int, adapted_head: bool = False, quantized: bool = False) -> None:
     """UserError unless `degree`-way tensor parallelism covers `config`: a dense family the plan knows, whose heads,
-    key-value groups, MLP width and vocabulary split evenly."""
+    key-value groups, MLP width and vocabulary split evenly. LoRA adapters are split with their layers, except on the
+    head (`adapted_head`: the loss gathers the head whole) and on a quantized base (`quantized`: bitsandbytes layers
+    and torchao's NF4 tensors are not DTensors the plan can split)."""
     if degree == 1:
         return
     unsupported = {
@@ -18,7 +20,8 @@ def check_tensor_parallel(config: Config, degree: int, lora: bool = False) -> No
         "latent attention": config.kv_lora_rank is not None,
         "attention sinks": bool(config.attention_sinks),
         "query/key norms": bool(config.norm_qk),
-        "LoRA adapters": lora,
+        "a LoRA adapter on the output head (lora_head)": adapted_head,
+        "a quantized base (--quantize, QLoRA)": quantized,
     }
     for feature, present in unsupported.items():
         if present:

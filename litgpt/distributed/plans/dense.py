@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from litgpt.config import Config
+from litgpt.distributed.plans.styles import Colwise, Rowwise
 
 # The norms' outputs go on as local tensors: they meet the local residual stream in additions.
 _NORM = SequenceParallel(use_local_output=True)
@@ -36,8 +37,9 @@ _GATHER_ATTENTION_INPUT = PrepareModuleInput(
 )
 _GATHER_MLP_INPUT = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                        use_local_output=True)
-_COLUMNS = ColwiseParallel()
-_ROWS_TO_SEQUENCE = RowwiseParallel(output_layouts=Shard(1))
+# Colwise and rowwise with LoRA factors placed too (`litgpt.distributed.plans.styles`).
+_COLUMNS = Colwise()
+_ROWS_TO_SEQUENCE = Rowwise(output_layouts=Shard(1))
 
 # Each transformer block: its module names (those a family has; identity norms have nothing to split) -> styles.
 BLOCK_PLAN = (
