@@ -31,6 +31,7 @@ from test_distributed import (
 from litgpt.config import Config
 from litgpt.distributed.plans.dense import qkv_row_order
 from litgpt.distributed.topology import Topology
+from litgpt.io import load_state_dict
 
 FLOAT32 = ["--precision", "32-true"]
 TP2 = ["--devices", "2", "--parallel.tensor", "2", *FLOAT32]
@@ -61,15 +62,46 @@ def test_tensor_parallel_pretraining_equals_one_process(tp2_run, one_process):
     assert metrics["world_size"] == 2
 
 
-@pytest.mark.slow
-def test_tensor_parallel_times_fsdp_equals_one_process(inputs, one_process):  # noqa: F811
-    """4 processes: 2 data-parallel ranks (FULL_SHARD) x 2 tensor-parallel ranks, each group reading its own batches."""
+@pytest.fixture(scope="module")
+def tp2_fsdp2_run(inputs) -> Path:  # noqa: F811
+    """4 processes: 2 data-parallel ranks (FULL_SHARD) x 2 tensor-parallel ranks, each group reading its own batches,
+    writing sharded checkpoints."""
     out_dir = inputs["root"] / "tp-four"
     args = [*command_args("pretrain", inputs, out_dir), "--devices", "2", "--num_nodes", "2", "--parallel.tensor", "2",
-            "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
+            "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.state_dict_type", "sharded", *FLOAT32]
     for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
         assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(out_dir, one_process, "lit_model.pth")
+    return out_dir
+
+
+@pytest.mark.slow
+def test_tensor_parallel_times_fsdp_equals_one_process(tp2_fsdp2_run, one_process):
+    assert_close_runs(tp2_fsdp2_run, one_process, "lit_model.pth")  # final/: gathered whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--devices", "1"], ["--devices", "2", "--fsdp.sharding_strategy", "FULL_SHARD"]],
+                         ids=["one-process", "fsdp-only"])
+def test_a_sharded_tensor_parallel_checkpoint_resumes_without_it(flags, inputs, tp2_fsdp2_run, one_process,  # noqa: F811
+                                                                  tmp_path):
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), *flags, *FLOAT32, "--fsdp.state_dict_type",
+                    "sharded", "--resume", tp2_fsdp2_run / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_sharded_tensor_parallel_checkpoint_consolidates_to_the_full_one(tp2_fsdp2_run, tp2_run, tmp_path):
+    """`litgpt consolidate` of TP2 x FSDP2's sharded step 2 against TP2's full (gathered, un-permuted) step 2: the
+    same weights (up to the data-parallel reduction order), the fused qkv rows in the one-process order."""
+    result = litgpt("consolidate", tp2_fsdp2_run / "step-000002", "--out_dir", tmp_path / "one-file")
+    assert result.returncode == 0, result.stderr
+    consolidated = load_state_dict(tmp_path / "one-file" / "lit_model.pth")
+    full = load_state_dict(tp2_run / "step-000002" / "lit_model.pth")
+    assert consolidated.keys() == full.keys()
+    for key, value in full.items():
+        torch.testing.assert_close(consolidated[key], value, rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.slow
@@ -209,7 +241,6 @@ def write_config(path: Path, **changes) -> Path:
         ({"intermediate_size": 129}, TP2, "does not divide the 129 MLP width (intermediate_size)"),
         ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}, TP2,
          "mixture-of-experts layers (dist-llama) is not supported yet"),
-        ({}, [*TP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported yet"),
     ],
 )
 def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811

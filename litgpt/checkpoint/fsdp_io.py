@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,7 +24,7 @@ from litgpt.checkpoint.manager import unwrap
 from litgpt.checkpoint.model_files import copy_weights
 from litgpt.checkpoint.sharded_reader import load_sharded_state
 from litgpt.checkpoint.store import SHARDED_DIR
-from litgpt.distributed.dtensor import gather_full
+from litgpt.distributed.dtensor import copy_into_shard, gather_full
 from litgpt.distributed.expert_parallel import (
     expert_group,
     expert_peers,
@@ -81,10 +82,15 @@ class FSDPCheckpointIO:
     @staticmethod
     def sharded_state(model: nn.Module, optimizer, select: KeySelector) -> dict:
         """This rank's shards of the selected weights and of the optimizer state, as torch.distributed.checkpoint
-        reads and writes them."""
+        reads and writes them: rows stored permuted (tensor parallelism's fused qkv) at their checkpoint positions, so
+        the checkpoint is the one-process layout, for any world size and tensor-parallel degree."""
 
         weights = {key: value for key, value in get_model_state_dict(model).items() if select(key)}
-        return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
+        orders = row_orders(unwrap(model))
+        weights = {key: reorder(value, orders[key], to_stored=False) if key in orders else value
+                   for key, value in weights.items()}
+        optimizer_state = reorder_rows(get_optimizer_state_dict(model, optimizer), orders, to_stored=False)
+        return {"model": weights, "optimizer": optimizer_state}
 
     def save_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
 
@@ -97,8 +103,11 @@ class FSDPCheckpointIO:
         state = self.sharded_state(model, optimizer, select)
         load_sharded_state(state, path, metadata, hint="Check that the model config and the fine-tuning settings "
                            "(e.g. lora_r) are those of the run that saved it.")
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        orders = row_orders(unwrap(model))
+        weights = {key: reorder(value, orders[key], to_stored=True) if key in orders else value
+                   for key, value in state["model"].items()}
+        set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(model, optimizer, reorder_rows(state["optimizer"], orders, to_stored=True))
 
 
 def gather_expert_optimizer_state(model: nn.Module, optimizer, peers: dict, group) -> dict:
@@ -143,8 +152,17 @@ def reorder_rows(optimizer_state: dict, orders: dict, to_stored: bool) -> dict:
 
 
 def reorder(value, order, to_stored: bool):
+    """`value` (a whole tensor, or a DTensor: collective) with its rows put into their stored order (`to_stored`) or
+    back into the checkpoint's; a DTensor stays split as it was, each rank keeping its piece of the reordered whole."""
     if not torch.is_tensor(value) or value.dim() == 0 or value.size(0) != order.numel():
         return value  # a step count
+    if isinstance(value, DTensor):
+        reordered = torch.empty_like(value)
+        if to_stored:
+            copy_into_shard(reordered, value.full_tensor(), order)
+        else:
+            copy_into_shard(reordered, gather_full(value, order))
+        return reordered
     if to_stored:
         return value[order]
     restored = torch.empty_like(value)

@@ -51,9 +51,8 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
 
 def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
     """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
-    whose sizes it does not divide, a compiler extension (its strategy splits the model its own way), sharded
-    checkpoints (not yet: their qkv rows are stored in the tensor-parallel order); the same for expert parallelism
-    (`check_expert_parallel`)."""
+    whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
+    expert parallelism (`check_expert_parallel`)."""
     if parallel.expert > 1:
         check_expert_parallelism(job, parallel.expert, fsdp, compiler)
     if parallel.tensor == 1:
@@ -63,11 +62,8 @@ def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler)
     if compiler not in CORE_COMPILERS:
         raise UserError(f"--parallel.tensor {parallel.tensor} works with --compiler auto, none or torch; an extension "
                         "compiler shards the model its own way.")
-    if fsdp.state_dict_type == "sharded":
-        raise UserError(f"--parallel.tensor {parallel.tensor} with --fsdp.state_dict_type sharded is not supported "
-                        "yet: use --fsdp.state_dict_type full.")
-    for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
-        recipe = job.recipe
+    recipe = job.recipe
+    for config in (recipe.config, *recipe.frozen_configs().values()):
         check_tensor_parallel(config, parallel.tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
                               quantized=recipe.quantize is not None)
 
