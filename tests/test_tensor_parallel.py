@@ -186,6 +186,8 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         whole.init_weights()
         with torch.device("meta"):
             split = GPT(config)
+        for model in (whole, split):  # a frozen norm stays frozen (SequenceParallel registers its weight anew)
+            model.transformer.h[0].norm_1.weight.requires_grad_(False)
         apply_tensor_parallel(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)))
         split.to_empty(device="cpu")
         orders = row_orders(split)
@@ -201,6 +203,9 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
         split_params = dict(split.named_parameters())
         for key, param in whole.named_parameters():
+            assert split_params[key].requires_grad == param.requires_grad, key
+            if param.grad is None:
+                continue
             grad = gather_full(split_params[key].grad, orders.get(key))
             torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
     except BaseException as error:  # reported to the test, which runs in the parent
