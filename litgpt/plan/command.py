@@ -1,7 +1,7 @@
 """`litgpt plan`: the memory a training run needs per device, and whether it fits, printed before anything is
 allocated.
 
-Its options are the training commands' own groups (`--train.*`, `--fsdp.*`, `--lora.*`) and what only a plan has (the
+Its options are the training commands' own groups (`--train.*`, `--fsdp.*`, `--parallel.*`, `--lora.*`) and what only a plan has (the
 method, the world layout, the device and its memory, the output). `recipe_for` makes the `Recipe` the run would train,
 `plan_for` the plan (`litgpt.plan.estimate`), which `main` prints as a table or as JSON.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from litgpt.args import DPOArgs, FSDPArgs, GRPOArgs, TrainArgs
+from litgpt.args import DPOArgs, FSDPArgs, GRPOArgs, ParallelArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
@@ -78,6 +78,7 @@ def plan_for(
     precision: str = "bf16-mixed",
     train: TrainArgs = TRAIN_DEFAULTS,
     fsdp: FSDPArgs = FSDPArgs(),
+    parallel: ParallelArgs = ParallelArgs(),
     lora: LoRASettings = LoRASettings(),
     quantize: Optional[str] = None,
     teacher_config: Optional[Config] = None,
@@ -101,6 +102,9 @@ def plan_for(
             one micro-batch per step).
         fsdp: The training commands' --fsdp group (unused on one device); the plan reads sharding_strategy,
             cpu_offload and backward_prefetch.
+        parallel: The training commands' --parallel group: --parallel.tensor N plans one device of N that split each
+            layer (its heads, MLP columns and vocabulary rows; the norms' activations split over the positions; the
+            head gathered whole for the loss), FSDP sharding over the data-parallel rest of the world.
         lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
         quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
             (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
@@ -125,7 +129,7 @@ def plan_for(
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
-        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients,
+        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients, tensor=parallel.tensor,
     )
 
 

@@ -52,6 +52,13 @@ What is counted, per device:
   its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight (for
   torchao's NF4 what its dequantization holds at once: int64 codes, half-size lookups and the result).
 
+Tensor parallelism (--parallel.tensor N, `litgpt.distributed.plans.dense`): every row is one rank's. Its parameters,
+gradients and optimizer state are those of its piece of the model (`litgpt.plan.layout.rank_recipe`: 1/N of the
+heads, the MLP width and the vocabulary rows, norms whole), sharded by FSDP over the data-parallel rest of the world;
+its activations are measured on that piece, except that the norms' (and each block's input) are split over the
+positions by sequence parallelism (`SavedActivations.split_over_sequence`); the loss gathers the head's weight whole
+(`litgpt.train.loss.OutputHead.of`), one more vocabulary x width matrix beside the chunk loop.
+
 Frozen models (`Recipe.frozen_configs`: a distillation teacher): their weights, final hidden states, chunk of logits
 and forward pass are added as `_add_frozen` describes.
 
@@ -75,7 +82,7 @@ import torch
 from litgpt.args import ActivationCheckpointing, FSDPArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
-from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout
+from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_recipe
 from litgpt.plan.measure import SavedActivations, math_attention, saved_activation_bytes
 from litgpt.plan.quantized import dequantize_bytes, nf4_bytes, quantize_work_bytes, stored_bytes
 from litgpt.plan.report import GiB, ROWS, count, fmt
@@ -154,6 +161,7 @@ class MemoryPlan:
     teacher_bytes: int = 0  # their weights as they stay on the device
     summary: str = ""  # what the recipe adds to the plan's first line (`Recipe.plan_summary`)
     kv_cache_bytes_per_token: int = 0  # generation (not training): one sequence's KV cache per position, all layers
+    tensor_parallel: int = 1  # devices that split each layer (--parallel.tensor); the rows are one device's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,10 +187,17 @@ class _Run:
     shard: int  # the shard group: how many devices one copy of the state is split over
     loss_chunk_size: int  # positions per chunk of the head and loss
     backward_prefetch: int  # blocks a block's backward pass gathers ahead (0: FSDP2's implicit one)
+    tensor: int = 1  # the tensor-parallel degree
+    rank_recipe: Optional["Recipe"] = None  # one rank's piece of the model (`rank_recipe`); the recipe without TP
 
     @property
     def config(self) -> Config:
         return self.recipe.config
+
+    @property
+    def rank_config(self) -> Config:
+        """The sizes of one rank's piece of the model: its heads, MLP width and vocabulary rows."""
+        return self.rank_recipe.config
 
     @property
     def lora(self):
@@ -233,15 +248,18 @@ class _Run:
 
 def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, *, devices: int = 1,
              num_nodes: int = 1, device: str = "cuda", device_memory_gb: float = 80.0,
-             accumulate_gradients: bool = True) -> MemoryPlan:
+             accumulate_gradients: bool = True, tensor: int = 1) -> MemoryPlan:
     """The per-device memory of one training step of `recipe` with these arguments, on `num_nodes` nodes of `devices`
     devices of type `device` (cuda or cpu) with `device_memory_gb` GiB each. `accumulate_gradients`: the gradients of
-    earlier micro-batches are held while the next one runs."""
+    earlier micro-batches are held while the next one runs. `tensor`: tensor parallelism's degree (--parallel.tensor):
+    the parameters and activations are those of one rank's piece of the model (`rank_recipe`), the norms' saved
+    activations split over the positions, and the loss gathers the head whole."""
     run = _check_run(recipe, train, fsdp, precision, devices, num_nodes, device, device_memory_gb,
-                     accumulate_gradients)
-    layout = parameter_layout(recipe)
-    saved = saved_activation_bytes(recipe, micro_batch_size=run.micro_batch_size, seq_length=run.seq_length,
-                                   precision=precision, sharded=run.fsdp, device=run.device)
+                     accumulate_gradients, tensor)
+    layout = parameter_layout(run.rank_recipe)
+    saved = saved_activation_bytes(run.rank_recipe, micro_batch_size=run.micro_batch_size,
+                                   seq_length=run.seq_length, precision=precision, sharded=run.fsdp,
+                                   device=run.device).split_over_sequence(run.tensor)
     state = _resident_state(run, layout)
     activations = _activation_rows(run, saved)
     gathered = _gathered_params(run, layout, saved)
@@ -277,7 +295,8 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         offload_activations=run.offload_activations, cpu_offload=run.cpu_offload,
         accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
         lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
-        shard_group_size=run.shard, replicate_groups=run.world // run.shard, fsdp=run.fsdp,
+        shard_group_size=run.shard, replicate_groups=run.world // run.tensor // run.shard, fsdp=run.fsdp,
+        tensor_parallel=run.tensor,
         total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=recipe.config.n_layer,
         **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=peak + overhead,
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
@@ -323,7 +342,8 @@ def _kv_cache_per_token(config: Config, dtype: torch.dtype) -> tuple[int, str]:
 
 
 def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, devices: int,
-               num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool) -> _Run:
+               num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool,
+               tensor: int = 1) -> _Run:
     """The options checked (by the training commands' own checks where they have one) and completed."""
     from litgpt.distributed.topology import check_sharding_strategy
 
@@ -347,7 +367,8 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         raise UserError(
             "--fsdp.cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1)."
         )
-    shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy)
+    _check_tensor_parallel(recipe, tensor, world)
+    shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy, tensor)
     if recipe.quantize is not None:
         _check_quantized_layout(recipe, precision, fsdp, world, shard)
     rows = train.micro_batch_size * recipe.sequences_per_sample  # a preference pair is two sequences
@@ -360,8 +381,24 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
         optimizer_in_backward=train.optimizer_in_backward, shard=shard,
         loss_chunk_size=_loss_chunk(recipe.config, rows * seq_length, train.loss_chunk_size),
-        backward_prefetch=fsdp.backward_prefetch,
+        backward_prefetch=fsdp.backward_prefetch, tensor=tensor, rank_recipe=rank_recipe(recipe, tensor),
     )
+
+
+def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
+    """Training's checks of --parallel.tensor (`check_tensor_parallel`), and what the plan does not cover yet."""
+    from litgpt.distributed.plans import check_tensor_parallel
+
+    if tensor == 1:
+        return
+    if tensor > world:
+        raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices: plan for at least that "
+                        "many (--devices).")
+    check_tensor_parallel(recipe.config, tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
+                          quantized=recipe.quantize is not None)
+    if recipe.frozen_configs():
+        raise UserError(f"litgpt plan --parallel.tensor {tensor}: plans with frozen models (a teacher, a reference) "
+                        "under tensor parallelism are not supported yet.")
 
 
 def _check_quantize_mode(recipe: "Recipe", world: int) -> None:
@@ -391,14 +428,15 @@ def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> 
     return min(loss_chunk_size, tokens)
 
 
-def _shard_group(devices: int, num_nodes: int, strategy: str) -> int:
-    """The devices one copy of the sharded state spans: the shard dimension of training's FSDP mesh."""
+def _shard_group(devices: int, num_nodes: int, strategy: str, tensor: int = 1) -> int:
+    """The devices one copy of the sharded state spans: the shard dimension of training's FSDP mesh (beside the
+    tensor dimension with tensor parallelism)."""
     if devices * num_nodes == 1:
         return 1
     from litgpt.distributed.topology import Topology
 
     with contextlib.redirect_stderr(io.StringIO()):  # Topology's note on HYBRID_SHARD: the plan has its own
-        return Topology(devices, num_nodes, strategy).mesh_shape[1]
+        return Topology(devices, num_nodes, strategy, tensor).mesh_shape[1]
 
 
 def _resident_state(run: _Run, layout: Layout) -> dict:
@@ -488,7 +526,9 @@ def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
             head_grads += vocab * width * run.compute
     else:
         head_grads = vocab * run.lora.r * run.param_compute if run.lora.head else 0
-    return chunk_logits, hidden_grad + head_grads
+    # Tensor parallelism: the loss gathers the head's weight whole (`OutputHead.of`) for the chunk loop.
+    gathered_head = vocab * width * run.param_compute if run.tensor > 1 else 0
+    return chunk_logits, hidden_grad + head_grads + gathered_head
 
 
 def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict:
@@ -537,7 +577,7 @@ def _autocast_copies(run: _Run, saved: SavedActivations) -> dict:
 
 def _block_backward(run: _Run, layout: Layout) -> dict:
     """What the backward pass of one block allocates on top of the activations, and the root's gradients."""
-    config = run.config
+    config = run.rank_config
     unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     grad_itemsize = run.compute if (run.autocast or run.fsdp) else run.param_compute
     widest = max(config.qkv_size, _mlp_width(config), config.n_embd)

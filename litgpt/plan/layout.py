@@ -3,6 +3,7 @@ whether `--quantize` stores it in 4 or 8 bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,6 +54,23 @@ def parameter_layout(recipe: "Recipe") -> Layout:
     model = recipe.build_model()
     quantized = {id(layer.weight) for _, _, layer in quantize_targets(model)} if recipe.quantize else set()
     return _layout(model, recipe.config.n_layer, quantized)
+
+
+def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
+    """The recipe of one rank's piece of the model under `tensor`-way tensor parallelism: the dense plan
+    (`litgpt.distributed.plans.dense`) gives each rank 1/tensor of the heads, key-value groups (with their fused qkv
+    rows), MLP width and vocabulary rows, and LoRA factors split as their layers are (`plans.styles`); a model of
+    those sizes has the rank's parameter shapes and runs its attention and MLP as the rank does."""
+    if tensor == 1:
+        return recipe
+    config = recipe.config
+    vocab_rows = config.padded_vocab_size // tensor
+    piece = dataclasses.replace(
+        config, n_head=config.n_head // tensor, n_query_groups=config.n_query_groups // tensor,
+        head_size=config.head_size, intermediate_size=config.intermediate_size // tensor,
+        padded_vocab_size=vocab_rows, vocab_size=min(config.vocab_size, vocab_rows),
+    )
+    return dataclasses.replace(recipe, config=piece)
 
 
 def frozen_layout(config: Config) -> Layout:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,10 +75,27 @@ class SavedActivations:
     block_inputs: list[int] = field(default_factory=list)
     kept_outputs: list[int] = field(default_factory=list)
     kept_outputs_saved: list[int] = field(default_factory=list)
+    # What the norms saved (`litgpt.distributed.plans.dense.SEQUENCE_SPLIT_NORMS` and the final norm; a block's first norm saves the block's input), per block and in
+    # the root: the part sequence parallelism splits over the positions.
+    norms_saved: list[int] = field(default_factory=list)
+    root_norms_saved: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.per_layer) + self.root + self.weight_copies
+
+    def split_over_sequence(self, degree: int) -> "SavedActivations":
+        """What one rank saves when sequence parallelism splits the norms (and the residual stream between the
+        blocks: each block's input) over `degree` ranks, and the rest is measured on the rank's piece of the model."""
+        if degree == 1:
+            return self
+        kept = lambda whole: whole // degree  # noqa: E731
+        per_layer = [layer - norms + kept(norms) for layer, norms in zip(self.per_layer, self.norms_saved)]
+        return dataclasses.replace(
+            self, per_layer=per_layer, root=self.root - self.root_norms_saved + kept(self.root_norms_saved),
+            block_inputs=[kept(size) for size in self.block_inputs],
+            norms_saved=[kept(norms) for norms in self.norms_saved], root_norms_saved=kept(self.root_norms_saved),
+        )
 
 
 _MEASURED: dict[tuple, SavedActivations] = {}
@@ -169,8 +187,27 @@ class _SavedTensors:
         self.alive: list[torch.Tensor] = []  # keeps counted storages alive, so their identities are not reused
         self.figures: dict[tuple, dict] = {}  # a block's structure and arguments -> what its last run saved
         self.runs: dict[tuple, int] = {}  # -> how many blocks of the kind ran
+        self.in_norm = False
+        self.norms_saved: dict[object, int] = {}
         for index, block in enumerate(model.transformer.h):
             block.forward = self.measured_once(index, block, block.forward)
+        from litgpt.distributed.plans.dense import SEQUENCE_SPLIT_NORMS
+
+        norms = [getattr(block, name, None) for block in model.transformer.h for name in SEQUENCE_SPLIT_NORMS]
+        for norm in [norm for norm in norms if norm is not None] + [model.transformer.ln_f]:
+            norm.forward = self.in_a_norm(norm.forward)
+
+    def in_a_norm(self, forward):
+        """`forward` of a norm, noting that what is saved meanwhile is the norm's (`SavedActivations.norms_saved`)."""
+
+        def norm_forward(*args, **kwargs):
+            self.in_norm = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.in_norm = False
+
+        return norm_forward
 
     def measured_once(self, index: int, block: torch.nn.Module, forward):
         """`forward` of block `index`, which notes what the block saves. Blocks of one structure (modules, parameter
@@ -194,6 +231,7 @@ class _SavedTensors:
                 out = forward(x, rope, mask, input_pos)
                 self.figures[key] = dict(
                     saved=self.saved.get(index, 0), copies=self.saved_copies.get(index, 0),
+                    norms=self.norms_saved.get(index, 0),
                     kept_saved=self.saved_kept.get(index, 0), cached=self.cached - cached,
                     kept=sum(n for where, n in self.kept.values() if where == index),
                     out=(tuple(out.shape), out.dtype, out.requires_grad),
@@ -206,7 +244,8 @@ class _SavedTensors:
     def repeat(self, index: int, figures: dict) -> torch.Tensor:
         """Block `index` saves what an earlier block of its kind saved; returns a fresh tensor like that one's output
         (a storage of its own, as a block's output is, that the next block may save)."""
-        for table, name in ((self.saved, "saved"), (self.saved_copies, "copies"), (self.saved_kept, "kept_saved")):
+        for table, name in ((self.saved, "saved"), (self.saved_copies, "copies"), (self.saved_kept, "kept_saved"),
+                            (self.norms_saved, "norms")):
             if figures[name]:
                 table[index] = figures[name]
         self.cached += figures["cached"]
@@ -236,6 +275,8 @@ class _SavedTensors:
             self.alive.append(tensor)
             table = self.saved_copies if key in self.copies else self.saved
             table[self.where] = table.get(self.where, 0) + tensor.untyped_storage().nbytes()
+            if self.in_norm and table is self.saved:
+                self.norms_saved[self.where] = self.norms_saved.get(self.where, 0) + tensor.untyped_storage().nbytes()
             if key in self.kept and self.kept[key][0] == self.where:
                 self.saved_kept[self.where] = self.saved_kept.get(self.where, 0) + tensor.untyped_storage().nbytes()
         return tensor
@@ -248,6 +289,8 @@ class _SavedTensors:
             cached_weight_copies=self.cached, block_inputs=self.inputs,
             kept_outputs=[sum(n for where, n in self.kept.values() if where == i) for i in range(n_layer)],
             kept_outputs_saved=[self.saved_kept.get(i, 0) for i in range(n_layer)],
+            norms_saved=[self.norms_saved.get(i, 0) for i in range(n_layer)],
+            root_norms_saved=self.norms_saved.get("root", 0),
         )
 
 

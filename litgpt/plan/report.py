@@ -53,6 +53,8 @@ def format_plan(plan: "MemoryPlan") -> str:
         lines.append(
             f"{plan.sharding_strategy} over {plan.num_nodes} node(s) x {plan.devices} device(s) = world size "
             f"{plan.world_size}: shard groups of {plan.shard_group_size}, {plan.replicate_groups} replica(s)"
+            + (f", each layer split over {plan.tensor_parallel} devices (--parallel.tensor; the parameter counts "
+               "are one device's piece)" if plan.tensor_parallel > 1 else "")
         )
     else:
         lines.append("1 device, no sharding")

@@ -56,6 +56,8 @@ BLOCK_PLAN = (
     ("mlp.proj", _ROWS_TO_SEQUENCE),
     ("post_mlp_norm", _NORM),
 )
+# A block's norms, which run on the rank's positions (and save only theirs): `litgpt plan` counts them so.
+SEQUENCE_SPLIT_NORMS = tuple(name for name, style in BLOCK_PLAN if style is _NORM)
 
 # Outside the blocks, in this order (a module may take two styles).
 MODEL_PLAN = (
