@@ -9,6 +9,7 @@ before they are added, so a split layer cannot equal the whole one to 1e-5.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -25,6 +26,7 @@ from test_distributed import (
     command_args,
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
+    losses,
     torchrun_nodes,
 )
 
@@ -135,13 +137,38 @@ def lora_one_process(inputs) -> Path:  # noqa: F811
     return out_dir
 
 
-@pytest.mark.slow
-def test_tensor_parallel_lora_equals_one_process(inputs, lora_one_process):  # noqa: F811
+@pytest.fixture(scope="module")
+def lora_tp2(inputs) -> Path:  # noqa: F811
     out_dir = inputs["root"] / "tp-lora-two"
     result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, *TP2)
     assert result.returncode == 0, result.stderr
-    assert_close_runs(out_dir, lora_one_process, "lit_model.pth.lora")  # the adapters, in the one-process layout
-    assert_same_final(out_dir, lora_one_process, "lit_model.pth", atol=1e-4)  # final/: merged into the base
+    return out_dir
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_equals_one_process(lora_tp2, lora_one_process):
+    assert_close_runs(lora_tp2, lora_one_process, "lit_model.pth.lora")  # the adapters, in the one-process layout
+    assert_same_final(lora_tp2, lora_one_process, "lit_model.pth", atol=1e-4)  # final/: merged into the base
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_lora_checkpoint_resumes_in_one_process(inputs, lora_tp2, lora_one_process,  # noqa: F811
+                                                                   tmp_path):
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, "--devices", "1", *FLOAT32,
+                    "--resume", lora_tp2 / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert_same_final(out_dir, lora_one_process, "lit_model.pth.lora", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_trains_with_dropout(inputs, tmp_path):  # noqa: F811
+    """Dropout on a replicated input (colwise) and on a split one (rowwise): it runs, its losses finite."""
+    out_dir = tmp_path / "dropout"
+    result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, *TP2, "--lora_dropout", "0.1",
+                    "--train.max_steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert all(math.isfinite(loss) for loss in losses(out_dir))
 
 
 # ---- the fused qkv's layout ------------------------------------------------------------------------------------------
