@@ -9,7 +9,6 @@ before they are added, so a split layer cannot equal the whole one to 1e-5.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 from pathlib import Path
@@ -26,7 +25,6 @@ from test_distributed import (
     command_args,
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
-    losses,
     torchrun_nodes,
 )
 
@@ -161,16 +159,6 @@ def test_a_tensor_parallel_lora_checkpoint_resumes_in_one_process(inputs, lora_t
     assert_same_final(out_dir, lora_one_process, "lit_model.pth.lora", atol=1e-4)
 
 
-@pytest.mark.slow
-def test_tensor_parallel_lora_trains_with_dropout(inputs, tmp_path):  # noqa: F811
-    """Dropout on a replicated input (colwise) and on a split one (rowwise): it runs, its losses finite."""
-    out_dir = tmp_path / "dropout"
-    result = litgpt(*command_args("finetune_lora", inputs, out_dir), *EVERY_ADAPTER, *TP2, "--lora_dropout", "0.1",
-                    "--train.max_steps", "2")
-    assert result.returncode == 0, result.stderr
-    assert all(math.isfinite(loss) for loss in losses(out_dir))
-
-
 # ---- the fused qkv's layout ------------------------------------------------------------------------------------------
 def test_qkv_row_order_gives_each_rank_its_heads_and_groups():
     config = Config(**SMALL)  # 4 heads, 2 key-value groups of head size 16
@@ -193,13 +181,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
-    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
-    (gathered, in the checkpoint's row order) its gradients."""
+def split_copy(whole, world: int, adapt=lambda model: None):
+    """`whole`'s config built on the meta device, adapted by `adapt` (LoRA), split over `world` ranks by the plan and
+    given `whole`'s weights; and its permuted rows (`row_orders`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from litgpt.distributed.dtensor import copy_into_shard, gather_full
+    from litgpt.distributed.dtensor import copy_into_shard
     from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
+    from litgpt.model import GPT
+
+    with torch.device("meta"):
+        split = GPT(whole.config)
+    adapt(split)
+    for model in (whole, split):  # a frozen norm stays frozen (SequenceParallel registers its weight anew)
+        model.transformer.h[0].norm_1.weight.requires_grad_(False)
+    apply_tensor_parallel(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)))
+    split.to_empty(device="cpu")
+    orders = row_orders(split)
+    for key, target in split.state_dict().items():
+        copy_into_shard(target, whole.state_dict()[key], orders.get(key))
+    return split, orders
+
+
+def assert_same_loss_and_gradients(whole, split, orders: dict) -> None:
+    """The split model's loss and gradients (gathered whole, in the checkpoint's row order) are the whole one's."""
+    from litgpt.distributed.dtensor import gather_full
+    from litgpt.train.loss import loss_function
+
+    generator = torch.Generator().manual_seed(1)
+    idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+    loss = loss_function("cross_entropy")
+    expected, actual = loss(whole, idx, labels)["loss"], loss(split, idx, labels)["loss"]  # 63: padded to 64
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+    split_params = dict(split.named_parameters())
+    for key, param in whole.named_parameters():
+        assert split_params[key].requires_grad == param.requires_grad, key
+        if param.grad is None:
+            continue
+        grad = gather_full(split_params[key].grad, orders.get(key))
+        torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
+    gradients; so does one with LoRA adapters on every layer the plan splits (B not zero: A's gradients are sums
+    over the ranks), and with adapter dropout it trains."""
+    from litgpt.lora import LoRASettings, add_lora, mark_only_lora_as_trainable
     from litgpt.model import GPT
     from litgpt.train.loss import loss_function
 
@@ -211,30 +240,32 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         torch.manual_seed(0)
         whole = GPT(config)
         whole.init_weights()
-        with torch.device("meta"):
-            split = GPT(config)
-        for model in (whole, split):  # a frozen norm stays frozen (SequenceParallel registers its weight anew)
-            model.transformer.h[0].norm_1.weight.requires_grad_(False)
-        apply_tensor_parallel(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)))
-        split.to_empty(device="cpu")
-        orders = row_orders(split)
+        split, orders = split_copy(whole, world)
         assert set(orders) == {f"transformer.h.{i}.attn.qkv.{p}" for i in range(2) for p in ("weight", "bias")}
-        for key, target in split.state_dict().items():
-            copy_into_shard(target, whole.state_dict()[key], orders.get(key))
-        generator = torch.Generator().manual_seed(1)
-        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
-        loss = loss_function("cross_entropy")
-        expected, actual = loss(whole, idx, labels)["loss"], loss(split, idx, labels)["loss"]  # 63: padded to 64
-        expected.backward()
-        actual.backward()
-        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
-        split_params = dict(split.named_parameters())
-        for key, param in whole.named_parameters():
-            assert split_params[key].requires_grad == param.requires_grad, key
-            if param.grad is None:
-                continue
-            grad = gather_full(split_params[key].grad, orders.get(key))
-            torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+        assert_same_loss_and_gradients(whole, split, orders)
+
+        settings = LoRASettings(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True)
+
+        def adapt(model):
+            add_lora(model, settings)
+            mark_only_lora_as_trainable(model)
+
+        whole.zero_grad(set_to_none=True)
+        adapt(whole)
+        with torch.no_grad():
+            for name, param in whole.named_parameters():
+                if "lora_" in name:
+                    param.normal_(std=0.1)
+        split, orders = split_copy(whole, world, adapt)
+        assert_same_loss_and_gradients(whole, split, orders)
+        for module in split.modules():
+            if hasattr(module, "lora_dropout"):
+                module.lora_dropout = torch.nn.Dropout(0.1)
+        generator = torch.Generator().manual_seed(2)
+        idx = torch.randint(0, 4096, (2, 64), generator=generator)
+        loss = loss_function("cross_entropy")(split, idx, idx)["loss"]
+        loss.backward()
+        assert torch.isfinite(loss)
     except BaseException as error:  # reported to the test, which runs in the parent
         failures.put(f"rank {rank}: {error}")
     finally:
