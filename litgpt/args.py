@@ -223,17 +223,26 @@ class ParallelArgs:
             MoE layer's experts (whole experts), and tokens travel to their experts' devices and back by all-to-all;
             the devices of one expert group still read different batches, and FSDP shards the experts over the
             data-parallel devices left (world / N). N must divide the experts and the data-parallel devices. 1: none.
+        context: Context parallelism for long sequences (Ulysses' head scatter): each of N devices holds 1/N of every
+            sequence's positions (a contiguous slice; sequences are padded at their end to a multiple of N), and an
+            all-to-all before and after each attention gives it every position of 1/N of the heads; FSDP shards over
+            the data-parallel and context-parallel devices together. N must divide the devices per node (with the
+            tensor degree) and the heads and key-value groups left on each tensor-parallel rank; not yet
+            mixture-of-experts, latent attention, attention sinks or sliding windows. 1: none.
     """
 
-    # pipeline and context parallelism will be further degrees here.
+    # pipeline parallelism will be a further degree here.
     tensor: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise UserError(f"--parallel.tensor must be a whole number of devices >= 1, got {self.tensor!r}.")
         if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
             raise UserError(f"--parallel.expert must be a whole number of devices >= 1, got {self.expert!r}.")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise UserError(f"--parallel.context must be a whole number of devices >= 1, got {self.context!r}.")
 
 
 # FSDP1's BackwardPrefetch names, as `--fsdp.backward_prefetch` reads them (see FSDPArgs).

@@ -65,11 +65,11 @@ class AllToAllDispatch:
         dist.all_to_all_single(incoming, counts, group=self.group)
         per_rank = torch.stack((counts.view(self.degree, n_local).sum(1), incoming.view(self.degree, n_local).sum(1)))
         send, receive = per_rank.tolist()
-        received = _AllToAll.apply(rows, receive, send, self.group)
+        received = AllToAllRows.apply(rows, receive, send, self.group)
         # Received by (source rank, my expert); `local_experts` sorts them by expert.
         local = torch.arange(n_local, device=rows.device).repeat(self.degree).repeat_interleave(incoming)
         out = self.experts(run_local, _ScaleGradient.apply(received, float(self.degree)), local)
-        return _AllToAll.apply(_ScaleGradient.apply(out, 1.0 / self.degree), send, receive, self.group)
+        return AllToAllRows.apply(_ScaleGradient.apply(out, 1.0 / self.degree), send, receive, self.group)
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -85,7 +85,7 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAllRows(torch.autograd.Function):
     """`all_to_all_single` of rows with uneven splits; its gradient travels the reverse way."""
 
     @staticmethod

@@ -33,6 +33,7 @@ def build_fabric(
     strategy_for_world: Optional[Callable[[int], object]] = None,
     tensor: int = 1,
     expert: int = 1,
+    context: int = 1,
 ):
     """Fabric for a run: one device, or FSDP2 (`FSDPStrategy`) when devices x num_nodes > 1, with `tensor`-way
     tensor parallelism inside each node and `expert`-way expert parallelism over the data-parallel ranks
@@ -75,13 +76,16 @@ def build_fabric(
         strategy = strategy_for_world(world_size)
     elif world_size > 1:
         fsdp = fsdp or FSDPArgs()
-        strategy = FSDPStrategy(Topology(devices, num_nodes, fsdp.sharding_strategy, tensor, expert), fsdp)
+        strategy = FSDPStrategy(Topology(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context), fsdp)
     elif tensor > 1:
         raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices, but the run has one: "
                         f"use --devices {tensor} (or a multiple of it).")
     elif expert > 1:
         raise UserError(f"--parallel.expert {expert} splits the experts over {expert} devices, but the run has one: "
                         f"use --devices {expert} (or a multiple of it).")
+    elif context > 1:
+        raise UserError(f"--parallel.context {context} splits each sequence over {context} devices, but the run has "
+                        f"one: use --devices {context} (or a multiple of it).")
     try:
         return Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, loggers=loggers, strategy=strategy,

@@ -38,7 +38,7 @@ class FSDPStrategy(ModelParallelStrategy):
         super().__init__(parallelize_fn=self._parallelize, timeout=timedelta(seconds=fsdp.timeout))
         self.topology = topology
         self.fsdp = fsdp
-        if topology.mesh_shape[1] > 1:
+        if topology.fsdp_shard_size > 1:
             # Skipping the gradient sync during accumulation would hold every gradient unsharded until the last
             # micro-batch: the memory FSDP exists to save. Sharded strategies reduce-scatter after every micro-batch.
             self._backward_sync_control = ReduceEveryMicroBatch()
@@ -47,6 +47,9 @@ class FSDPStrategy(ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)  # not the parent's (data, tensor) mesh: ours is (replicate, shard)
         self._setup_distributed()
         self._device_mesh = self.topology.device_mesh(self.root_device.type)
+        if self.topology.context > 1:  # FSDP shards over the shard and context ranks together (made by every rank)
+            self._device_mesh["shard", "context"]._flatten("shard_context")
+        self._context_parallel = None
         self._expert_mesh = None
         if self.topology.expert > 1:
             self._expert_mesh = self.topology.expert_device_mesh(self.root_device.type)
@@ -63,14 +66,26 @@ class FSDPStrategy(ModelParallelStrategy):
 
     @property
     def data_mesh(self):
-        """The (replicate, shard) mesh FSDP shards over."""
+        """The (replicate, shard) mesh FSDP shards over; with context parallelism (replicate, shard x context)."""
         mesh = self.device_mesh
+        if self.topology.context > 1:
+            return mesh["replicate", "shard_context"]
         return mesh if self.topology.tensor == 1 else mesh["replicate", "shard"]
 
     @property
     def tensor_mesh(self):
         """The 1-D mesh of this rank's tensor-parallel group; None without tensor parallelism."""
         return None if self.topology.tensor == 1 else self.device_mesh["tensor"]
+
+    @property
+    def context_parallel(self):
+        """This rank's context-parallel group (`litgpt.distributed.context_parallel.ContextParallel`), one for the
+        run's models and its loss; None without context parallelism."""
+        if self.topology.context > 1 and self._context_parallel is None:
+            from litgpt.distributed.context_parallel import ContextParallel
+
+            self._context_parallel = ContextParallel(self.device_mesh["context"], self.topology.tensor)
+        return self._context_parallel
 
     @property
     def expert_mesh(self):

@@ -1,5 +1,5 @@
 """The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, tensor
-parallelism (`--parallel.tensor`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
+parallelism (`--parallel.tensor`), context parallelism (`--parallel.context`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
 offloading, sharding (FSDP over the data-parallel mesh), then materialization and initialization (torchtitan's
 order).
 
@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from litgpt.args import ActivationCheckpointing
 from litgpt.distributed.activation_checkpointing import selective_checkpoint_contexts
 from litgpt.distributed.activation_offloading import offload_activations
+from litgpt.distributed.context_parallel import apply_context_parallel
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.expert_parallel import apply_expert_parallel, whole_experts
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
@@ -37,7 +38,8 @@ def parallelize(
     offload: bool = False,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, tensor parallelism (the
-    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), expert parallelism (the strategy's expert mesh,
+    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), context parallelism (each attention over the
+    whole sequence of its share of heads, `litgpt.distributed.context_parallel`), expert parallelism (the strategy's expert mesh,
     `litgpt.distributed.expert_parallel`), activation checkpointing,
     compilation (`compile_blocks`), activation offloading (`offload`: the forward pass around the blocks saves
     for the backward pass in host memory, `litgpt.distributed.activation_offloading`), sharding, then
@@ -57,6 +59,9 @@ def parallelize(
     tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
     if tensor_mesh is not None:
         apply_tensor_parallel(model, tensor_mesh)
+    context = strategy.context_parallel if isinstance(strategy, FSDPStrategy) else None
+    if context is not None:
+        apply_context_parallel(model, context)
     expert_mesh = strategy.expert_mesh if isinstance(strategy, FSDPStrategy) else None
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh["expert"])

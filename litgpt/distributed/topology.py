@@ -33,6 +33,10 @@ class Topology:
     Expert parallelism (`expert` > 1) borrows from data parallelism: the innermost `expert` data-parallel ranks form
     an expert group (each holds its share of every MoE layer's experts, and each reads its own batches), and the
     ranks holding the same experts shard them by FSDP: `expert_mesh`, (replicate, shard, expert).
+
+    Context parallelism (`context` > 1) adds a dimension `context` between the data-parallel ones and `tensor`: the
+    ranks of one context-parallel group read the same batches (each runs its own slice of the positions), and FSDP
+    shards over (shard, context) flattened (parameters are the same on every context rank), as torchtitan does.
     """
 
     devices: int
@@ -40,6 +44,7 @@ class Topology:
     sharding_strategy: str = "HYBRID_SHARD"
     tensor: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
         check_sharding_strategy(self.sharding_strategy)
@@ -48,6 +53,8 @@ class Topology:
                 f"--parallel.tensor {self.tensor} does not divide --devices {self.devices}: a tensor-parallel group "
                 "is that many devices of one node; use a divisor of the devices per node."
             )
+        if self.context > 1:
+            self.check_context()
         if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes == 1:
             print_once("Note: HYBRID_SHARD replicates across nodes and shards within one; on one node it is FULL_SHARD.",
                        file=sys.stderr)
@@ -55,30 +62,54 @@ class Topology:
         if self.expert > 1:
             self.expert_mesh_shape  # refuses a degree the mesh cannot carve
 
+    def check_context(self) -> None:
+        """UserError unless the context-parallel groups fit: on one node beside the tensor-parallel ones, not mixed
+        with expert parallelism (not yet)."""
+        if self.devices % (self.tensor * self.context):
+            raise UserError(
+                f"--parallel.context {self.context} x --parallel.tensor {self.tensor} does not divide --devices "
+                f"{self.devices}: a context-parallel group is that many devices of one node; use a divisor of them."
+            )
+        if self.expert > 1:
+            raise UserError(f"--parallel.context {self.context} with --parallel.expert {self.expert} is not "
+                            "supported yet: use one of the two.")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """The neighbouring ranks that read one batch together: a tensor-parallel group times a context-parallel one."""
+        return self.tensor * self.context
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """How many ranks FSDP shards each parameter over: the shard dimension, times the context dimension."""
+        return self.mesh_shape[1] * self.context
+
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that read different batches: the world over the tensor-parallel degree."""
-        return self.world_size // self.tensor
+        """The ranks that read different batches: the world over the tensor and context-parallel degrees."""
+        return self.world_size // self.model_parallel_size
 
     def data_parallel_rank(self, global_rank: int) -> int:
-        """Which batches rank `global_rank` reads: the ranks of one tensor-parallel group (neighbours) read the same."""
-        return global_rank // self.tensor
+        """Which batches rank `global_rank` reads: the ranks of one tensor (and context) parallel group, neighbours,
+        read the same."""
+        return global_rank // self.model_parallel_size
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """The data-parallel (replicate, shard) shape."""
         if self.sharding_strategy == "HYBRID_SHARD":
-            return self.num_nodes, self.devices // self.tensor
+            return self.num_nodes, self.devices // self.model_parallel_size
         if self.sharding_strategy == "NO_SHARD":
             return self.data_parallel_size, 1
         return 1, self.data_parallel_size
 
     def device_mesh(self, device_type: str):
-        """The run's mesh: (replicate, shard), or (replicate, shard, tensor) with tensor parallelism."""
+        """The run's mesh: (replicate, shard), then "context" with context parallelism, then "tensor" with tensor
+        parallelism (innermost)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -87,10 +118,10 @@ class Topology:
                 f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
                 f"{self.num_nodes} makes {self.world_size}."
             )
-        if self.tensor == 1:
-            return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
-        return init_device_mesh(device_type, (*self.mesh_shape, self.tensor),
-                                mesh_dim_names=("replicate", "shard", "tensor"))
+        dims = [("replicate", self.mesh_shape[0]), ("shard", self.mesh_shape[1])]
+        dims += [(name, size) for name, size in (("context", self.context), ("tensor", self.tensor)) if size > 1]
+        return init_device_mesh(device_type, tuple(size for _, size in dims),
+                                mesh_dim_names=tuple(name for name, _ in dims))
 
     @property
     def expert_mesh_shape(self) -> tuple[int, int, int]:
@@ -124,7 +155,7 @@ class Topology:
 
 def data_parallel(fabric) -> tuple[int, int]:
     """(rank, size) of this process among the ranks that read different batches: the global ones, except under
-    tensor parallelism, where the ranks of a tensor-parallel group read one batch together."""
+    tensor or context parallelism, where the ranks of a tensor (x context) parallel group read one batch together."""
     topology = getattr(fabric.strategy, "topology", None)
     if isinstance(topology, Topology):
         return topology.data_parallel_rank(fabric.global_rank), topology.data_parallel_size

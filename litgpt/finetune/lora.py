@@ -143,12 +143,12 @@ def quantization_for(job, fsdp_strategy):
     check_quantize_mode(requested, sharded)
     stored = storage_mode(requested, sharded)
     if stored == "ao.nf4":  # on the meta device: no memory, and before any process starts
-        shard = fsdp_strategy.topology.mesh_shape[1] if sharded else 1
+        shard = fsdp_strategy.topology.fsdp_shard_size if sharded else 1
         check_nf4_shapes(job.recipe.build_model())
         check_nf4_precision(job.precision, sharded=shard > 1)
     if sharded:
         topology = fsdp_strategy.topology
-        check_quantized_offload("--fsdp.cpu_offload", fsdp_strategy.fsdp.cpu_offload, topology.mesh_shape[1],
+        check_quantized_offload("--fsdp.cpu_offload", fsdp_strategy.fsdp.cpu_offload, topology.fsdp_shard_size,
                                 topology.sharding_strategy)
     if stored != requested:
         print_once(

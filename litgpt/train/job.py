@@ -167,6 +167,9 @@ def build_objective(fabric, job: Job, model, frozen: dict) -> Objective:
     loss compiled whole with `job.compile_loss`."""
     chunked = not (isinstance(fabric.strategy, ExtensionStrategy) and fabric.strategy.litgpt_loss_on_logits)
     objective = job.recipe.objective(frozen, job.train.loss_chunk_size, chunked)
+    context = getattr(fabric.strategy, "context_parallel", None)
+    if context is not None:  # never with compile_loss, which is for one process
+        return objective.over_positions(context)
     if not job.compile_loss:
         return objective
     gpt = unwrap(model)

@@ -17,7 +17,8 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
                compiler: Union[str, CompilerExtension] = "none", strategy: str = "auto", whole_loss: bool = True,
                parallel: ParallelArgs = ParallelArgs()):
     """The job's Fabric, logging to the job's tracker (`run_name` unless --logger.name names the run), with
-    `parallel.tensor`-way tensor parallelism and `parallel.expert`-way expert parallelism (`check_parallel`).
+    `parallel.tensor`-way tensor parallelism, `parallel.expert`-way expert parallelism and `parallel.context`-way
+    context parallelism (`check_parallel`).
 
     `compiler`: auto, none or torch (`set_compilation`), the name of a registered extension, or
     an extension itself (its own entry point passes one with its options); the extension checks the job first and
@@ -44,7 +45,7 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
     fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor,
-                          expert=parallel.expert)
+                          expert=parallel.expert, context=parallel.context)
     set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
     return fabric
 
@@ -52,9 +53,11 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
 def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
     """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
     whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
-    expert parallelism (`check_expert_parallel`)."""
+    expert parallelism (`check_expert_parallel`) and context parallelism (`check_context_parallelism`)."""
     if parallel.expert > 1:
         check_expert_parallelism(job, parallel.expert, fsdp, compiler)
+    if parallel.context > 1:
+        check_context_parallelism(job, parallel, fsdp, compiler)
     if parallel.tensor == 1:
         return
     from litgpt.distributed.plans import check_tensor_parallel
@@ -83,6 +86,22 @@ def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) 
     for config in job.recipe.frozen_configs().values():
         if config.mlp_class_name == "LLaMAMoE":  # a dense teacher stays whole on every rank
             check_expert_parallel(config, degree)
+
+
+def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
+    """UserError for context parallelism the run cannot have: a model (or frozen model) whose attention it does not
+    cover or whose heads the degrees do not divide, a compiler extension, sharded checkpoints (not yet)."""
+    from litgpt.distributed.plans import check_context_parallel
+
+    degree = parallel.context
+    if compiler not in CORE_COMPILERS:
+        raise UserError(f"--parallel.context {degree} works with --compiler auto, none or torch; an extension "
+                        "compiler runs its own attention.")
+    if fsdp.state_dict_type == "sharded":
+        raise UserError(f"--parallel.context {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
+                        "--fsdp.state_dict_type full.")
+    for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
+        check_context_parallel(config, degree, parallel.tensor)
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:

@@ -50,6 +50,12 @@ class Objective:
             return batches
         return self.make_batches(fabric, model, batches, dataset, per_step)
 
+    def over_positions(self, context) -> "Objective":
+        """This objective under context parallelism (`litgpt.distributed.context_parallel.ContextParallel`): each
+        loss runs on this rank's slice of the batch's positions and reports its group's loss."""
+        return replace(self, train_loss=on_local_positions(self.train_loss, context),
+                       validation_loss=on_local_positions(self.validation_loss, context))
+
     def compiled(self) -> "Objective":
         """This objective with `torch.compile` of its training loss (forward, head and loss in one graph)."""
         return replace(self, train_loss=torch.compile(self.train_loss), compiles_train_loss=True)
@@ -63,3 +69,15 @@ class Objective:
     def labelled_tokens(batch: Batch) -> torch.Tensor:
         """The positions of a micro-batch that have a label (a tensor: counted on the device, without a sync)."""
         return (batch["labels"] != IGNORE_INDEX).sum()
+
+
+def on_local_positions(loss: BatchLoss, context) -> BatchLoss:
+    """`loss` of this rank's slice of a batch's input_ids, labels and positions (`context.local_batch`), its means
+    taken over the group's labelled positions (`context.group_losses`)."""
+
+    def of_local_positions(model: nn.Module, batch: Batch) -> Losses:
+        input_ids, labels, positions = context.local_batch(batch["input_ids"], batch["labels"], batch.get("positions"))
+        local = {**batch, "input_ids": input_ids, "labels": labels, "positions": positions}
+        return context.group_losses(loss(model, local), labels)
+
+    return of_local_positions

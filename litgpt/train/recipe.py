@@ -206,7 +206,7 @@ class Recipe:
         state_dict = read_model_weights(path)
         expected = {key: value.shape for key, value in model.state_dict().items() if self.is_initial_key(key)}
         check_weights_match(expected, state_dict, str(path))
-        dtype, shard = precision.compute_dtype, fabric.strategy.topology.mesh_shape[1]
+        dtype, shard = precision.compute_dtype, fabric.strategy.topology.fsdp_shard_size
         quantized = set()
 
         def quantize_block(index: int, block: nn.Module) -> None:

@@ -98,7 +98,7 @@ class Trainer:
         trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
         print_once(
             f"Training {self.total_steps} steps from step {state.step}: global batch {self.train.global_batch_size} "
-            f"= {self.data_world} {'device(s)' if self.data_world == fabric.world_size else 'tensor-parallel group(s)'}"
+            f"= {self.data_world} {'device(s)' if self.data_world == fabric.world_size else 'model-parallel group(s)'}"
             f" x micro batch {self.train.micro_batch_size} x {self.accumulation} "
             f"accumulation, {trainable:,} trainable parameters."
         )
@@ -277,7 +277,7 @@ class Trainer:
             parts = "".join(f" | val {name} {value:.4f}" for name, value in self.val_parts.items())
             self.say(progress, f"step {step} | val loss {val_loss:.4f}{parts}")
             if self.eval.max_new_tokens and self.data_world != self.fabric.world_size:
-                self.say(progress, "(no text sample: decoding under tensor parallelism is not supported yet)")
+                self.say(progress, "(no text sample: decoding under tensor or context parallelism is not supported yet)")
             elif self.eval.max_new_tokens:
                 prompt, continuation = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample prompt: {prompt!r}")

@@ -1,6 +1,7 @@
-"""Tensor-parallel plans per model family, as data (`dense.py`), and the check of which configs a plan covers.
+"""Tensor-parallel plans per model family, as data (`dense.py`), and the checks of which configs tensor, expert and
+context parallelism cover.
 
-Light to import (no torch): entry points check `--parallel.tensor` before anything heavy loads."""
+Light to import (no torch): entry points check `--parallel` before anything heavy loads."""
 
 from __future__ import annotations
 
@@ -48,3 +49,28 @@ def check_expert_parallel(config: Config, degree: int) -> None:
     if config.n_expert % degree:
         raise UserError(f"--parallel.expert {degree} does not divide the {config.n_expert} experts (n_expert) of "
                         f"{name}: use a divisor of it.")
+
+
+def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None:
+    """UserError unless `degree`-way context parallelism (the head scatter) covers `config`: plain causal attention
+    of the fused-qkv kind, whose heads and key-value groups left on each of `tensor` ranks split evenly."""
+    if degree == 1:
+        return
+    name = config.name or "this model"
+    unsupported = {
+        "mixture-of-experts layers": config.mlp_class_name == "LLaMAMoE",  # the router's balance is the batch's
+        "latent attention": config.kv_lora_rank is not None,
+        "attention sinks": bool(config.attention_sinks),
+        "sliding windows": config.sliding_window_size is not None,
+        "LongRoPE scaling": (config.rope_scaling or {}).get("type") == "longrope",  # its factors follow the longest position
+    }
+    for feature, present in unsupported.items():
+        if present:
+            raise UserError(f"--parallel.context {degree}: context parallelism of models with {feature} ({name}) is "
+                            "not supported yet; use --parallel.context 1.")
+    sizes = {"heads (n_head)": config.n_head, "key-value groups (n_query_groups)": config.n_query_groups}
+    for what, size in sizes.items():
+        if size % (degree * tensor):
+            per_rank = f" x --parallel.tensor {tensor}" if tensor > 1 else ""
+            raise UserError(f"--parallel.context {degree}{per_rank} does not divide the {size} {what} of {name}: "
+                            "each rank attends with its share of them; use a divisor of it.")

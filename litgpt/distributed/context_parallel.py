@@ -1,0 +1,129 @@
+"""Context parallelism, Ulysses' head scatter: each rank of a context-parallel group of N runs 1/N of every
+sequence's positions (a contiguous slice) through the whole model, and each attention layer gathers every position of
+1/N of its heads by an all-to-all, attends causally over the whole sequence, and sends the heads back by another.
+
+Norms, MLPs, embeddings and the loss see only the rank's positions; rotary embeddings rotate by the positions of the
+whole sequence (the model's `sample_positions`: each token's position within its sample). The loss's sums and its
+count of labelled positions add up over the group (`ContextParallel.group_losses`), so every rank reports one
+process's loss. The model file knows nothing of this: `apply_context_parallel` wraps each attention's `attend`.
+
+PyTorch's ring attention for CUDA (`torch.distributed.tensor.experimental.context_parallel`) would be a second
+`attend` wrapper chosen in `apply_context_parallel`; the batch split and the loss stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from litgpt.data.base import IGNORE_INDEX
+from litgpt.distributed.expert_parallel import AllToAllRows
+from litgpt.model import CausalSelfAttention, attention_mask
+
+Losses = dict[str, torch.Tensor]
+
+
+class ContextParallel:
+    """This rank's context-parallel group (the 1-D `mesh`) and the micro-batch it is running: its attention mask of
+    the whole sequence (None: plain causal), which every attention layer of the run's models reads."""
+
+    def __init__(self, mesh, tensor: int = 1) -> None:
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.tensor = tensor  # each rank's slice is split again by sequence parallelism: a multiple of it
+        self.mask: Optional[torch.Tensor] = None
+
+    def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor]):
+        """This rank's slice of the micro-batch's (input_ids, labels, sample positions), padded at their end to a
+        multiple of the group (x the tensor degree): causal attention keeps the padding out of every real position,
+        and it has no labels. The positions are always given, so rotary embeddings rotate by whole-sequence ones."""
+        B, T = input_ids.shape
+        pad = -T % (self.size * self.tensor)
+        if positions is None:
+            positions = torch.arange(T + pad, device=input_ids.device).expand(B, T + pad)
+            self.mask = None
+        else:
+            steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
+            positions = torch.cat((positions, positions[:, -1:] + steps), dim=1)  # the padding joins the last sample
+            self.mask = attention_mask(T + pad, T + pad, None, None, input_ids.device, positions)
+        input_ids, labels = F.pad(input_ids, (0, pad)), F.pad(labels, (0, pad), value=IGNORE_INDEX)
+        local = slice(self.rank * (T + pad) // self.size, (self.rank + 1) * (T + pad) // self.size)
+        return input_ids[:, local], labels[:, local], positions[:, local]
+
+    def group_losses(self, losses: Losses, labels: torch.Tensor) -> Losses:
+        """The group's losses from this rank's: each a mean over its labelled positions becomes a sum, the sums and
+        counts are added over the group, and the means are taken again. The sum is differentiable: its gradient
+        reaches this rank's part from every rank's copy of the loss (N times one process's), which FSDP's average
+        over data x context ranks divides by N again."""
+        labelled = (labels != IGNORE_INDEX).sum()
+        names = list(losses)
+        sums = torch.stack([losses[name].float() * labelled for name in names] + [labelled.float()])
+        sums = SumOverGroup.apply(sums, self.group)
+        means = sums[:-1] / sums[-1].clamp(min=1)
+        return {name: means[index] if name == "loss" else means[index].detach() for index, name in enumerate(names)}
+
+
+class SumOverGroup(torch.autograd.Function):
+    """The sum of a tensor over the group on every rank; its gradient is the sum of every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
+    """Every attention layer of `model` (a `GPT`) attends over the whole sequence of its share of heads."""
+    for block in model.transformer.h:
+        if not isinstance(block.attn, CausalSelfAttention):
+            raise RuntimeError(f"Context parallelism covers the fused-qkv attention, not {type(block.attn).__name__}.")
+        block.attn.attend = head_scattered(block.attn.attend, context)
+
+
+def head_scattered(attend: Callable, context: ContextParallel) -> Callable:
+    """`attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of the heads.
+    Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups. The mask the model
+    built for the local slice is replaced by the whole sequence's."""
+
+    def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        if q.size(-2) != k.size(-2):
+            raise RuntimeError("Context parallelism runs training and scoring passes, not decoding with a KV cache.")
+        q, k, v = (positions_to_heads(x, context) for x in (q, k, v))
+        return heads_to_positions(attend(q, k, v, context.mask), context)
+
+    return attend_whole_sequence
+
+
+def positions_to_heads(x: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """(B, H, T/N, hs) of this rank's positions -> (B, H/N, T, hs) of its heads: rank j gets the j-th run of heads."""
+    n = context.size
+    sent = x.unflatten(1, (n, x.size(1) // n)).movedim(1, 0)  # (N, B, H/N, T/N, hs): row j goes to rank j
+    received = all_to_all(sent, context)  # row j: rank j's positions
+    return received.movedim(0, 2).flatten(2, 3)
+
+
+def heads_to_positions(y: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """(B, H/N, T, hs) of this rank's heads -> (B, H, T/N, hs) of its positions, the inverse of `positions_to_heads`."""
+    n = context.size
+    sent = y.unflatten(2, (n, y.size(2) // n)).movedim(2, 0)  # (N, B, H/N, T/N, hs): row j goes to rank j
+    received = all_to_all(sent, context)  # row j: heads run j
+    return received.movedim(0, 1).flatten(1, 2)
+
+
+def all_to_all(rows: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """Row j of `rows` (N, ...) to rank j of the group; row j of the result from rank j; differentiable."""
+    splits = [1] * context.size
+    return AllToAllRows.apply(rows, splits, splits, context.group)
