@@ -51,7 +51,9 @@ def setup(
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
             (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
-            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism).
+            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism);
+            --parallel.context N splits every sequence's positions over N devices (context parallelism, Ulysses'
+            head scatter around each attention).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         train: Training schedule and batch sizes.

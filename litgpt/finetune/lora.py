@@ -68,7 +68,9 @@ def setup(
         fsdp: How runs on several devices shard the model (--fsdp.sharding_strategy, --fsdp.state_dict_type, ...).
         parallel: Parallelism beside FSDP's: --parallel.tensor N splits each layer over N neighbouring devices
             (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
-            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism).
+            each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism);
+            --parallel.context N splits every sequence's positions over N devices (context parallelism, Ulysses'
+            head scatter around each attention).
         lora_r: The adapters' rank.
         lora_alpha: The adapters' scale numerator (the update is scaled by alpha / r).
         lora_dropout: Dropout on the adapters' input.

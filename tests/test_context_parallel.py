@@ -1,0 +1,185 @@
+"""Context parallelism (`--parallel.context`, Ulysses' head scatter) with real processes on the CPU (gloo), against
+one process: the model and loss split by positions, CP2 pretraining, CP2 x TP2, a CP2 checkpoint resumed in one
+process, the mesh, and the refusals. In float32 (`--precision 32-true`), as tests/test_tensor_parallel.py explains."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_distributed import (
+    SMALL,
+    assert_close_runs,
+    assert_same_final,
+    child_environment,
+    command_args,
+    inputs,  # noqa: F401 (the module-scoped fixture, shared)
+    litgpt,
+)
+
+from litgpt.config import Config
+from litgpt.distributed.topology import Topology
+
+FLOAT32 = ["--precision", "32-true"]
+CP2 = ["--devices", "2", "--parallel.context", "2", *FLOAT32]
+
+
+@pytest.fixture(scope="module")
+def runs(inputs) -> dict:  # noqa: F811
+    """The launches the tests share: pretraining in one process (the reference) and over a CP2 group."""
+    out = {"one": inputs["root"] / "cp-one", "cp2": inputs["root"] / "cp-two"}
+    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
+        start = time.perf_counter()
+        result = litgpt(*command_args("pretrain", inputs, out[name]), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        print(f"{name}: {time.perf_counter() - start:.1f} s")
+    return out
+
+
+@pytest.mark.slow
+def test_context_parallel_pretraining_equals_one_process(runs):
+    assert_close_runs(runs["cp2"], runs["one"], "lit_model.pth")
+    assert json.loads((runs["cp2"] / "metrics.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_context_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*command_args("pretrain", inputs, out_dir), "--devices", "1", *FLOAT32,
+                    "--resume", runs["cp2"] / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_final(out_dir, runs["one"], "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_context_times_tensor_parallel_pretraining_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """4 processes: one CP2 x TP2 group (4 key-value groups: each of the 4 ranks attends with one), against one
+    process on the same model."""
+    out = {}
+    for name, flags in (("one", ["--devices", "1"]), ("cp-tp", ["--devices", "4", "--parallel.context", "2",
+                                                                "--parallel.tensor", "2"])):
+        out[name] = tmp_path / name
+        args = command_args("pretrain", inputs, out[name])
+        args[args.index("--config") + 1] = write_config(tmp_path / "mha.yaml", n_query_groups=4)
+        result = litgpt(*args, *flags, *FLOAT32)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(out["cp-tp"], out["one"], "lit_model.pth")
+
+
+# ---- the model and the loss split by positions -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_by_positions_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each rank: a model whose attention gathers the positions, on its slice of a packed batch of an odd length
+    (padded), gives one process's loss, and its gradients averaged over the group (as FSDP does) one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+    from litgpt.train.objective import on_local_positions
+    from litgpt.train.recipe import batch_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        whole = GPT(Config(**SMALL))
+        whole.init_weights()
+        split = GPT(Config(**SMALL))
+        split.load_state_dict(whole.state_dict())
+        group = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("context",)))
+        apply_context_parallel(split, group)
+        generator = torch.Generator().manual_seed(1)
+        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+        labels[0, :40] = -100  # the ranks hold different numbers of labelled positions
+        for positions in (None, torch.cat((torch.arange(30), torch.arange(33))).expand(2, 63)):
+            batch = {"input_ids": idx, "labels": labels, **({} if positions is None else {"positions": positions})}
+            loss = batch_loss(loss_function("cross_entropy"))
+            whole.zero_grad(), split.zero_grad()
+            expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)
+            expected.backward()
+            actual["loss"].backward()
+            torch.testing.assert_close(actual["loss"], expected, rtol=0, atol=1e-6)
+            split_params = dict(split.named_parameters())
+            for key, param in whole.named_parameters():
+                grad = split_params[key].grad.clone()
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad / world, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+    except BaseException as error:  # reported to the test, which runs in the parent
+        failures.put(f"rank {rank}: {error!r}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_split_by_positions_equals_the_whole_model():
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=split_by_positions_matches_whole, args=(rank, 2, port, failures))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    messages = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not messages, messages
+    assert all(process.exitcode == 0 for process in processes)
+
+
+# ---- the mesh and the refusals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, tensor, shape, data_ranks",
+    [("FULL_SHARD", 4, 1, 1, (1, 2), [0, 0, 1, 1]), ("HYBRID_SHARD", 4, 2, 2, (2, 1), [0, 0, 0, 0, 1, 1, 1, 1]),
+     ("NO_SHARD", 2, 2, 1, (2, 1), [0, 0, 1, 1])],
+)
+def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tensor, shape, data_ranks):
+    topology = Topology(devices, nodes, strategy, tensor=tensor, context=2)
+    assert topology.mesh_shape == shape and topology.data_parallel_size == devices * nodes // (2 * tensor)
+    assert topology.fsdp_shard_size == shape[1] * 2
+    assert [topology.data_parallel_rank(rank) for rank in range(devices * nodes)] == data_ranks
+
+
+def write_config(path: Path, **changes) -> Path:
+    path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, flags, message",
+    [
+        ({"n_query_groups": 4}, ["--devices", "2", "--parallel.context", "4"], "--parallel.context 4 x --parallel.tensor 1 does not "
+         "divide --devices 2"),
+        ({}, ["--devices", "1", "--parallel.context", "2"], "--parallel.context 2 splits each sequence over 2"),
+        ({}, ["--devices", "2", "--parallel.context", "0"], "--parallel.context must be a whole number"),
+        ({"n_head": 3, "n_query_groups": 3, "n_embd": 48}, CP2, "does not divide the 3 heads (n_head)"),
+        ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
+        ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],
+         "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
+        ({"sliding_window_size": 16}, CP2, "sliding windows (dist-llama) is not supported yet"),
+        ({"attention_sinks": True}, CP2, "attention sinks (dist-llama) is not supported yet"),
+        ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
+         CP2, "latent attention (dist-llama) is not supported yet"),
+        ({}, [*CP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported yet"),
+    ],
+)
+def test_what_context_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811
+    args = command_args("pretrain", inputs, tmp_path / "out")
+    args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **changes)
+    result = litgpt(*args, *flags, env=child_environment())
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
