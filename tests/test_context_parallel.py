@@ -59,6 +59,7 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 4, reason="a CP2 x TP2 group is 4 processes of one node: 4 CPU cores")
 def test_context_times_tensor_parallel_pretraining_equals_one_process(inputs, tmp_path):  # noqa: F811
     """4 processes: one CP2 x TP2 group (4 key-value groups: each of the 4 ranks attends with one), against one
     process on the same model."""
@@ -73,7 +74,7 @@ def test_context_times_tensor_parallel_pretraining_equals_one_process(inputs, tm
     assert_close_runs(out["cp-tp"], out["one"], "lit_model.pth")
 
 
-# ---- the model and the loss split by positions -------------------------------------------------------------------------
+# ---- the model and the loss split by positions ---------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,7 +140,7 @@ def test_a_model_split_by_positions_equals_the_whole_model():
     assert all(process.exitcode == 0 for process in processes)
 
 
-# ---- the mesh and the refusals ----------------------------------------------------------------------------------------
+# ---- the mesh and the refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "strategy, devices, nodes, tensor, shape, data_ranks",
     [("FULL_SHARD", 4, 1, 1, (1, 2), [0, 0, 1, 1]), ("HYBRID_SHARD", 4, 2, 2, (2, 1), [0, 0, 0, 0, 1, 1, 1, 1]),
@@ -160,8 +161,8 @@ def write_config(path: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "changes, flags, message",
     [
-        ({"n_query_groups": 4}, ["--devices", "2", "--parallel.context", "4"], "--parallel.context 4 x --parallel.tensor 1 does not "
-         "divide --devices 2"),
+        ({"n_query_groups": 4}, ["--devices", "2", "--parallel.context", "4"],
+         "--parallel.context 4 x --parallel.tensor 1 does not divide --devices 2"),
         ({}, ["--devices", "1", "--parallel.context", "2"], "--parallel.context 2 splits each sequence over 2"),
         ({}, ["--devices", "2", "--parallel.context", "0"], "--parallel.context must be a whole number"),
         ({"n_head": 3, "n_query_groups": 3, "n_embd": 48}, CP2, "does not divide the 3 heads (n_head)"),
@@ -170,7 +171,8 @@ def write_config(path: Path, **changes) -> Path:
          "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
         ({"sliding_window_size": 16}, CP2, "sliding windows (dist-llama) is not supported yet"),
         ({"attention_sinks": True}, CP2, "attention sinks (dist-llama) is not supported yet"),
-        ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
+        ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+          "qk_nope_head_dim": 8, "v_head_dim": 16},
          CP2, "latent attention (dist-llama) is not supported yet"),
         ({}, [*CP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported yet"),
     ],
