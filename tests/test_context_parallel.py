@@ -58,22 +58,6 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_
     assert_same_final(out_dir, runs["one"], "lit_model.pth", atol=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif((os.cpu_count() or 1) < 4, reason="a CP2 x TP2 group is 4 processes of one node: 4 CPU cores")
-def test_context_times_tensor_parallel_pretraining_equals_one_process(inputs, tmp_path):  # noqa: F811
-    """4 processes: one CP2 x TP2 group (4 key-value groups: each of the 4 ranks attends with one), against one
-    process on the same model."""
-    out = {}
-    for name, flags in (("one", ["--devices", "1"]), ("cp-tp", ["--devices", "4", "--parallel.context", "2",
-                                                                "--parallel.tensor", "2"])):
-        out[name] = tmp_path / name
-        args = command_args("pretrain", inputs, out[name])
-        args[args.index("--config") + 1] = write_config(tmp_path / "mha.yaml", n_query_groups=4)
-        result = litgpt(*args, *flags, *FLOAT32)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(out["cp-tp"], out["one"], "lit_model.pth")
-
-
 # ---- the model and the loss split by positions ---------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -125,16 +109,67 @@ def split_by_positions_matches_whole(rank: int, world: int, port: int, failures)
         dist.destroy_process_group()
 
 
-def test_a_model_split_by_positions_equals_the_whole_model():
+def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of 4 ranks, a (context 2, tensor 2) mesh: a model split by the tensor-parallel plan over the tensor
+    dimension and by positions over the context dimension (each rank one slice of positions and half the heads of its
+    tensor group's half) gives one process's loss, and its gradients, gathered over the tensor group and averaged over
+    the context group (as FSDP over the data x context ranks does), one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from test_tensor_parallel import split_copy
+
+    from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
+    from litgpt.distributed.dtensor import gather_full
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+    from litgpt.train.objective import on_local_positions
+    from litgpt.train.recipe import batch_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        whole = GPT(Config(**{**SMALL, "n_query_groups": 4}))  # one key-value group per rank of the 2 x 2 split
+        whole.init_weights()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "tensor"))
+        split, orders = split_copy(whole, mesh["tensor"])
+        group = ContextParallel(mesh["context"], tensor=2)
+        apply_context_parallel(split, group)
+        generator = torch.Generator().manual_seed(1)
+        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+        labels[0, :40] = -100  # the context ranks hold different numbers of labelled positions
+        batch = {"input_ids": idx, "labels": labels}
+        loss = batch_loss(loss_function("cross_entropy"))
+        expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)["loss"]
+        expected.backward()
+        actual.backward()
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+        split_params = dict(split.named_parameters())
+        for key, param in whole.named_parameters():
+            if param.grad is None:
+                continue
+            grad = gather_full(split_params[key].grad, orders.get(key)).clone()
+            dist.all_reduce(grad, group=mesh["context"].get_group())
+            torch.testing.assert_close(grad / 2, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+    except BaseException as error:  # reported to the test, which runs in the parent
+        failures.put(f"rank {rank}: {error!r}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, worker", [(2, split_by_positions_matches_whole),
+                                           (4, split_over_context_and_tensor_matches_whole)], ids=["cp2", "cp2xtp2"])
+def test_a_model_split_by_positions_equals_the_whole_model(world, worker):
+    """CP2, and CP2 x TP2 (4 processes; a CLI run would need 4 CPU cores on one node, since a context group stays
+    within a node beside its tensor group, and litgpt starts no more CPU processes than cores)."""
     context = mp.get_context("spawn")
     failures = context.Queue()
     port = free_port()
-    processes = [context.Process(target=split_by_positions_matches_whole, args=(rank, 2, port, failures))
-                 for rank in range(2)]
+    processes = [context.Process(target=worker, args=(rank, world, port, failures)) for rank in range(world)]
     for process in processes:
         process.start()
     for process in processes:
-        process.join(timeout=120)
+        process.join(timeout=180)
     messages = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
     assert not messages, messages
     assert all(process.exitcode == 0 for process in processes)

@@ -181,9 +181,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_copy(whole, world: int, adapt=lambda model: None):
-    """`whole`'s config built on the meta device, adapted by `adapt` (LoRA), split over `world` ranks by the plan and
-    given `whole`'s weights; and its permuted rows (`row_orders`)."""
+def split_copy(whole, mesh, adapt=lambda model: None):
+    """`whole`'s config built on the meta device, adapted by `adapt` (LoRA), split over the ranks of `mesh` (a 1-D
+    device mesh, or a number of ranks: all of them) by the plan and given `whole`'s weights; and its permuted rows
+    (`row_orders`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from litgpt.distributed.dtensor import copy_into_shard
@@ -195,7 +196,9 @@ def split_copy(whole, world: int, adapt=lambda model: None):
     adapt(split)
     for model in (whole, split):  # a frozen norm stays frozen (SequenceParallel registers its weight anew)
         model.transformer.h[0].norm_1.weight.requires_grad_(False)
-    apply_tensor_parallel(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)))
+    if isinstance(mesh, int):
+        mesh = init_device_mesh("cpu", (mesh,), mesh_dim_names=("tensor",))
+    apply_tensor_parallel(split, mesh)
     split.to_empty(device="cpu")
     orders = row_orders(split)
     for key, target in split.state_dict().items():

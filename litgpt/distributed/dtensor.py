@@ -67,7 +67,7 @@ def copy_into_shard(target: torch.Tensor, full: torch.Tensor, row_order: Optiona
         pieces = [slice(start, start + size) for start, size in zip(offset, shape)]
         if row_order is not None:  # the stored rows of this piece, read from where the full tensor keeps them
             pieces[0] = row_order[pieces[0]]
-            piece = full[pieces[0]][tuple(pieces[1:])] if len(pieces) > 1 else full[pieces[0]]
+            piece = full[pieces[0]][(slice(None), *pieces[1:])]
         else:
             piece = full[tuple(pieces)]
         target.to_local().copy_(piece)
