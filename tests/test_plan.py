@@ -633,6 +633,8 @@ def test_tensor_parallel_parameters_by_hand():
     (dict(devices=2, parallel=ParallelArgs(tensor=2), method="lora", lora=LoRASettings(head=True)),
      "a LoRA adapter on the output head (lora_head)"),
     (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**TINY)), "with frozen models"),
+    (dict(devices=2, parallel=ParallelArgs(expert=2)), "does not cover --parallel.expert yet"),
+    (dict(devices=2, parallel=ParallelArgs(context=2)), "does not cover --parallel.context yet"),
 ])
 def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -126,6 +126,10 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
+    for degree, option in ((parallel.expert, "expert"), (parallel.context, "context")):
+        if degree > 1:  # planned as if absent would be a plan of another run
+            raise UserError(f"litgpt plan does not cover --parallel.{option} yet (only --parallel.tensor): plan "
+                            f"without it, or measure a short run.")
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
