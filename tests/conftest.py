@@ -10,11 +10,10 @@ import pytest
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (pyproject.toml's addopts, so the plain `python -m pytest` too): two workers more than the cores, at
+    """`-n auto` (pyproject.toml's addopts, so the plain `python -m pytest` too): one worker more than the cores, at
     most 8. Most tests wait on processes they start, and many of those wait themselves (for a collective's timeout,
-    a Slurm job, a rank that was killed, a save that outlasts a timeout): the workers beyond the cores keep them busy
-    through those waits."""
-    return min(8, (os.cpu_count() or 1) + 2)
+    a Slurm job, a rank that was killed): a worker more keeps the cores busy through those waits."""
+    return min(8, (os.cpu_count() or 1) + 1)
 
 
 def _share_the_cores_between_workers() -> None:
