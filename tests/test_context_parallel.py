@@ -157,6 +157,7 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns 2 or 4 processes
 @pytest.mark.parametrize("world, worker", [(2, split_by_positions_matches_whole),
                                            (4, split_over_context_and_tensor_matches_whole)], ids=["cp2", "cp2xtp2"])
 def test_a_model_split_by_positions_equals_the_whole_model(world, worker):

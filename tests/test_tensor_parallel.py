@@ -275,6 +275,7 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns 2 processes
 def test_a_split_attention_and_mlp_equal_the_whole_model():
     context = mp.get_context("spawn")
     failures = context.Queue()
