@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_distributed import (
     SMALL,
     assert_close_runs,
@@ -23,6 +21,7 @@ from test_distributed import (
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
 )
+from test_tensor_parallel import run_spawned_ranks
 
 from litgpt.config import Config
 from litgpt.distributed.topology import Topology
@@ -59,12 +58,6 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_
 
 
 # ---- the model and the loss split by positions ---------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def split_by_positions_matches_whole(rank: int, world: int, port: int, failures) -> None:
     """On each rank: a model whose attention gathers the positions, on its slice of a packed batch of an odd length
     (padded), gives one process's loss, and its gradients averaged over the group (as FSDP does) one process's."""
@@ -163,17 +156,7 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
 def test_a_model_split_by_positions_equals_the_whole_model(world, worker):
     """CP2, and CP2 x TP2 (4 processes; a CLI run would need 4 CPU cores on one node, since a context group stays
     within a node beside its tensor group, and litgpt starts no more CPU processes than cores)."""
-    context = mp.get_context("spawn")
-    failures = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=worker, args=(rank, world, port, failures)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=180)
-    messages = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
-    assert not messages, messages
-    assert all(process.exitcode == 0 for process in processes)
+    run_spawned_ranks(worker, world)
 
 
 # ---- the mesh and the refusals ------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from test_distributed import (
     assert_same_final,
     child_environment,
     command_args,
+    free_port,
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
     torchrun_nodes,
@@ -175,12 +175,6 @@ def test_qkv_row_order_gives_each_rank_its_heads_and_groups():
     assert rank_1[3 * hs:].tolist() == list(range(q_rows + kv_rows + hs, q_rows + 2 * kv_rows))  # value group 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def split_copy(whole, mesh, adapt=lambda model: None):
     """`whole`'s config built on the meta device, adapted by `adapt` (LoRA), split over the ranks of `mesh` (a 1-D
     device mesh, or a number of ranks: all of them) by the plan and given `whole`'s weights; and its permuted rows
@@ -275,19 +269,25 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # spawns 2 processes
-def test_a_split_attention_and_mlp_equal_the_whole_model():
+def run_spawned_ranks(worker, world: int) -> None:
+    """`worker(rank, world, port, failures)` on `world` spawned gloo ranks; fails with what any of them put in
+    `failures`, or when one did not end cleanly."""
     context = mp.get_context("spawn")
     failures = context.Queue()
     port = free_port()
-    processes = [context.Process(target=split_model_matches_whole, args=(rank, 2, port, failures)) for rank in range(2)]
+    processes = [context.Process(target=worker, args=(rank, world, port, failures)) for rank in range(world)]
     for process in processes:
         process.start()
     for process in processes:
-        process.join(timeout=120)
+        process.join(timeout=180)
     messages = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
     assert not messages, messages
     assert all(process.exitcode == 0 for process in processes)
+
+
+@pytest.mark.slow  # spawns 2 processes
+def test_a_split_attention_and_mlp_equal_the_whole_model():
+    run_spawned_ranks(split_model_matches_whole, 2)
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------
