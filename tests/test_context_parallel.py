@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from test_distributed import (
     command_args,
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
+    write_config,
 )
 from test_tensor_parallel import run_spawned_ranks
 
@@ -170,11 +170,6 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
     assert topology.mesh_shape == shape and topology.data_parallel_size == devices * nodes // (2 * tensor)
     assert topology.fsdp_shard_size == shape[1] * 2
     assert [topology.data_parallel_rank(rank) for rank in range(devices * nodes)] == data_ranks
-
-
-def write_config(path: Path, **changes) -> Path:
-    path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
-    return path
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from test_distributed import (
     inputs,  # noqa: F401 (the module-scoped fixture, shared)
     litgpt,
     torchrun_nodes,
+    write_config,
 )
 
 from litgpt.config import Config
@@ -291,11 +292,6 @@ def test_a_split_attention_and_mlp_equal_the_whole_model():
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------
-def write_config(path: Path, **changes) -> Path:
-    path.write_text(json.dumps({"model_config": {**SMALL, **changes}}))
-    return path
-
-
 @pytest.mark.parametrize(
     "changes, flags, message",
     [
