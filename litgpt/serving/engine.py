@@ -288,14 +288,17 @@ class BatchingEngine:
 
     @torch.inference_mode()
     def run_pass(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor,
-                 finished: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+                 finished: torch.Tensor, last: torch.Tensor) -> Optional[torch.Tensor]:
         """The model's pass over a batch (tokens and positions (B, T), each token's cache slot, each row's slots to
-        read) and the logits at position `last[i]` of each row `finished[i]`: all a pass needs, in tensors, so that
-        the ranks of a model split by tensor parallelism make it together (`litgpt.distributed.lockstep`)."""
+        read) and the logits at position `last[i]` of each row `finished[i]` (None without one): all a pass needs
+        comes in tensors, so that the ranks of a model split by tensor parallelism can make it together
+        (`litgpt.distributed.lockstep`)."""
         device = self.device
         self.batch.slots, self.batch.reads = slots.to(device), reads.to(device)
         forward = getattr(self.model, "decode_forward", self.model) if tokens.size(1) == 1 else self.model  # --compile
         hidden = forward(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
+        if finished.numel() == 0:
+            return None
         return self.model.head(hidden[finished.to(device), last.to(device)])
 
     def sample_and_accept(self, sequences: list[Sequence], logits: torch.Tensor) -> None:

@@ -71,7 +71,7 @@ class LockstepEngine(BatchingEngine):
             self.decode(decoding) if decoding else self.idle_pass()
 
     @torch.no_grad()
-    def run_pass(self, *tensors: torch.Tensor) -> torch.Tensor:
+    def run_pass(self, *tensors: torch.Tensor) -> Optional[torch.Tensor]:
         # Not in inference mode: FSDP gathers the weights into buffers that training reuses, which must stay normal.
         return BatchingEngine.run_pass.__wrapped__(self, *tensors)
 
