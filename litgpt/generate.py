@@ -405,7 +405,6 @@ def main(
             every step together; rank 0 samples and prints. N must divide the heads, the key-value groups, the MLP
             width and the vocabulary; dense models only, not with --quantize or --compile.
     """
-    check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)
     if num_samples < 1:
         raise UserError(f"num_samples must be >= 1, got {num_samples}.")
@@ -416,6 +415,7 @@ def main(
     if parallel.tensor > 1 or (devices or 1) > 1:
         generate_split(Path(checkpoint_dir), precision, device, compile, quantize, devices, parallel, samples)
         return
+    check_quantize(quantize)
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile, quantize)
     print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
@@ -489,7 +489,7 @@ def on_rank(fabric, checkpoint_dir: Path, precision: Optional[str], dtype: torch
     from litgpt.tokenizer import Tokenizer
 
     start = time.perf_counter()
-    model = load_split_model(checkpoint_dir, dtype, fabric)
+    model = load_split_model(checkpoint_dir, dtype, fabric.strategy.tensor_mesh, fabric.device)
     if fabric.global_rank == 0:
         announce_precision(precision, dtype, fabric.device)
         print(f"Loaded the model from {str(checkpoint_dir)!r} over {fabric.world_size} devices in "

@@ -70,9 +70,10 @@ def split_fabric(tensor: int, device: str, dtype: torch.dtype):
                         fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), tensor=tensor)
 
 
-def load_split_model(checkpoint_dir: Path, dtype: torch.dtype, fabric):
-    """This rank's share of the checkpoint's model in `dtype`, on its device, in eval mode: its heads, MLP columns
-    and vocabulary rows (`apply_tensor_parallel` without sequence parallelism), the norms whole."""
+def load_split_model(checkpoint_dir: Path, dtype: torch.dtype, mesh, device: torch.device):
+    """This rank's share of the checkpoint's model in `dtype` on `device`, in eval mode: its heads, MLP columns and
+    vocabulary rows over the 1-D tensor-parallel `mesh` (`apply_tensor_parallel` without sequence parallelism), the
+    norms whole."""
     from litgpt.checkpoint.model_files import WEIGHTS_FILE, copy_weights, meta_device, read_model_weights
     from litgpt.distributed.parallelize import materialize_meta_tensors
     from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
@@ -81,8 +82,8 @@ def load_split_model(checkpoint_dir: Path, dtype: torch.dtype, fabric):
     with meta_device():
         model = GPT(Config.from_checkpoint(checkpoint_dir))
     model.to(dtype)
-    apply_tensor_parallel(model, fabric.strategy.tensor_mesh, sequence_parallel=False)
-    materialize_meta_tensors(model, fabric.device)
+    apply_tensor_parallel(model, mesh, sequence_parallel=False)
+    materialize_meta_tensors(model, device)
     weights = checkpoint_dir / WEIGHTS_FILE
     copy_weights(model, read_model_weights(weights), str(weights), row_orders=row_orders(model))
     model.eval()

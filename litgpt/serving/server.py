@@ -128,7 +128,6 @@ def main(
     check_limits(max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, prefill_tokens=prefill_tokens,
                  max_waiting=max_waiting, max_connections=max_connections, request_timeout=request_timeout,
                  read_timeout=read_timeout, idle_timeout=idle_timeout)
-    check_quantize(quantize)
     checkpoint_dir = find_checkpoint_dir(Path(checkpoint_dir))
     settings = ServerSettings(host, api_key or os.environ.get("LITGPT_API_KEY") or None,
                               served_names(served_model_name, checkpoint_dir), max_new_tokens, max_batch_size,
@@ -139,6 +138,7 @@ def main(
     if parallel.tensor > 1:
         serve_split(checkpoint_dir, settings, port, load, device, devices, parallel)
         return
+    check_quantize(quantize)
     targets = engine_devices(device, devices or 1)
     sock = bind(host, port)
     engines, tokenizer = load_engines(checkpoint_dir, targets, load, settings)
@@ -247,7 +247,7 @@ def serve_on_rank(fabric, checkpoint_dir: Path, settings: ServerSettings, load: 
     from litgpt.serving.paged_cache import free_memory
     from litgpt.tokenizer import Tokenizer
 
-    model = load_split_model(checkpoint_dir, dtype, fabric)
+    model = load_split_model(checkpoint_dir, dtype, fabric.strategy.tensor_mesh, fabric.device)
     free = min(every_rank(free_memory(fabric.device)))
     if fabric.device.type == "cpu":
         free //= fabric.world_size  # the ranks share the host's memory
