@@ -412,7 +412,7 @@ def main(
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     samples = functools.partial(print_samples, prompt=prompt, num_samples=num_samples, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if parallel.tensor > 1 or (devices or 1) > 1:
+    if parallel != ParallelArgs() or (devices or 1) > 1:
         generate_split(Path(checkpoint_dir), precision, device, compile, quantize, devices, parallel, samples)
         return
     check_quantize(quantize)
@@ -467,9 +467,6 @@ def generate_split(checkpoint_dir: Path, precision: Optional[str], device: str, 
     from litgpt.distributed.inference import check_split_generation, split_devices, split_fabric
     from litgpt.tokenizer import Tokenizer, check_vocab_fits
 
-    if parallel.tensor == 1:
-        raise UserError(f"--devices {devices} without --parallel.tensor: litgpt generate runs on one device unless "
-                        f"--parallel.tensor N splits the model; add --parallel.tensor {devices}.")
     split_devices("generate", parallel, devices)
     checkpoint_dir = find_checkpoint_dir(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)

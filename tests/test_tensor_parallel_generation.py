@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from test_serve import reference  # noqa: F401 (the fixture: `generate` alone on
 from test_tensor_parallel import run_spawned_ranks
 from tokenizer_helpers import make_tokenizer_folder
 
+from litgpt.args import ParallelArgs
+from litgpt.errors import UserError
 from litgpt.io import load_state_dict, save_state_dict
 
 FLOAT32 = ["--precision", "32-true", "--device", "cpu"]
@@ -161,31 +164,48 @@ def test_a_split_server_answers_as_generate_alone_and_stops_with_its_ranks(check
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
+TENSOR_2 = dict(parallel=ParallelArgs(tensor=2))
+
+
 @pytest.mark.parametrize(
-    "command, changes, flags, message",
+    "command, changes, options, message",
     [
-        ("generate", {"n_head": 3, "n_query_groups": 3, "n_embd": 48}, TP2, "does not divide the 3 heads (n_head)"),
-        ("generate", {"n_query_groups": 1}, TP2, "does not divide the 1 key-value groups (n_query_groups)"),
-        ("generate", {"padded_vocab_size": 589}, TP2, "does not divide the 589 vocabulary rows (padded_vocab_size)"),
+        ("generate", {"n_head": 3, "n_query_groups": 3, "n_embd": 48}, TENSOR_2, "does not divide the 3 heads (n_head)"),
+        ("generate", {"n_query_groups": 1}, TENSOR_2, "does not divide the 1 key-value groups (n_query_groups)"),
+        ("generate", {"padded_vocab_size": 589}, TENSOR_2,
+         "does not divide the 589 vocabulary rows (padded_vocab_size)"),
         ("generate", {"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2,
-                      "moe_intermediate_size": 32}, TP2, "tensor parallelism of models with mixture-of-experts"),
-        ("generate", {}, [*TP2, "--quantize", "bnb.nf4"], "--quantize bnb.nf4 with --parallel.tensor 2 is not "
-                                                          "supported"),
-        ("generate", {}, ["--parallel.tensor", "2", "--devices", "1"],
+                      "moe_intermediate_size": 32}, TENSOR_2, "tensor parallelism of models with mixture-of-experts"),
+        ("generate", {}, dict(**TENSOR_2, compile=True), "--compile with --parallel.tensor 2 is not supported yet"),
+        ("generate", {}, dict(**TENSOR_2, device="cuda:1"), "--device cuda:1 with --parallel.tensor 2"),
+        ("generate", {}, dict(**TENSOR_2, devices=1),
          "--parallel.tensor 2 splits the model over 2 devices, but --devices is 1: use --devices 2."),
-        ("generate", {}, ["--devices", "2"], "--devices 2 without --parallel.tensor"),
-        ("generate", {}, ["--parallel.tensor", "4096"], "--parallel.tensor 4096 needs 4096 devices, and this machine"),
-        ("serve", {"n_query_groups": 1}, TP2, "does not divide the 1 key-value groups (n_query_groups)"),
-        ("serve", {}, [*TP2, "--quantize", "bnb.nf4"], "--quantize bnb.nf4 with --parallel.tensor 2 is not supported"),
-        ("serve", {}, ["--parallel.tensor", "2", "--devices", "4"], "--devices 4 with --parallel.tensor 2"),
+        ("generate", {}, dict(parallel=ParallelArgs(expert=2)), "splits a model with --parallel.tensor only"),
+        ("generate", {}, dict(parallel=ParallelArgs(tensor=4096)), "--parallel.tensor 4096 needs 4096 devices, and "
+                                                                   "this machine has"),
+        ("serve", {"n_query_groups": 1}, TENSOR_2, "does not divide the 1 key-value groups (n_query_groups)"),
+        ("serve", {}, dict(**TENSOR_2, devices=4), "--devices 4 with --parallel.tensor 2"),
     ],
-    ids=["heads", "groups", "vocabulary", "moe", "quantize", "too-few-devices", "devices-alone", "machine",
-         "serve-groups", "serve-quantize", "serve-devices"],
+    ids=["heads", "groups", "vocabulary", "moe", "compile", "one-device", "too-few-devices", "expert", "machine",
+         "serve-groups", "serve-devices"],
 )
-def test_what_split_generation_refuses(command, changes, flags, message, tmp_path):
+def test_what_split_generation_refuses(command, changes, options, message, tmp_path):
+    from litgpt.generate import main as generate
+    from litgpt.serving.server import main as serve
+
     folder = write_split_checkpoint(tmp_path / "tiny", **changes)
-    extra = ["--port", "0"] if command == "serve" else ["--max_new_tokens", "4"]
-    result = litgpt(command, folder, *FLOAT32, *flags, *extra, env=child_environment())
+    with pytest.raises(UserError, match=re.escape(message)):
+        (generate if command == "generate" else serve)(folder, **{"device": "cpu", **options})
+
+
+@pytest.mark.parametrize(
+    "command, flags, message",
+    [("generate", ["--devices", "2"], "--devices 2 with --parallel.tensor 1: litgpt generate runs one copy of the "
+                                      "model, split over --parallel.tensor devices: add --parallel.tensor 2"),
+     ("serve", [*TP2, "--quantize", "bnb.nf4"], "--quantize bnb.nf4 with --parallel.tensor 2 is not supported")],
+)
+def test_a_refused_split_is_one_line_before_any_process_starts(command, flags, message, split_checkpoint):
+    result = litgpt(command, split_checkpoint, *FLOAT32, *flags, env=child_environment())
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr[-2000:]

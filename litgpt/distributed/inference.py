@@ -37,7 +37,8 @@ def split_devices(command: str, parallel: ParallelArgs, devices: Optional[int]) 
                         f"{devices}: use --devices {tensor}.")
     if devices > tensor:
         raise UserError(f"--devices {devices} with --parallel.tensor {tensor}: litgpt {command} runs one copy of the "
-                        f"model, split over --parallel.tensor devices; use --devices {tensor}.")
+                        f"model, split over --parallel.tensor devices: add --parallel.tensor {devices} to split it "
+                        f"over {devices}, or use --devices {tensor}.")
     return devices
 
 

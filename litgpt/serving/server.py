@@ -135,7 +135,7 @@ def main(
                               idle_timeout, compile)
     load = Loading(precision, quantize, dict(page_size=kv_block_size, max_seq_length=max_seq_length,
                                              kv_cache_gb=kv_cache_gb, kv_cache_fraction=kv_cache_fraction))
-    if parallel.tensor > 1:
+    if parallel != ParallelArgs():
         serve_split(checkpoint_dir, settings, port, load, device, devices, parallel)
         return
     check_quantize(quantize)
