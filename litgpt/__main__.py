@@ -40,15 +40,17 @@ LITGPT_ALIASES: dict[str, tuple[str, str]] = {
 # The ones not carried here: which of ours to use, and why (said in one line, exit code 1).
 _ADAPTER = ("LLaMA-Adapter is not carried here; LoRA trains a similarly small set of weights with the same data, train "
             "and eval options: use `litgpt finetune_lora` (QLoRA with --quantize), whose final/ holds the merged model")
-_ONE_DEVICE = ("`litgpt generate` runs on one device, and --quantize bnb.nf4 (4-bit weights) fits a model about four "
-               "times larger there.")
 NOT_CARRIED: dict[str, str] = {
     "finetune_adapter": _ADAPTER + ".",
     "finetune_adapter_v2": _ADAPTER + ".",
     "generate_adapter": _ADAPTER + ": `litgpt generate OUT_DIR/final` then needs no adapter command.",
     "generate_adapter_v2": _ADAPTER + ": `litgpt generate OUT_DIR/final` then needs no adapter command.",
-    "generate_sequentially": "layers spread over several GPUs in turn are not carried here; " + _ONE_DEVICE,
-    "generate_tp": "tensor-parallel generation is not carried here; " + _ONE_DEVICE,
+    "generate_sequentially": ("layers spread over several GPUs in turn are not carried here; `litgpt generate "
+                              "--parallel.tensor N` splits a model too large for one device over N devices of one "
+                              "machine, and --quantize bnb.nf4 (4-bit weights) fits one about four times larger on one "
+                              "device."),
+    "generate_tp": ("tensor-parallel generation is `litgpt generate --parallel.tensor N` here (N devices of one machine, "
+                    "each holding 1/N of every layer; `litgpt serve` takes the flag too)."),
     "generate_speculatively": ("speculative decoding with a draft model is not carried here; use `litgpt generate` "
                                "(one model, greedy or sampled)."),
     "validate": ("LitGPT's pre-flight check is not carried here: `litgpt generate CHECKPOINT_DIR --max_new_tokens 1` "

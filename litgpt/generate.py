@@ -8,10 +8,11 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from litgpt.args import ParallelArgs
 from litgpt.errors import UserError
 from litgpt.precision import PRECISION_DTYPES, default_inference_dtype
 
@@ -373,6 +374,8 @@ def main(
     device: str = "auto",
     compile: bool = False,
     quantize: Optional[str] = None,
+    devices: Optional[int] = None,
+    parallel: ParallelArgs = ParallelArgs(),
 ) -> None:
     """Continue a prompt with a litgpt model and print the text as it is generated.
 
@@ -395,19 +398,34 @@ def main(
             (seconds to a minute), later tokens run faster, on the CPU as on GPUs.
         quantize: Quantize the weights with bitsandbytes (bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8) or torchao
             (ao.nf4); needs `pip install 'litgpt[quantize]'`.
+        devices: Processes to run, one per device: with --parallel.tensor N, N (the default). Started as the
+            training commands start theirs (here, or by torchrun or srun).
+        parallel: --parallel.tensor N splits the model over N devices of this machine (a model too large for one):
+            each holds its share of every layer's heads and MLP columns and of the vocabulary, and all of them run
+            every step together; rank 0 samples and prints. N must divide the heads, the key-value groups, the MLP
+            width and the vocabulary; dense models only, not with --quantize or --compile.
     """
-    check_quantize(quantize)
     check_sampling_args(temperature, top_k, top_p)
     if num_samples < 1:
         raise UserError(f"num_samples must be >= 1, got {num_samples}.")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-
+    samples = functools.partial(print_samples, prompt=prompt, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if parallel != ParallelArgs() or (devices or 1) > 1:
+        generate_split(Path(checkpoint_dir), precision, device, compile, quantize, devices, parallel, samples)
+        return
+    check_quantize(quantize)
     start = time.perf_counter()
-    from litgpt.tokenizer import IncrementalDecoder
-
     model, tokenizer = load_model_and_tokenizer(checkpoint_dir, precision, device, compile, quantize)
     print(f"Loaded the model from {str(checkpoint_dir)!r} in {time.perf_counter() - start:.02f} s.", file=sys.stderr)
+    samples(model, tokenizer)
+
+
+def print_samples(model: "GPT", tokenizer: "Tokenizer", prompt: str, num_samples: int, max_new_tokens: int,
+                  temperature: float, top_k: Optional[int], top_p: float, seed: int) -> None:
+    """Print `num_samples` continuations of `prompt` as they are generated, each after the prompt; timing on stderr."""
+    from litgpt.tokenizer import IncrementalDecoder
 
     prompt_ids = tokenizer.encode(prompt)
     block_size = model.config.block_size
@@ -418,23 +436,15 @@ def main(
             f"{block_size - len(prompt_ids)} new tokens fit.",
             file=sys.stderr,
         )
-    device_ = model.lm_head.weight.device
-    generator = make_generator(device_, seed)
+    device = model.lm_head.weight.device
+    generator = make_generator(device, seed)
     for index in range(num_samples):
         start = time.perf_counter()
         decoder = IncrementalDecoder(tokenizer, prompt_ids=prompt_ids)
         print(prompt, end="", flush=True)
         count = 0
-        tokens = generate(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            stop_ids=tokenizer.stop_ids,
-            generator=generator,
-        )
+        tokens = generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids=tokenizer.stop_ids,
+                          generator=generator)
         for token in tokens:
             count += 1
             print(decoder.step(token), end="", flush=True)
@@ -444,5 +454,42 @@ def main(
             f"Sample {index + 1}: {count} tokens in {elapsed:.02f} s, {count / elapsed:.02f} tokens/s.",
             file=sys.stderr,
         )
-    if device_.type == "cuda":
-        print(f"Memory used: {torch.cuda.max_memory_allocated(device_) / 1e9:.02f} GB", file=sys.stderr)
+    if device.type == "cuda":
+        print(f"Memory used: {torch.cuda.max_memory_allocated(device) / 1e9:.02f} GB", file=sys.stderr)
+
+
+def generate_split(checkpoint_dir: Path, precision: Optional[str], device: str, compile: bool,
+                   quantize: Optional[str], devices: Optional[int], parallel: ParallelArgs,
+                   samples: Callable[["GPT", "Tokenizer"], None]) -> None:
+    """`samples` on a model split over --parallel.tensor processes: checked here, then run by every rank (`on_rank`)."""
+    from litgpt.checkpoint.model_files import find_checkpoint_dir
+    from litgpt.config import Config
+    from litgpt.distributed.inference import check_split_generation, split_devices, split_fabric
+    from litgpt.tokenizer import Tokenizer, check_vocab_fits
+
+    split_devices("generate", parallel, devices)
+    checkpoint_dir = find_checkpoint_dir(checkpoint_dir)
+    config = Config.from_checkpoint(checkpoint_dir)
+    check_vocab_fits(Tokenizer(checkpoint_dir), config, checkpoint_dir)
+    check_split_generation(config, parallel.tensor, device, quantize, compile)
+    target = resolve_device(device)
+    dtype = resolve_precision(precision, target)
+    fabric = split_fabric(parallel.tensor, device, dtype)
+    fabric.launch(on_rank, checkpoint_dir, precision, dtype, samples)
+
+
+def on_rank(fabric, checkpoint_dir: Path, precision: Optional[str], dtype: torch.dtype,
+            samples: Callable[["GPT", "Tokenizer"], None]) -> None:
+    """Each rank loads its share of the model; rank 0 runs `samples` while the others run its passes with it."""
+    from litgpt.distributed.inference import load_split_model
+    from litgpt.distributed.lockstep import lead_or_follow
+    from litgpt.tokenizer import Tokenizer
+
+    start = time.perf_counter()
+    model = load_split_model(checkpoint_dir, dtype, fabric.strategy.tensor_mesh, fabric.device)
+    if fabric.global_rank == 0:
+        announce_precision(precision, dtype, fabric.device)
+        print(f"Loaded the model from {str(checkpoint_dir)!r} over {fabric.world_size} devices in "
+              f"{time.perf_counter() - start:.02f} s.", file=sys.stderr)
+    lead = functools.partial(samples, model, Tokenizer(checkpoint_dir))
+    lead_or_follow(fabric.global_rank, {"model": model}, {"model": ("forward", "set_kv_cache")}, lead, fabric.device)

@@ -1,6 +1,6 @@
-"""Tensor parallelism (with sequence parallelism) of a model built on the meta device: the family's plan
-(`litgpt.distributed.plans`) applied with `parallelize_module` over the mesh's "tensor" dimension, the fused qkv rows
-permuted so each rank holds its own heads, and the attention told its local head counts.
+"""Tensor parallelism (with sequence parallelism for training, without it for generation) of a model built on the
+meta device: the family's plan (`litgpt.distributed.plans`) applied with `parallelize_module` over the mesh's "tensor"
+dimension, the fused qkv rows permuted so each rank holds its own heads, and the attention told its local head counts.
 
 Checkpoints stay in the one-process layout: `row_orders` names the parameters stored permuted, and
 `litgpt.distributed.dtensor` permutes what is copied in and un-permutes what is gathered.
@@ -17,28 +17,38 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from litgpt.distributed.plans import check_tensor_parallel
-from litgpt.distributed.plans.dense import BLOCK_PLAN, MODEL_PLAN, qkv_row_order
+from litgpt.distributed.plans.dense import (
+    BLOCK_PLAN, INFERENCE_BLOCK_PLAN, INFERENCE_MODEL_PLAN, MODEL_PLAN, qkv_row_order,
+)
 from litgpt.model import CausalSelfAttention
 
 
-def apply_tensor_parallel(model: nn.Module, mesh) -> None:
-    """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place."""
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True) -> None:
+    """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place.
+
+    `sequence_parallel` False: generation's plan (`INFERENCE_BLOCK_PLAN`), whose activations are whole on every rank
+    between the layers, so that a single decoding position runs; its norms stay plain tensors, the same on each rank.
+    """
     config, degree = model.config, mesh.size()
     check_tensor_parallel(config, degree)
+    block_plan, model_plan = (BLOCK_PLAN, MODEL_PLAN) if sequence_parallel else (INFERENCE_BLOCK_PLAN,
+                                                                                 INFERENCE_MODEL_PLAN)
     # PyTorch's SequenceParallel registers the norms' weights anew, trainable: a frozen base (LoRA, a teacher) keeps
     # its own setting.
     trains = {name: param.requires_grad for name, param in model.named_parameters()}
     for block in model.transformer.h:
-        parallelize_module(block, mesh, {name: style for name, style in BLOCK_PLAN if placeable(block, name)})
+        parallelize_module(block, mesh, {name: style for name, style in block_plan if placeable(block, name)})
         block.attn.n_head = config.n_head // degree
         block.attn.n_query_groups = config.n_query_groups // degree
-    for name, style in MODEL_PLAN:
+    for name, style in model_plan:
         parallelize_module(model, mesh, {name: style})
-    model.forward = padded_to_multiple(model.forward, degree)
     if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
     for name, param in model.named_parameters():
         param.requires_grad_(trains[name])
+    if not sequence_parallel:
+        return
+    model.forward = padded_to_multiple(model.forward, degree)
     left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
         raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")

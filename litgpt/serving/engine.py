@@ -91,11 +91,18 @@ class BatchingEngine:
         self.decoding = 0  # rows of the latest decoding pass
         self.largest_batch = 0
         self.preemptions = 0
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, name="litgpt-serve-engine", daemon=True)
 
     # ---- the readers' side ----------------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
+
+    def stop(self) -> None:
+        """End the worker after its current step (a model split over ranks makes no pass after this)."""
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def submit(self, sequence: Sequence) -> None:
         with self.lock:
@@ -138,7 +145,7 @@ class BatchingEngine:
     # ---- the worker -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            while True:
+            while not self.stopping.is_set():
                 self.step(block=True)
         except BaseException as error:  # a bug of ours: every request ends, /health reports it, nothing is served
             traceback.print_exc()
@@ -253,11 +260,10 @@ class BatchingEngine:
         self.largest_batch = max(self.largest_batch, len(sequences))
         self.forward(sequences, [1] * len(sequences), 1)
 
-    @torch.inference_mode()
     def forward(self, rows: list[Sequence], chunks: list[int], width: int) -> None:
         """Run each row's next `chunks[i]` context tokens (padded to `width`) and sample the rows that have then fed
         their whole context."""
-        page, device = self.page_size, self.device
+        page = self.page_size
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         slots = torch.full((len(rows), width), NULL_BLOCK * page, dtype=torch.long)
@@ -271,17 +277,29 @@ class BatchingEngine:
             slots[i, :chunk] = blocks[positions[i, :chunk] // page] * page + positions[i, :chunk] % page
             table[i, : len(sequence.blocks)] = blocks[: table.size(1)]
         every = torch.arange(length)
-        self.batch.slots = slots.to(device)
-        self.batch.reads = (table[:, every // page] * page + every % page).to(device)
-        forward = getattr(self.model, "decode_forward", self.model) if width == 1 else self.model  # --compile
-        hidden = forward(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
+        reads = table[:, every // page] * page + every % page
         finished = [i for i, (s, c) in enumerate(zip(rows, chunks)) if s.fed + c == s.context_length]
+        last = torch.tensor([chunks[i] - 1 for i in finished], dtype=torch.long)
+        logits = self.run_pass(tokens, positions, slots, reads, torch.tensor(finished, dtype=torch.long), last)
         for sequence, chunk in zip(rows, chunks):
             sequence.fed += chunk
         if finished:
-            last = torch.tensor([chunks[i] - 1 for i in finished], device=device)
-            logits = self.model.head(hidden[torch.tensor(finished, device=device), last])
             self.sample_and_accept([rows[i] for i in finished], logits)
+
+    @torch.inference_mode()
+    def run_pass(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor,
+                 finished: torch.Tensor, last: torch.Tensor) -> Optional[torch.Tensor]:
+        """The model's pass over a batch (tokens and positions (B, T), each token's cache slot, each row's slots to
+        read) and the logits at position `last[i]` of each row `finished[i]` (None without one): all a pass needs
+        comes in tensors, so that the ranks of a model split by tensor parallelism can make it together
+        (`litgpt.distributed.lockstep`)."""
+        device = self.device
+        self.batch.slots, self.batch.reads = slots.to(device), reads.to(device)
+        forward = getattr(self.model, "decode_forward", self.model) if tokens.size(1) == 1 else self.model  # --compile
+        hidden = forward(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
+        if finished.numel() == 0:
+            return None
+        return self.model.head(hidden[finished.to(device), last.to(device)])
 
     def sample_and_accept(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()

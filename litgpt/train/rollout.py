@@ -71,9 +71,9 @@ class LockstepEngine(BatchingEngine):
             self.decode(decoding) if decoding else self.idle_pass()
 
     @torch.no_grad()
-    def forward(self, rows: list[Sequence], chunks: list[int], width: int) -> None:
+    def run_pass(self, *tensors: torch.Tensor) -> Optional[torch.Tensor]:
         # Not in inference mode: FSDP gathers the weights into buffers that training reuses, which must stay normal.
-        BatchingEngine.forward.__wrapped__(self, rows, chunks, width)
+        return BatchingEngine.run_pass.__wrapped__(self, *tensors)
 
     @torch.no_grad()
     def idle_pass(self) -> None:

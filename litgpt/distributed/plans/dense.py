@@ -1,5 +1,6 @@
-"""The tensor-parallel plan of the dense families (fused q/k/v attention, the GELU, SwiGLU and GeGLU MLPs), as data:
-module names -> PyTorch's parallel styles, Megatron's layout with sequence parallelism.
+"""The tensor-parallel plans of the dense families (fused q/k/v attention, the GELU, SwiGLU and GeGLU MLPs), as data:
+module names -> PyTorch's parallel styles, Megatron's layout: with sequence parallelism for training, without it for
+generation (`INFERENCE_BLOCK_PLAN`, `INFERENCE_MODEL_PLAN`).
 
 Between the layers the residual stream is split over the sequence (Shard(1)): the norms run on their rank's positions
 (`SequenceParallel`); attention and the MLP gather the sequence at their input (`PrepareModuleInput`), split their
@@ -69,6 +70,24 @@ MODEL_PLAN = (
     # Logits gathered whole when the model's forward applies the head (generation); training's loss applies the
     # head itself on the gathered weight.
     ("lm_head", ColwiseParallel(output_layouts=Replicate())),
+)
+
+# Generation (`litgpt generate`, `litgpt serve`) without sequence parallelism: a decoding step feeds one position,
+# which cannot be split over the group. The residual stream is whole on every rank (the norms run on it, unsplit);
+# attention and the MLP split their first matmuls by output rows, and their output projections' partial sums are
+# all-reduced. Each rank's KV cache holds its own key-value groups.
+_ROWS_TO_ALL = Rowwise(output_layouts=Replicate())
+INFERENCE_BLOCK_PLAN = (
+    ("attn.qkv", _COLUMNS),  # rows permuted first: `qkv_row_order`
+    ("attn.proj", _ROWS_TO_ALL),
+    ("mlp.fc", _COLUMNS),
+    ("mlp.fc_1", _COLUMNS),
+    ("mlp.fc_2", _COLUMNS),
+    ("mlp.proj", _ROWS_TO_ALL),
+)
+INFERENCE_MODEL_PLAN = (
+    ("transformer.wte", RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+    ("lm_head", ColwiseParallel(output_layouts=Replicate())),  # the logits gathered whole: rank 0 samples from them
 )
 
 
