@@ -394,8 +394,7 @@ def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
     if tensor > world:
         raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices: plan for at least that "
                         "many (--devices).")
-    check_tensor_parallel(recipe.config, tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
-                          quantized=recipe.quantize is not None)
+    check_tensor_parallel(recipe.config, tensor, quantized=recipe.quantize is not None)
     if recipe.frozen_configs():
         raise UserError(f"litgpt plan --parallel.tensor {tensor}: plans with frozen models (a teacher, a reference) "
                         "under tensor parallelism are not supported yet.")

@@ -1,4 +1,4 @@
-"""Tensor-parallel plans per model family, as data (`dense.py`), and the checks of which configs tensor, expert and
+"""Tensor-parallel plans per model family, as data (`dense.py`, `styles.py`), and the checks of which configs tensor, expert and
 context parallelism cover.
 
 Light to import (no torch): entry points check `--parallel` before anything heavy loads."""
@@ -9,32 +9,31 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 
 
-def check_tensor_parallel(config: Config, degree: int, adapted_head: bool = False, quantized: bool = False) -> None:
-    """UserError unless `degree`-way tensor parallelism covers `config`: a dense family the plan knows, whose heads,
-    key-value groups, MLP width and vocabulary split evenly. LoRA adapters are split with their layers, except on the
-    head (`adapted_head`: the loss gathers the head whole) and on a quantized base (`quantized`: bitsandbytes layers
+def check_tensor_parallel(config: Config, degree: int, quantized: bool = False) -> None:
+    """UserError unless `degree`-way tensor parallelism covers `config` (`litgpt.distributed.plans.dense`): its heads,
+    key-value groups, MLP widths (the dense layers', every expert's, the shared experts') and vocabulary split
+    evenly. LoRA adapters are split with their layers, except on a quantized base (`quantized`: bitsandbytes layers
     and torchao's NF4 tensors are not DTensors the plan can split)."""
     if degree == 1:
         return
-    unsupported = {
-        "mixture-of-experts layers": config.mlp_class_name == "LLaMAMoE",
-        "latent attention": config.kv_lora_rank is not None,
-        "attention sinks": bool(config.attention_sinks),
-        "query/key norms": bool(config.norm_qk),
-        "a LoRA adapter on the output head (lora_head)": adapted_head,
-        "a quantized base (--quantize, QLoRA)": quantized,
-    }
-    for feature, present in unsupported.items():
-        if present:
-            raise UserError(f"--parallel.tensor {degree}: tensor parallelism of models with {feature} "
-                            f"({config.name or 'this model'}) is not supported yet; use --parallel.tensor 1.")
-    sizes = {"heads (n_head)": config.n_head, "key-value groups (n_query_groups)": config.n_query_groups,
-             "MLP width (intermediate_size)": config.intermediate_size,
-             "vocabulary rows (padded_vocab_size)": config.padded_vocab_size}
+    name = config.name or "this model"
+    if quantized:
+        raise UserError(f"--parallel.tensor {degree}: tensor parallelism of models with a quantized base (--quantize, "
+                        f"QLoRA) ({name}) is not supported yet; use --parallel.tensor 1.")
+    sizes = {"heads (n_head)": config.n_head, "vocabulary rows (padded_vocab_size)": config.padded_vocab_size}
+    if config.kv_lora_rank is None:  # latent attention has no key-value groups: every head expands the latent
+        sizes["key-value groups (n_query_groups)"] = config.n_query_groups
+    moe = config.mlp_class_name == "LLaMAMoE"
+    if not moe or config.moe_first_dense_layers:
+        sizes["MLP width (intermediate_size)"] = config.intermediate_size
+    if moe:
+        sizes["experts' width (moe_intermediate_size)"] = config.moe_intermediate_size
+        if config.moe_n_shared_expert:
+            sizes["shared experts' width (moe_shared_intermediate_size)"] = config.moe_shared_intermediate_size
     for what, size in sizes.items():
         if size % degree:
-            raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of "
-                            f"{config.name or 'this model'}: use a divisor of it.")
+            raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of {name}: use a divisor "
+                            "of it.")
 
 
 def check_expert_parallel(config: Config, degree: int) -> None:
