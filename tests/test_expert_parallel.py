@@ -89,6 +89,17 @@ def test_expert_parallel_pretraining_equals_one_process(shape, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tensor_parallel_pretraining_of_the_moe_shapes_equals_one_process(shape, runs):
+    """TP2 on the same shapes (`litgpt.distributed.plans.dense`: every expert split along its width, the router
+    replicated, DeepSeek's latent attention split by heads and its shared expert as a dense MLP): the losses (with
+    the auxiliary loss) and final weights of one process."""
+    one = runs(shape, "one", "--devices", "1", *FLOAT32)
+    tp2 = runs(shape, "tp2", "--devices", "2", "--parallel.tensor", "2", *FLOAT32)
+    assert_close_runs(tp2, one, "lit_model.pth")
+
+
+@pytest.mark.slow
 def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F811
     """4 processes (two torchrun "nodes" of 2, FULL_SHARD): 2 expert groups of 2, each expert's weights FSDP-sharded
     over the 2 ranks holding it, every rank reading its own batches."""
