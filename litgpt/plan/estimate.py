@@ -702,8 +702,9 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
         "optimizer_state": f"2 moments, {placement}, {master}",
         "gathered_params": gathered["detail"],
         "activations": _activations_detail(run, activations),
-        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
-        "vocab, + head and hidden gradients",
+        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x "
+        + (f"{run.rank_config.padded_vocab_size:,} of {config.padded_vocab_size:,} vocab rows"
+           if run.tensor > 1 else f"{config.padded_vocab_size:,} vocab") + ", + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
         + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else ""),
     }

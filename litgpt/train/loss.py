@@ -12,6 +12,11 @@ sum of its losses and, when asked, the gradient of that sum with respect to the 
 one for next-token prediction; `DistillationChunkLoss` is another: its targets are the labels and the teacher's final
 hidden states, from which it builds the teacher's logits of the same chunk, so neither model's whole logits exist.
 
+Under tensor parallelism the head is split by vocabulary rows: `OutputHead.of` keeps each rank's rows and its
+`VocabularyShard`, and the chunk losses that take one (`nll_chunk`, so cross-entropy and preference optimization)
+combine each position's maximum, sum of exponentials and label logit over the group, so no rank builds a chunk's
+logits over the whole vocabulary (distillation, whose divergence needs every row of both models, gathers the head).
+
 A loss function returns `Losses`: "loss", what the backward pass runs on, and the parts it is made of for the logs
 (`ce_loss`, `kd_loss`, a mixture-of-experts router's `aux_loss`), detached.
 """
