@@ -1,7 +1,8 @@
 """Expert parallelism (`--parallel.expert`) with real processes on the CPU (gloo), against one process: EP2 on a
 Qwen3-MoE shape and on a DeepSeek-V3 shape (latent attention, shared experts, a dense first layer, group-limited
 sigmoid routing), EP2 x FSDP2 (4 processes), an EP2 checkpoint resumed in one process, the mesh's layout, and the
-refusals.
+refusals; and tensor parallelism on the same shapes (TP2, and TP2 x FSDP2 on the DeepSeek-V3 shape: every expert
+split along its width).
 
 The runs are in float32 (`--precision 32-true`); the load-balancing loss is on in both shapes, so the logged loss
 carries the router's auxiliary loss, which each rank computes on its own whole routing as one process does.
@@ -97,6 +98,18 @@ def test_tensor_parallel_pretraining_of_the_moe_shapes_equals_one_process(shape,
     one = runs(shape, "one", "--devices", "1", *FLOAT32)
     tp2 = runs(shape, "tp2", "--devices", "2", "--parallel.tensor", "2", *FLOAT32)
     assert_close_runs(tp2, one, "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_times_fsdp_of_the_deepseek_shape_equals_one_process(inputs, runs):  # noqa: F811
+    """4 processes (two torchrun "nodes" of 2, FULL_SHARD): 2 tensor-parallel groups of 2, each reading its own
+    batches, every rank's piece (its heads, its share of every expert's width) FSDP-sharded over the 2 groups."""
+    out_dir = inputs["root"] / "tp-deepseek-v3-four"
+    args = [*pretrain_args(inputs, out_dir, DEEPSEEK_V3), "--devices", "2", "--num_nodes", "2", "--parallel.tensor",
+            "2", "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
+    for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
 
 
 @pytest.mark.slow

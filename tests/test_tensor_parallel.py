@@ -1,6 +1,8 @@
 """Tensor parallelism (`--parallel.tensor`, with sequence parallelism) with real processes on the CPU (gloo), against
 one process: TP2, TP2 x FSDP2 (two torchrun "nodes" of 2), checkpoints resumed across the two layouts, the fused
-qkv's per-rank layout, and the refusals.
+qkv's per-rank layout, every family's plan (query/key norms, sinks, latent attention, mixtures of experts, LoRA on
+every layer and the head) and the vocabulary-parallel loss on spawned ranks, and the refusals. The MoE shapes' CLI
+runs are in tests/test_expert_parallel.py, beside their one-process runs.
 
 The runs are in float32 (`--precision 32-true`): under bf16 autocast a rowwise matmul's partial sums are rounded
 before they are added, so a split layer cannot equal the whole one to 1e-5.
