@@ -299,7 +299,7 @@ def test_a_split_attention_and_mlp_equal_the_whole_model():
     run_spawned_ranks(split_model_matches_whole, 2)
 
 
-# ---- the families beyond the dense plan -------------------------------------------------------------------------------
+# ---- the families beyond the dense plan ------------------------------------------------------------------------------
 MOE = dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=32, n_expert=4, n_expert_per_token=2,
            router_aux_loss_coef=0.01)
 FAMILIES = {

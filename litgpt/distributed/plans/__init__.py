@@ -1,5 +1,5 @@
-"""Tensor-parallel plans per model family, as data (`dense.py`, `styles.py`), and the checks of which configs tensor, expert and
-context parallelism cover.
+"""Tensor-parallel plans per model family, as data (`dense.py`, with the styles of `styles.py`), and the checks of
+which configs tensor, expert and context parallelism cover.
 
 Light to import (no torch): entry points check `--parallel` before anything heavy loads."""
 

@@ -1,8 +1,10 @@
 """PyTorch's colwise and rowwise parallel styles, extended to place LoRA factors (`litgpt.lora.LoRALinear`) as well:
 the placements of each kind of parameter are data (`COLWISE`, `ROWWISE`), the styles read them; and the styles of
 what the model computes on local tensors beside them: a module computed whole on every rank (`Replicated`), a
-module's own parameters split by heads and read as this rank's piece (`LocalParameters`: attention sinks), a
-mixture-of-experts layer whose every expert is split by its width (`ExpertsTensorParallel`).
+module computed on its input's shard (`ShardedInput`: norms over the rank's heads), a module's own parameters split
+by heads and read as this rank's piece (`LocalParameters`: attention sinks), a gradient summed over the ranks where
+each rank's readers give their share (`SummedGradientOf`: latent attention's rotary key), a mixture-of-experts layer
+whose every expert is split by its width (`ExpertsTensorParallel`).
 
 Next to a colwise base (split by output rows) A is whole on every rank and B split by output rows like the base: each
 rank adds the update of its own rows. Next to a rowwise base (split by input columns) A is split by input columns like
@@ -95,7 +97,7 @@ def local_update(layer: LoRALinear, x: DTensor, degree: int) -> torch.Tensor:
     return F.linear(low_rank, stacked_rows(parts, layer.out_features // degree, layer.r))
 
 
-# ---- what runs on local tensors ---------------------------------------------------------------------------------------
+# ---- what runs on local tensors --------------------------------------------------------------------------------------
 class Replicated(ParallelStyle):
     """A module computed whole on every rank (a router; latent attention's down-projections and their norms): its
     parameters replicated (buffers stay plain tensors: the router's correction bias meets local scores), its input
