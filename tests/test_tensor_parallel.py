@@ -10,6 +10,7 @@ before they are added, so a split layer cannot equal the whole one to 1e-5.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -230,18 +231,49 @@ def assert_same_loss_and_gradients(whole, split, orders: dict, loss=None) -> Non
         torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
-    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
-    gradients; so does one with LoRA adapters on every layer the plan splits (B not zero: A's gradients are sums
-    over the ranks), and with adapter dropout it trains."""
-    from litgpt.lora import LoRASettings, add_lora, mark_only_lora_as_trainable
-    from litgpt.model import GPT
-    from litgpt.train.loss import loss_function
-
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, failures):
+    """Inside: rank `rank` of a gloo group of `world` (one thread); what fails inside is put in `failures` for the
+    test, which runs in the parent (`run_spawned_ranks`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    except BaseException as error:
+        failures.put(f"rank {rank}: {error}")
+    finally:
+        dist.destroy_process_group()
+
+
+def adapt_with(settings):
+    """`adapt(model)` for `split_copy`: LoRA adapters of `settings` on `model`, only they trainable."""
+    from litgpt.lora import add_lora, mark_only_lora_as_trainable
+
+    def adapt(model):
+        add_lora(model, settings)
+        mark_only_lora_as_trainable(model)
+
+    return adapt
+
+
+def randomize_lora_b(model) -> None:
+    """B factors away from zero: A's gradients, sums over the ranks, are zero otherwise."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+
+
+def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
+    gradients; so does one with LoRA adapters on every layer the plan splits (B not zero: A's gradients are sums
+    over the ranks), and with adapter dropout it trains."""
+    from litgpt.lora import LoRASettings
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+
+    with gloo_rank(rank, world, port, failures):
         config = Config(**{**SMALL, "bias": True})  # a qkv bias too, permuted as its rows are
         torch.manual_seed(0)
         whole = GPT(config)
@@ -250,18 +282,10 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         assert set(orders) == {f"transformer.h.{i}.attn.qkv.{p}" for i in range(2) for p in ("weight", "bias")}
         assert_same_loss_and_gradients(whole, split, orders)
 
-        settings = LoRASettings(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True)
-
-        def adapt(model):
-            add_lora(model, settings)
-            mark_only_lora_as_trainable(model)
-
+        adapt = adapt_with(LoRASettings(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True))
         whole.zero_grad(set_to_none=True)
         adapt(whole)
-        with torch.no_grad():
-            for name, param in whole.named_parameters():
-                if "lora_" in name:
-                    param.normal_(std=0.1)
+        randomize_lora_b(whole)
         split, orders = split_copy(whole, world, adapt)
         assert_same_loss_and_gradients(whole, split, orders)
         for module in split.modules():
@@ -272,10 +296,6 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         loss = loss_function("cross_entropy")(split, idx, idx)["loss"]
         loss.backward()
         assert torch.isfinite(loss)
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error}")
-    finally:
-        dist.destroy_process_group()
 
 
 def run_spawned_ranks(worker, world: int) -> None:
@@ -343,33 +363,23 @@ def families_match_whole(rank: int, world: int, port: int, failures) -> None:
     """On each of `world` ranks, every family of `FAMILIES` split by its plan gives the whole model's loss (with the
     router's auxiliary loss) and gradients, on sequences that tensor parallelism pads; and with LoRA on every layer
     (gpt-oss, DeepSeek-V3)."""
-    from litgpt.lora import LoRASettings, add_lora, mark_only_lora_as_trainable
+    from litgpt.lora import LoRASettings
 
-    def adapt(model):
-        add_lora(model, LoRASettings(**EVERY_LAYER))
-        mark_only_lora_as_trainable(model)
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    adapt = adapt_with(LoRASettings(**EVERY_LAYER))
+    with gloo_rank(rank, world, port, failures):
         for family, changes in FAMILIES.items():
-            whole = whole_model(changes)
-            split, orders = split_copy(whole, world)
-            assert_same_loss_and_gradients(whole, split, orders)
-            if family in ("gpt-oss", "deepseek-v3"):
+            try:
                 whole = whole_model(changes)
-                adapt(whole)
-                with torch.no_grad():
-                    for name, param in whole.named_parameters():
-                        if "lora_B" in name:
-                            param.normal_(std=0.1)
-                split, orders = split_copy(whole, world, adapt)
+                split, orders = split_copy(whole, world)
                 assert_same_loss_and_gradients(whole, split, orders)
-    except BaseException as error:
-        failures.put(f"rank {rank}, {family}: {error}")
-    finally:
-        dist.destroy_process_group()
+                if family in ("gpt-oss", "deepseek-v3"):
+                    whole = whole_model(changes)
+                    adapt(whole)
+                    randomize_lora_b(whole)
+                    split, orders = split_copy(whole, world, adapt)
+                    assert_same_loss_and_gradients(whole, split, orders)
+            except AssertionError as error:
+                raise AssertionError(f"{family}: {error}") from error
 
 
 @pytest.mark.slow  # spawns 2 processes
@@ -400,10 +410,7 @@ def vocabulary_parallel_loss_matches(rank: int, world: int, port: int, failures)
     from litgpt.train.loss import loss_function
     from litgpt.train.preference_loss import token_nll
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port, failures):
         whole = whole_model({**SMALL, "final_logit_softcapping": 30.0})
         split, orders = split_copy(whole, world)
         vocabulary = whole.config.padded_vocab_size
@@ -423,10 +430,6 @@ def vocabulary_parallel_loss_matches(rank: int, world: int, port: int, failures)
         weights = torch.rand(2, 63, generator=torch.Generator().manual_seed(3))
         assert_same_loss_and_gradients(
             whole, split, orders, lambda model, idx, labels: (token_nll(model, idx, labels, 16) * weights).sum())
-    except BaseException as error:
-        failures.put(f"rank {rank}: {error}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns 2 processes
