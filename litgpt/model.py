@@ -405,6 +405,8 @@ class MultiheadLatentAttention(nn.Module):
     def __init__(self, config: Config, layer_idx: int) -> None:
         super().__init__()
         c = self.config = config
+        # The heads this layer computes: the config's, or under tensor parallelism this rank's share of them.
+        self.n_head = c.n_head
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_size, bias=False)
         else:
@@ -426,7 +428,7 @@ class MultiheadLatentAttention(nn.Module):
         c = self.config
         if latent:
             return KVCache(batch_size, 1, max_seq_length, c.kv_lora_rank, device, dtype, c.qk_rope_head_dim, True)
-        return KVCache(batch_size, c.n_head, max_seq_length, c.head_size, device, dtype, c.v_head_dim)
+        return KVCache(batch_size, self.n_head, max_seq_length, c.head_size, device, dtype, c.v_head_dim)
 
     def forward(
         self,
@@ -438,7 +440,7 @@ class MultiheadLatentAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(B, T, c.n_head, c.head_size).transpose(1, 2).split(
+        q_nope, q_rope = q.view(B, T, self.n_head, c.head_size).transpose(1, 2).split(
             (c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1
         )
         latent, k_rope = self.kv_a_proj(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
@@ -452,14 +454,14 @@ class MultiheadLatentAttention(nn.Module):
             latent, k_rope = cache.update(input_pos, latent, k_rope)
             if T == 1 and type(self.kv_b_proj) is nn.Linear:
                 y = self.attend_latent(q_nope, q_rope, latent, k_rope, mask)
-                return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+                return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * c.v_head_dim))
         k, v = self.expand(latent, k_rope)
         if cache is not None and not cache.latent:
             k, v = cache.update(input_pos, k, v)
 
         q = torch.cat((q_nope, q_rope), dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
-        return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.v_head_dim))
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * c.v_head_dim))
 
     def attend_latent(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """Attention over the cached latents themselves, without expanding them (one decoded token): kv_b_proj's
@@ -467,11 +469,11 @@ class MultiheadLatentAttention(nn.Module):
         O(cache length * kv_lora_rank) per head instead of expanding every cached position. The same products in
         another order: equal up to rounding. Returns (B, nh, T, v_head_dim)."""
         c = self.config
-        w = self.kv_b_proj.weight.view(c.n_head, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.n_head, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_k, w_v = w.split((c.qk_nope_head_dim, c.v_head_dim), dim=1)
         q = torch.cat((q_nope @ w_k, q_rope), dim=-1)  # (B, nh, T, kv_lora_rank + qk_rope_head_dim)
-        k = torch.cat((latent, k_rope), dim=-1).expand(-1, c.n_head, -1, -1)
-        v = latent.expand(-1, c.n_head, -1, -1)
+        k = torch.cat((latent, k_rope), dim=-1).expand(-1, self.n_head, -1, -1)
+        v = latent.expand(-1, self.n_head, -1, -1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return y @ w_v.transpose(1, 2)
 
@@ -480,9 +482,9 @@ class MultiheadLatentAttention(nn.Module):
         the shared rotary key (B, 1, S, qk_rope_head_dim)."""
         c = self.config
         B, _, S, _ = latent.shape
-        kv = self.kv_b_proj(latent).view(B, S, c.n_head, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
+        kv = self.kv_b_proj(latent).view(B, S, self.n_head, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, c.n_head, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, self.n_head, -1, -1)), dim=-1)
         return k, v
 
 

@@ -69,6 +69,9 @@ class LLaMAMoE(nn.Module):
         self.router_stats: Optional[RouterStats] = None
         # None: `self.experts` are all of the layer's experts, computed here.
         self.dispatch: Optional[ExpertDispatch] = None
+        # The first positions of each sequence that the load-balancing statistics count (None: all of them); the
+        # rest is padding added from outside (tensor parallelism pads the sequences to a multiple of its degree).
+        self.counted_positions: Optional[int] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -83,7 +86,7 @@ class LLaMAMoE(nn.Module):
             if self.router_stats is None:
                 # GPT.forward clears this; recording only once keeps the first forward's tensors (those in the
                 # loss' graph) when activation checkpointing runs the block again in the backward pass.
-                self.router_stats = RouterStats(route.counts(), probabilities.sum(dim=0), x.size(0))
+                self.router_stats = self._router_stats(route, chosen, probabilities, B, T)
         rows = x.index_select(0, route.token)
         if self.dispatch is None:
             y = self._sorted_rows(rows, route, dtype)
@@ -95,6 +98,16 @@ class LLaMAMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(B, T, C)
+
+    def _router_stats(self, route: "Routing", chosen: torch.Tensor, probabilities: torch.Tensor, B: int,
+                      T: int) -> "RouterStats":
+        """The routing's statistics over the counted positions of each sequence (`counted_positions`)."""
+        counted = self.counted_positions
+        if counted is None or counted == T:
+            return RouterStats(route.counts(), probabilities.sum(dim=0), B * T)
+        chosen = chosen.view(B, T, -1)[:, :counted]
+        counts = torch.bincount(chosen.flatten(), minlength=self.config.n_expert).float()
+        return RouterStats(counts, probabilities.view(B, T, -1)[:, :counted].sum(dim=(0, 1)), B * counted)
 
     def local_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This layer's own experts (`self.experts`) on `rows`, row i going to `self.experts[experts[i]]`: the
@@ -172,7 +185,7 @@ class LLaMAMoE(nn.Module):
         linears = (first.fc_1, first.fc_2, first.proj)
         if any(not _plain_weight(linear.weight) for linear in linears):
             return "modules"
-        sizes = [self.config.n_embd, self.config.moe_intermediate_size]
+        sizes = [self.config.n_embd, first.fc_1.out_features]  # the experts' width as their layers hold it
         if _lora(first.fc_1):
             sizes.append(first.fc_1.r)  # the adapters' rows of r elements
         return "grouped" if _grouped_mm_supported(x.device, dtype, sizes) else "blocks"

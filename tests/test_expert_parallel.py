@@ -1,7 +1,8 @@
 """Expert parallelism (`--parallel.expert`) with real processes on the CPU (gloo), against one process: EP2 on a
 Qwen3-MoE shape and on a DeepSeek-V3 shape (latent attention, shared experts, a dense first layer, group-limited
 sigmoid routing), EP2 x FSDP2 (4 processes), an EP2 checkpoint resumed in one process, the mesh's layout, and the
-refusals.
+refusals; and tensor parallelism on the same shapes (TP2, and TP2 x FSDP2 on the DeepSeek-V3 shape: every expert
+split along its width).
 
 The runs are in float32 (`--precision 32-true`); the load-balancing loss is on in both shapes, so the logged loss
 carries the router's auxiliary loss, which each rank computes on its own whole routing as one process does.
@@ -89,14 +90,38 @@ def test_expert_parallel_pretraining_equals_one_process(shape, runs):
 
 
 @pytest.mark.slow
-def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F811
-    """4 processes (two torchrun "nodes" of 2, FULL_SHARD): 2 expert groups of 2, each expert's weights FSDP-sharded
-    over the 2 ranks holding it, every rank reading its own batches."""
-    out_dir = inputs["root"] / "ep-qwen3-moe-four"
-    args = [*pretrain_args(inputs, out_dir, QWEN3_MOE), "--devices", "2", "--num_nodes", "2", "--parallel.expert",
-            "2", "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tensor_parallel_pretraining_of_the_moe_shapes_equals_one_process(shape, runs):
+    """TP2 on the same shapes (`litgpt.distributed.plans.dense`: every expert split along its width, the router
+    replicated, DeepSeek's latent attention split by heads and its shared expert as a dense MLP): the losses (with
+    the auxiliary loss) and final weights of one process."""
+    one = runs(shape, "one", "--devices", "1", *FLOAT32)
+    tp2 = runs(shape, "tp2", "--devices", "2", "--parallel.tensor", "2", *FLOAT32)
+    assert_close_runs(tp2, one, "lit_model.pth")
+
+
+def four_processes(out_dir: Path, inputs: dict, model: dict, *flags) -> Path:  # noqa: F811
+    """Pretraining `model` with `flags` on 4 processes (two torchrun "nodes" of 2, FULL_SHARD); its out_dir."""
+    args = [*pretrain_args(inputs, out_dir, model), "--devices", "2", "--num_nodes", "2", *flags,
+            "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32]
     for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
         assert result.returncode == 0, result.stderr[-3000:]
+    return out_dir
+
+
+@pytest.mark.slow
+def test_tensor_parallel_times_fsdp_of_the_deepseek_shape_equals_one_process(inputs, runs):  # noqa: F811
+    """2 tensor-parallel groups of 2, each reading its own batches, every rank's piece (its heads, its share of every
+    expert's width) FSDP-sharded over the 2 groups."""
+    out_dir = four_processes(inputs["root"] / "tp-deepseek-v3-four", inputs, DEEPSEEK_V3, "--parallel.tensor", "2")
+    assert_close_runs(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F811
+    """2 expert groups of 2, each expert's weights FSDP-sharded over the 2 ranks holding it, every rank reading its
+    own batches."""
+    out_dir = four_processes(inputs["root"] / "ep-qwen3-moe-four", inputs, QWEN3_MOE, "--parallel.expert", "2")
     assert_close_runs(out_dir, runs("qwen3-moe", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
 
 

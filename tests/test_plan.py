@@ -516,7 +516,7 @@ def test_planned_peak_matches_measured_on_cpu_more_settings():
 
 @pytest.mark.slow
 def test_planned_peak_matches_measured_under_tensor_parallelism():
-    """Two processes splitting each layer (--parallel.tensor 2: sequence parallelism, the head gathered for the loss,
+    """Two processes splitting each layer (--parallel.tensor 2: sequence parallelism, a vocabulary-parallel loss,
     FSDP over the one-device data-parallel mesh), full training and LoRA, checkpointing off and on: the larger rank's
     peak within 15%."""
     cases = [dict(config=SMALL, method=method, micro_batch_size=2, seq_length=256, tensor=2,
@@ -627,11 +627,20 @@ def test_tensor_parallel_parameters_by_hand():
     assert plan.world_size == 2 and plan.shard_group_size == 1 and plan.replicate_groups == 1
 
 
+def test_tensor_parallel_parameters_of_a_mixture_of_experts_by_hand():
+    """The Qwen3-MoE shape over --parallel.tensor 2: a rank holds half the vocabulary rows, half of each block's qkv
+    rows (64 x 64) and projection columns (64 x 32), half of every expert's width (4 x 3 x 16 x 64), the router
+    (4 x 64) and the norms (the query/key norms' 16 each) whole."""
+    block = 2 * 64 + 64 * 64 + 64 * 32 + 2 * 16 + 4 * 64 + 4 * 3 * 16 * 64
+    per_rank = 2 * 256 * 64 + 64 + 2 * block
+    plan = plan_for(ARCHITECTURES["qwen3-moe"], precision="32-true", device="cpu", devices=2, train=train_args(32),
+                    parallel=ParallelArgs(tensor=2))
+    assert plan.total_params == per_rank and plan.tensor_parallel == 2
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(devices=6, parallel=ParallelArgs(tensor=3)), "does not divide the 4 heads"),
     (dict(devices=1, parallel=ParallelArgs(tensor=2)), "plan for at least that many (--devices)"),
-    (dict(devices=2, parallel=ParallelArgs(tensor=2), method="lora", lora=LoRASettings(head=True)),
-     "a LoRA adapter on the output head (lora_head)"),
     (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**TINY)), "with frozen models"),
     (dict(devices=2, parallel=ParallelArgs(expert=2)), "does not cover --parallel.expert yet"),
     (dict(devices=2, parallel=ParallelArgs(context=2)), "does not cover --parallel.context yet"),

@@ -1,6 +1,8 @@
 """Tensor parallelism (`--parallel.tensor`, with sequence parallelism) with real processes on the CPU (gloo), against
 one process: TP2, TP2 x FSDP2 (two torchrun "nodes" of 2), checkpoints resumed across the two layouts, the fused
-qkv's per-rank layout, and the refusals.
+qkv's per-rank layout, every family's plan (query/key norms, sinks, latent attention, mixtures of experts, LoRA on
+every layer and the head) and the vocabulary-parallel loss on spawned ranks, and the refusals. The MoE shapes' CLI
+runs are in tests/test_expert_parallel.py, beside their one-process runs.
 
 The runs are in float32 (`--precision 32-true`): under bf16 autocast a rowwise matmul's partial sums are rounded
 before they are added, so a split layer cannot equal the whole one to 1e-5.
@@ -8,6 +10,7 @@ before they are added, so a split layer cannot equal the whole one to 1e-5.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -16,6 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from test_distributed import (
     SMALL,
     assert_close_runs,
@@ -124,8 +130,9 @@ def test_a_one_process_checkpoint_resumes_under_tensor_parallelism(inputs, one_p
 
 # ---- LoRA ----------------------------------------------------------------------------------------------------------
 # Every kind of adapter the plan splits: q, k and v parts of the fused qkv (colwise, rows permuted), the projection
-# and the MLP's output (rowwise), the MLP's inputs (colwise).
-EVERY_ADAPTER = ["--lora_key", "true", "--lora_projection", "true"]
+# and the MLP's output (rowwise), the MLP's inputs (colwise), the head (its B split by vocabulary rows: the loss runs
+# on each rank's).
+EVERY_ADAPTER = ["--lora_key", "true", "--lora_projection", "true", "--lora_head", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -201,15 +208,17 @@ def split_copy(whole, mesh, adapt=lambda model: None):
     return split, orders
 
 
-def assert_same_loss_and_gradients(whole, split, orders: dict) -> None:
-    """The split model's loss and gradients (gathered whole, in the checkpoint's row order) are the whole one's."""
+def assert_same_loss_and_gradients(whole, split, orders: dict, loss=None) -> None:
+    """The split model's loss and gradients (gathered whole, in the checkpoint's row order) are the whole one's.
+    `loss(model, idx, labels)`: a scalar (default: the cross-entropy with the router's auxiliary loss)."""
     from litgpt.distributed.dtensor import gather_full
     from litgpt.train.loss import loss_function
 
     generator = torch.Generator().manual_seed(1)
     idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
-    loss = loss_function("cross_entropy")
-    expected, actual = loss(whole, idx, labels)["loss"], loss(split, idx, labels)["loss"]  # 63: padded to 64
+    if loss is None:
+        loss = lambda model, idx, labels: loss_function("cross_entropy")(model, idx, labels)["loss"]  # noqa: E731
+    expected, actual = loss(whole, idx, labels), loss(split, idx, labels)  # 63: padded to 64
     expected.backward()
     actual.backward()
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
@@ -222,18 +231,49 @@ def assert_same_loss_and_gradients(whole, split, orders: dict) -> None:
         torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
-    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
-    gradients; so does one with LoRA adapters on every layer the plan splits (B not zero: A's gradients are sums
-    over the ranks), and with adapter dropout it trains."""
-    from litgpt.lora import LoRASettings, add_lora, mark_only_lora_as_trainable
-    from litgpt.model import GPT
-    from litgpt.train.loss import loss_function
-
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, failures):
+    """Inside: rank `rank` of a gloo group of `world` (one thread); what fails inside is put in `failures` for the
+    test, which runs in the parent (`run_spawned_ranks`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    except BaseException as error:
+        failures.put(f"rank {rank}: {error}")
+    finally:
+        dist.destroy_process_group()
+
+
+def adapt_with(settings):
+    """`adapt(model)` for `split_copy`: LoRA adapters of `settings` on `model`, only they trainable."""
+    from litgpt.lora import add_lora, mark_only_lora_as_trainable
+
+    def adapt(model):
+        add_lora(model, settings)
+        mark_only_lora_as_trainable(model)
+
+    return adapt
+
+
+def randomize_lora_b(model) -> None:
+    """B factors away from zero: A's gradients, sums over the ranks, are zero otherwise."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+
+
+def split_model_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks: a model split by the plan, loaded with a whole model's weights, gives its loss and
+    gradients; so does one with LoRA adapters on every layer the plan splits (B not zero: A's gradients are sums
+    over the ranks), and with adapter dropout it trains."""
+    from litgpt.lora import LoRASettings
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+
+    with gloo_rank(rank, world, port, failures):
         config = Config(**{**SMALL, "bias": True})  # a qkv bias too, permuted as its rows are
         torch.manual_seed(0)
         whole = GPT(config)
@@ -242,18 +282,10 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         assert set(orders) == {f"transformer.h.{i}.attn.qkv.{p}" for i in range(2) for p in ("weight", "bias")}
         assert_same_loss_and_gradients(whole, split, orders)
 
-        settings = LoRASettings(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True)
-
-        def adapt(model):
-            add_lora(model, settings)
-            mark_only_lora_as_trainable(model)
-
+        adapt = adapt_with(LoRASettings(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True))
         whole.zero_grad(set_to_none=True)
         adapt(whole)
-        with torch.no_grad():
-            for name, param in whole.named_parameters():
-                if "lora_" in name:
-                    param.normal_(std=0.1)
+        randomize_lora_b(whole)
         split, orders = split_copy(whole, world, adapt)
         assert_same_loss_and_gradients(whole, split, orders)
         for module in split.modules():
@@ -264,10 +296,6 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         loss = loss_function("cross_entropy")(split, idx, idx)["loss"]
         loss.backward()
         assert torch.isfinite(loss)
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error}")
-    finally:
-        dist.destroy_process_group()
 
 
 def run_spawned_ranks(worker, world: int) -> None:
@@ -291,6 +319,124 @@ def test_a_split_attention_and_mlp_equal_the_whole_model():
     run_spawned_ranks(split_model_matches_whole, 2)
 
 
+# ---- the families beyond the dense plan ------------------------------------------------------------------------------
+MOE = dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=32, n_expert=4, n_expert_per_token=2,
+           router_aux_loss_coef=0.01)
+FAMILIES = {
+    # Qwen3: an RMSNorm over each head's dims of the queries and keys, one weight all heads share.
+    "qwen3": {**SMALL, "norm_qk": True},
+    # StableLM 2: a LayerNorm weight of each head's own; OLMo 2: norms over all heads' queries (keys) together.
+    "stablelm-2": {**SMALL, "norm_class_name": "LayerNorm", "norm_qk": True, "norm_qk_per_head": True},
+    "olmo-2": {**SMALL, "norm_qk": True, "norm_qk_type": "olmo2"},
+    # gpt-oss: a sink per head, every other layer sliding, biases everywhere (the experts' too), the clamped SwiGLU.
+    "gpt-oss": {**SMALL, **MOE, "attention_sinks": True, "sliding_window_size": 16, "sliding_window_pattern": 2,
+                "bias": True, "router_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+    "qwen3-moe": {**SMALL, **MOE, "norm_qk": True, "moe_renormalize": False},
+    # DeepSeek-V3: latent attention (rope and nope dims per head), a dense first layer, a shared expert, sigmoid
+    # routing with a correction bias and group-limited choice.
+    "deepseek-v3": {**SMALL, **MOE, "n_expert": 8, "n_expert_per_token": 3, "n_query_groups": 4, "head_size": 24,
+                    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "moe_n_shared_expert": 1, "moe_shared_intermediate_size": 32,
+                    "moe_score_function": "sigmoid", "moe_expert_bias": True, "moe_n_group": 4, "moe_topk_group": 2,
+                    "moe_routed_scaling": 2.5, "moe_first_dense_layers": 1},
+}
+# LoRA on every layer the plans split or replicate, the experts' and the head's too.
+EVERY_LAYER = dict(r=4, alpha=8, dropout=0.0, key=True, projection=True, mlp=True, head=True)
+
+
+def whole_model(changes: dict):
+    """A one-process model of `changes`, its norms, sinks and correction biases drawn away from their initial values
+    (ones, zeros: a gradient summed over the wrong ranks would still look right at them)."""
+    from litgpt.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(Config(**changes))
+    model.init_weights()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "norm" in name or "sinks" in name or "correction" in name:
+                tensor.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return model
+
+
+def families_match_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks, every family of `FAMILIES` split by its plan gives the whole model's loss (with the
+    router's auxiliary loss) and gradients, on sequences that tensor parallelism pads; and with LoRA on every layer
+    (gpt-oss, DeepSeek-V3)."""
+    from litgpt.lora import LoRASettings
+
+    adapt = adapt_with(LoRASettings(**EVERY_LAYER))
+    with gloo_rank(rank, world, port, failures):
+        for family, changes in FAMILIES.items():
+            try:
+                whole = whole_model(changes)
+                split, orders = split_copy(whole, world)
+                assert_same_loss_and_gradients(whole, split, orders)
+                if family in ("gpt-oss", "deepseek-v3"):
+                    whole = whole_model(changes)
+                    adapt(whole)
+                    randomize_lora_b(whole)
+                    split, orders = split_copy(whole, world, adapt)
+                    assert_same_loss_and_gradients(whole, split, orders)
+            except AssertionError as error:
+                raise AssertionError(f"{family}: {error}") from error
+
+
+@pytest.mark.slow  # spawns 2 processes
+def test_every_family_split_equals_the_whole_model():
+    run_spawned_ranks(families_match_whole, 2)
+
+
+class LocalShapes(TorchDispatchMode):
+    """The shapes of the plain (not DTensor) tensors every op makes while inside: what a rank holds itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
+                self.shapes.add(tuple(tensor.shape))
+        return out
+
+
+def vocabulary_parallel_loss_matches(rank: int, world: int, port: int, failures) -> None:
+    """The chunked losses on each rank's vocabulary rows (16 positions a chunk): the cross-entropy (gradients taken
+    in its forward pass) and the per-position negative log-likelihood of preference optimization (recomputed in its
+    backward pass) equal one process's, and no rank makes a tensor as wide as the whole vocabulary (the chunks'
+    logits are (16, vocabulary / 2))."""
+    from litgpt.train.loss import loss_function
+    from litgpt.train.preference_loss import token_nll
+
+    with gloo_rank(rank, world, port, failures):
+        whole = whole_model({**SMALL, "final_logit_softcapping": 30.0})
+        split, orders = split_copy(whole, world)
+        vocabulary = whole.config.padded_vocab_size
+        shapes = LocalShapes()
+
+        def cross_entropy(model, idx, labels):
+            if model is not split:
+                return loss_function("cross_entropy", chunk_size=16)(model, idx, labels)["loss"]
+            with shapes:
+                return loss_function("cross_entropy", chunk_size=16)(model, idx, labels)["loss"]
+
+        assert_same_loss_and_gradients(whole, split, orders, cross_entropy)
+        assert (16, vocabulary // world) in shapes.shapes, "no chunk's logits were the rank's vocabulary rows"
+        assert not [shape for shape in shapes.shapes if vocabulary in shape], shapes.shapes
+        whole.zero_grad(set_to_none=True)
+        split.zero_grad(set_to_none=True)
+        weights = torch.rand(2, 63, generator=torch.Generator().manual_seed(3))
+        assert_same_loss_and_gradients(
+            whole, split, orders, lambda model, idx, labels: (token_nll(model, idx, labels, 16) * weights).sum())
+
+
+@pytest.mark.slow  # spawns 2 processes
+def test_the_vocabulary_parallel_loss_equals_one_process():
+    run_spawned_ranks(vocabulary_parallel_loss_matches, 2)
+
+
 # ---- refusals -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "changes, flags, message",
@@ -302,8 +448,11 @@ def test_a_split_attention_and_mlp_equal_the_whole_model():
         ({"n_head": 3, "n_query_groups": 3, "n_embd": 48}, TP2, "does not divide the 3 heads (n_head)"),
         ({"n_query_groups": 1}, TP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({"intermediate_size": 129}, TP2, "does not divide the 129 MLP width (intermediate_size)"),
-        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}, TP2,
-         "mixture-of-experts layers (dist-llama) is not supported yet"),
+        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 33}, TP2,
+         "does not divide the 33 experts' width (moe_intermediate_size)"),
+        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32,
+          "moe_n_shared_expert": 1, "moe_shared_intermediate_size": 33, "intermediate_size": 130,
+          "moe_first_dense_layers": 0}, TP2, "does not divide the 33 shared experts' width"),
     ],
 )
 def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811
@@ -316,13 +465,9 @@ def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [(["--lora_head", "true"], "a LoRA adapter on the output head (lora_head) (dist-llama) is not supported yet"),
-     (["--quantize", "bnb.nf4"], "a quantized base (--quantize, QLoRA) (dist-llama) is not supported yet")],
-)
-def test_what_lora_under_tensor_parallelism_refuses(flags, message, inputs, tmp_path):  # noqa: F811
-    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "out"), *TP2, *flags)
+def test_tensor_parallelism_refuses_a_quantized_base(inputs, tmp_path):  # noqa: F811
+    message = "a quantized base (--quantize, QLoRA) (dist-llama) is not supported yet"
+    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "out"), *TP2, "--quantize", "bnb.nf4")
     assert result.returncode == 1
     assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()

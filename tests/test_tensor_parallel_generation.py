@@ -175,7 +175,8 @@ TENSOR_2 = dict(parallel=ParallelArgs(tensor=2))
         ("generate", {"padded_vocab_size": 589}, TENSOR_2,
          "does not divide the 589 vocabulary rows (padded_vocab_size)"),
         ("generate", {"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2,
-                      "moe_intermediate_size": 32}, TENSOR_2, "tensor parallelism of models with mixture-of-experts"),
+                      "moe_intermediate_size": 32}, TENSOR_2, "generating with a split model with mixture-of-experts"),
+        ("generate", {"norm_qk": True}, TENSOR_2, "generating with a split model with query/key norms"),
         ("generate", {}, dict(**TENSOR_2, compile=True), "--compile with --parallel.tensor 2 is not supported yet"),
         ("generate", {}, dict(**TENSOR_2, device="cuda:1"), "--device cuda:1 with --parallel.tensor 2"),
         ("generate", {}, dict(**TENSOR_2, devices=1),
@@ -186,7 +187,7 @@ TENSOR_2 = dict(parallel=ParallelArgs(tensor=2))
         ("serve", {"n_query_groups": 1}, TENSOR_2, "does not divide the 1 key-value groups (n_query_groups)"),
         ("serve", {}, dict(**TENSOR_2, devices=4), "--devices 4 with --parallel.tensor 2"),
     ],
-    ids=["heads", "groups", "vocabulary", "moe", "compile", "one-device", "too-few-devices", "expert", "machine",
+    ids=["heads", "groups", "vocabulary", "moe", "qk-norms", "compile", "one-device", "too-few-devices", "expert", "machine",
          "serve-groups", "serve-devices"],
 )
 def test_what_split_generation_refuses(command, changes, options, message, tmp_path):

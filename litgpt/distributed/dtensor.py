@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
@@ -82,3 +82,10 @@ def gather_full(tensor: torch.Tensor, row_order: Optional[torch.Tensor] = None) 
     restored = torch.empty_like(full)
     restored[row_order] = full
     return restored
+
+
+def summed_gradient(x: torch.Tensor, mesh) -> torch.Tensor:
+    """`x` (the same on every rank of the 1-D `mesh`) as it is, its gradient summed over the ranks: where each rank's
+    consumers of `x` give only their share of its gradient (their heads, their width of an expert, their vocabulary
+    rows). Megatron's "copy to the tensor-parallel region"."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])

@@ -1,6 +1,6 @@
 """Tensor parallelism (with sequence parallelism for training, without it for generation) of a model built on the
-meta device: the family's plan (`litgpt.distributed.plans`) applied with `parallelize_module` over the mesh's "tensor"
-dimension, the fused qkv rows permuted so each rank holds its own heads, and the attention told its local head counts.
+meta device: the family's plan (`litgpt.distributed.plans`) applied with `parallelize_module` over the mesh's "tensor" dimension, entry by entry, the
+fused qkv rows permuted so each rank holds its own heads, and the attention told its local head counts.
 
 Checkpoints stay in the one-process layout: `row_orders` names the parameters stored permuted, and
 `litgpt.distributed.dtensor` permutes what is copied in and un-permutes what is gathered.
@@ -16,31 +16,35 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from litgpt.distributed.plans import check_tensor_parallel
+from litgpt.distributed.plans import check_tensor_parallel, check_tensor_parallel_generation
 from litgpt.distributed.plans.dense import (
-    BLOCK_PLAN, INFERENCE_BLOCK_PLAN, INFERENCE_MODEL_PLAN, MODEL_PLAN, qkv_row_order,
+    INFERENCE_BLOCK_PLAN, INFERENCE_MODEL_PLAN, MODEL_PLAN, block_plan, qkv_row_order,
 )
 from litgpt.model import CausalSelfAttention
+from litgpt.moe import LLaMAMoE
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True) -> None:
     """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place.
 
-    `sequence_parallel` False: generation's plan (`INFERENCE_BLOCK_PLAN`), whose activations are whole on every rank
-    between the layers, so that a single decoding position runs; its norms stay plain tensors, the same on each rank.
+    `sequence_parallel` False: generation's plan (`INFERENCE_BLOCK_PLAN`, dense models), whose activations are whole
+    on every rank between the layers, so that a single decoding position runs; its norms stay plain tensors, the
+    same on each rank.
     """
     config, degree = model.config, mesh.size()
-    check_tensor_parallel(config, degree)
-    block_plan, model_plan = (BLOCK_PLAN, MODEL_PLAN) if sequence_parallel else (INFERENCE_BLOCK_PLAN,
-                                                                                 INFERENCE_MODEL_PLAN)
+    (check_tensor_parallel if sequence_parallel else check_tensor_parallel_generation)(config, degree)
     # PyTorch's SequenceParallel registers the norms' weights anew, trainable: a frozen base (LoRA, a teacher) keeps
     # its own setting.
     trains = {name: param.requires_grad for name, param in model.named_parameters()}
     for block in model.transformer.h:
-        parallelize_module(block, mesh, {name: style for name, style in block_plan if placeable(block, name)})
+        plan = block_plan(config, isinstance(block.mlp, LLaMAMoE)) if sequence_parallel else INFERENCE_BLOCK_PLAN
+        for name, style in plan:
+            if placeable(block, name):
+                parallelize_module(block, mesh, {name: style})
         block.attn.n_head = config.n_head // degree
-        block.attn.n_query_groups = config.n_query_groups // degree
-    for name, style in model_plan:
+        if isinstance(block.attn, CausalSelfAttention):
+            block.attn.n_query_groups = config.n_query_groups // degree
+    for name, style in MODEL_PLAN if sequence_parallel else INFERENCE_MODEL_PLAN:
         parallelize_module(model, mesh, {name: style})
     if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
@@ -48,16 +52,18 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True
         param.requires_grad_(trains[name])
     if not sequence_parallel:
         return
-    model.forward = padded_to_multiple(model.forward, degree)
+    model.forward = padded_to_multiple(model, model.forward, degree)
     left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
         raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")
 
 
-def padded_to_multiple(forward: Callable, degree: int) -> Callable:
+def padded_to_multiple(model: nn.Module, forward: Callable, degree: int) -> Callable:
     """`GPT.forward` on sequences padded at their end to a multiple of `degree` (sequence parallelism splits the
     positions evenly over the group) and its output cut back to the given length: causal attention keeps the padding
-    out of every real position. Packed samples' positions go on counting, so the padding joins the last sample."""
+    out of every real position, and the mixture-of-experts layers leave it out of their load-balancing statistics
+    (`counted_positions`). Packed samples' positions go on counting, so the padding joins the last sample."""
+    moe_layers = [module for module in model.modules() if isinstance(module, LLaMAMoE)]
 
     def padded_forward(idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
         length = idx.size(1)
@@ -69,7 +75,13 @@ def padded_to_multiple(forward: Callable, degree: int) -> Callable:
         if positions is not None:
             steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
             kwargs["sample_positions"] = torch.cat((positions, positions[:, -1:] + steps), dim=1)
-        return forward(idx, **kwargs)[:, :length]
+        for layer in moe_layers:
+            layer.counted_positions = length
+        try:
+            return forward(idx, **kwargs)[:, :length]
+        finally:
+            for layer in moe_layers:
+                layer.counted_positions = None
 
     return padded_forward
 

@@ -56,8 +56,8 @@ Tensor parallelism (--parallel.tensor N, `litgpt.distributed.plans.dense`): ever
 gradients and optimizer state are those of its piece of the model (`litgpt.plan.layout.rank_recipe`: 1/N of the
 heads, the MLP width and the vocabulary rows, norms whole), sharded by FSDP over the data-parallel rest of the world;
 its activations are measured on that piece, except that the norms' (and each block's input) are split over the
-positions by sequence parallelism (`SavedActivations.split_over_sequence`); the loss gathers the head's weight whole
-(`litgpt.train.loss.OutputHead.of`), one more vocabulary x width matrix beside the chunk loop.
+positions by sequence parallelism (`SavedActivations.split_over_sequence`); the loss runs on the rank's vocabulary
+rows of the head (`litgpt.train.loss.VocabularyShard`): its chunks' logits are (chunk, vocabulary / N).
 
 Frozen models (`Recipe.frozen_configs`: a distillation teacher): their weights, final hidden states, chunk of logits
 and forward pass are added as `_add_frozen` describes.
@@ -372,6 +372,7 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
     if recipe.quantize is not None:
         _check_quantized_layout(recipe, precision, fsdp, world, shard)
     rows = train.micro_batch_size * recipe.sequences_per_sample  # a preference pair is two sequences
+    pieces = rank_recipe(recipe, tensor)  # one rank's piece of the model: its chunks are its vocabulary rows
     return _Run(
         recipe=recipe, precision=precision, sharding_strategy=fsdp.sharding_strategy, device=device,
         devices=devices, num_nodes=num_nodes, micro_batch_size=rows, seq_length=seq_length,
@@ -380,8 +381,8 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         offload_activations=train.offload_activations, cpu_offload=fsdp.cpu_offload,
         accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
         optimizer_in_backward=train.optimizer_in_backward, shard=shard,
-        loss_chunk_size=_loss_chunk(recipe.config, rows * seq_length, train.loss_chunk_size),
-        backward_prefetch=fsdp.backward_prefetch, tensor=tensor, rank_recipe=rank_recipe(recipe, tensor),
+        loss_chunk_size=_loss_chunk(pieces.config, rows * seq_length, train.loss_chunk_size),
+        backward_prefetch=fsdp.backward_prefetch, tensor=tensor, rank_recipe=pieces,
     )
 
 
@@ -394,8 +395,7 @@ def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
     if tensor > world:
         raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices: plan for at least that "
                         "many (--devices).")
-    check_tensor_parallel(recipe.config, tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
-                          quantized=recipe.quantize is not None)
+    check_tensor_parallel(recipe.config, tensor, quantized=recipe.quantize is not None)
     if recipe.frozen_configs():
         raise UserError(f"litgpt plan --parallel.tensor {tensor}: plans with frozen models (a teacher, a reference) "
                         "under tensor parallelism are not supported yet.")
@@ -516,7 +516,8 @@ def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
     """(one chunk's logits as the head and loss hold them, the gradients the chunk loop accumulates): see the module
     docstring."""
     config = run.config
-    vocab, width = config.padded_vocab_size, config.n_embd
+    # Under tensor parallelism each rank's chunk is its vocabulary rows' (a vocabulary-parallel loss).
+    vocab, width = run.rank_config.padded_vocab_size, config.n_embd
     per_row = 4 + (2 if run.compute == 2 else 0) + (4 if config.final_logit_softcapping is not None else 0)
     chunk_logits = run.loss_chunk_size * vocab * per_row
     hidden_grad = run.tokens * width * run.param_compute
@@ -526,9 +527,7 @@ def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
             head_grads += vocab * width * run.compute
     else:
         head_grads = vocab * run.lora.r * run.param_compute if run.lora.head else 0
-    # Tensor parallelism: the loss gathers the head's weight whole (`OutputHead.of`) for the chunk loop.
-    gathered_head = vocab * width * run.param_compute if run.tensor > 1 else 0
-    return chunk_logits, hidden_grad + head_grads + gathered_head
+    return chunk_logits, hidden_grad + head_grads
 
 
 def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict:
@@ -703,8 +702,9 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
         "optimizer_state": f"2 moments, {placement}, {master}",
         "gathered_params": gathered["detail"],
         "activations": _activations_detail(run, activations),
-        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x {config.padded_vocab_size:,} "
-        "vocab, + head and hidden gradients",
+        "logits_loss": f"1 chunk of {run.loss_chunk_size:,} of {run.tokens:,} positions x "
+        + (f"{run.rank_config.padded_vocab_size:,} of {config.padded_vocab_size:,} vocab rows"
+           if run.tensor > 1 else f"{config.padded_vocab_size:,} vocab") + ", + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
         + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else ""),
     }

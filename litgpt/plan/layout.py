@@ -57,17 +57,24 @@ def parameter_layout(recipe: "Recipe") -> Layout:
 
 
 def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
-    """The recipe of one rank's piece of the model under `tensor`-way tensor parallelism: the dense plan
-    (`litgpt.distributed.plans.dense`) gives each rank 1/tensor of the heads, key-value groups (with their fused qkv
-    rows), MLP width and vocabulary rows, and LoRA factors split as their layers are (`plans.styles`); a model of
-    those sizes has the rank's parameter shapes and runs its attention and MLP as the rank does."""
+    """The recipe of one rank's piece of the model under `tensor`-way tensor parallelism: the plans
+    (`litgpt.distributed.plans.dense`) give each rank 1/tensor of the heads (latent attention's too, its
+    down-projections whole), key-value groups (with their fused qkv rows), MLP width, every expert's and the shared
+    experts' width (the router whole) and vocabulary rows, and LoRA factors split as their layers are
+    (`plans.styles`); a model of those sizes has the rank's parameter shapes and runs its attention and MLP as the
+    rank does."""
     if tensor == 1:
         return recipe
     config = recipe.config
     vocab_rows = config.padded_vocab_size // tensor
+    heads = config.n_head // tensor
+    experts, shared = config.moe_intermediate_size, config.moe_shared_intermediate_size  # None: a dense model
     piece = dataclasses.replace(
-        config, n_head=config.n_head // tensor, n_query_groups=config.n_query_groups // tensor,
-        head_size=config.head_size, intermediate_size=config.intermediate_size // tensor,
+        config, n_head=heads, head_size=config.head_size, intermediate_size=config.intermediate_size // tensor,
+        # latent attention has no key-value groups: every head expands the latent
+        n_query_groups=heads if config.kv_lora_rank is not None else config.n_query_groups // tensor,
+        moe_intermediate_size=None if experts is None else experts // tensor,
+        moe_shared_intermediate_size=None if shared is None else shared // tensor,
         padded_vocab_size=vocab_rows, vocab_size=min(config.vocab_size, vocab_rows),
     )
     return dataclasses.replace(recipe, config=piece)

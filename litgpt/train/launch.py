@@ -67,8 +67,7 @@ def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler)
                         "compiler shards the model its own way.")
     recipe = job.recipe
     for config in (recipe.config, *recipe.frozen_configs().values()):
-        check_tensor_parallel(config, parallel.tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
-                              quantized=recipe.quantize is not None)
+        check_tensor_parallel(config, parallel.tensor, quantized=recipe.quantize is not None)
 
 
 def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) -> None:

@@ -12,12 +12,18 @@ sum of its losses and, when asked, the gradient of that sum with respect to the 
 one for next-token prediction; `DistillationChunkLoss` is another: its targets are the labels and the teacher's final
 hidden states, from which it builds the teacher's logits of the same chunk, so neither model's whole logits exist.
 
+Under tensor parallelism the head is split by vocabulary rows: `OutputHead.of` keeps each rank's rows and its
+`VocabularyShard`, and the chunk losses that take one (`nll_chunk`, so cross-entropy and preference optimization)
+combine each position's maximum, sum of exponentials and label logit over the group, so no rank builds a chunk's
+logits over the whole vocabulary (distillation, whose divergence needs every row of both models, gathers the head).
+
 A loss function returns `Losses`: "loss", what the backward pass runs on, and the parts it is made of for the logs
 (`ce_loss`, `kd_loss`, a mixture-of-experts router's `aux_loss`), detached.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -61,31 +67,70 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / labelled_positions(labels)
 
 
-def nll_chunk(logits: torch.Tensor, labels: torch.Tensor,
-              need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+@dataclass(frozen=True)
+class VocabularyShard:
+    """The vocabulary rows [start, start + rows of the logits) whose logits this rank computes, of a head split by
+    tensor parallelism over the ranks of `mesh` (1-D): a chunk loss that takes a shard (`nll_chunk`) combines each
+    position's maximum, sum of exponentials and label logit over the group (three all-reduces of one number per
+    position), so no rank builds logits over the whole vocabulary."""
+
+    mesh: object
+    start: int
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.mesh.get_group())
+        return tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Optional["VocabularyShard"]:
+        """The shard of a head's `weight` split by vocabulary rows over a 1-D mesh (tensor parallelism), else None."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or weight.placements != (Shard(0),):
+            return None
+        mesh = weight.device_mesh
+        return cls(mesh, mesh.get_local_rank() * (weight.size(0) // mesh.size()))
+
+
+def nll_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool,
+              shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The negative log-likelihood of each position's label (0 where there is none), and its gradient
     softmax - one_hot (zero rows where there is no label), computed in place over `logits`: the per-position
-    `ChunkLoss` of which cross-entropy sums the positions and preference optimization sums each sequence's."""
+    `ChunkLoss` of which cross-entropy sums the positions and preference optimization sums each sequence's. With a
+    `shard`, `logits` are its vocabulary rows' and so is the gradient; the values are the whole vocabulary's."""
     labelled = labels != IGNORE_INDEX
-    index = torch.where(labelled, labels, 0).unsqueeze(1)
+    mine = labelled
+    if shard is not None:
+        labels = labels - shard.start
+        mine = labelled & (labels >= 0) & (labels < logits.size(1))
+    index = torch.where(mine, labels, 0).unsqueeze(1)
     picked = logits.gather(1, index).squeeze(1)
     maxes = logits.amax(dim=1, keepdim=True)
+    if shard is not None:
+        import torch.distributed as dist
+
+        picked = shard.all_reduce(torch.where(mine, picked, 0.0))  # from the rank that holds the label's row
+        shard.all_reduce(maxes, dist.ReduceOp.MAX)
     exps = logits.sub_(maxes).exp_()  # in place: one float32 buffer per chunk
     sums = exps.sum(dim=1, keepdim=True)
+    if shard is not None:
+        shard.all_reduce(sums)
     log_sum_exp = (maxes + sums.log()).squeeze(1)
     per_position = torch.where(labelled, log_sum_exp - picked, 0.0)
     if not need_grad:
         return per_position, None
     grad = exps.div_(sums)
-    grad.scatter_add_(1, index, torch.full_like(picked, -1.0).unsqueeze(1))
+    grad.scatter_add_(1, index, torch.where(mine, -1.0, 0.0).unsqueeze(1))
     return per_position, grad.mul_(labelled.unsqueeze(1))
 
 
-def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor,
-                        need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool,
+                        shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The `ChunkLoss` of `cross_entropy`: the summed cross-entropy of the labelled positions (`nll_chunk`) and its
     gradient."""
-    per_position, grad = nll_chunk(logits, labels, need_grad)
+    per_position, grad = nll_chunk(logits, labels, need_grad, shard)
     return per_position.sum(), grad
 
 
@@ -110,21 +155,47 @@ class OutputHead:
     lora_input: Optional[torch.Tensor] = None
     lora_b: Optional[torch.Tensor] = None
     softcap: Optional[float] = None
+    shard: Optional[VocabularyShard] = None  # a head split by vocabulary rows: the tensors are this rank's rows'
 
     @classmethod
-    def of(cls, head: nn.Module, hidden: torch.Tensor, softcap: Optional[float] = None) -> "OutputHead":
+    def of(cls, head: nn.Module, hidden: torch.Tensor, softcap: Optional[float] = None,
+           split: bool = True) -> "OutputHead":
         """The tensors of `head`: an `nn.Linear`, or a `litgpt.lora.LoRALinear` (its adapters' gradients flow).
 
-        A head split by tensor parallelism is gathered whole (differentiably: each rank of the group computes the
-        same loss of the same batch, and keeps its own rows of the gradient)."""
+        A head split by tensor parallelism over its vocabulary rows stays split (`split`, `split_head`): its chunk
+        losses must take the `shard` (`nll_chunk`). With `split=False` (a chunk loss that needs whole logits,
+        distillation's) it is gathered whole (differentiably: each rank of the group computes the same loss of the
+        same batch, and keeps its own rows of the gradient)."""
         from litgpt.distributed.dtensor import gather_full
         from litgpt.lora import LoRALinear
 
+        shard = VocabularyShard.of(head.weight) if split else None
+        if shard is not None:
+            return split_head(head, hidden, softcap, shard)
         if isinstance(head, LoRALinear) and head.applies_update:
             lora_input, lora_b = head.low_rank(hidden)
             return cls(head.weight, head.bias, lora_input, lora_b, softcap)
         bias = None if head.bias is None else gather_full(head.bias)
         return cls(gather_full(head.weight), bias, softcap=softcap)
+
+
+def split_head(head: nn.Module, hidden: torch.Tensor, softcap: Optional[float], shard: VocabularyShard) -> OutputHead:
+    """`OutputHead.of` a head split by vocabulary rows: this rank's rows of its weight, bias and LoRA B; a LoRA
+    head's low-rank side from its whole A, its gradient summed over the group (each rank's rows give their share)."""
+    from torch.distributed.tensor import DTensor
+
+    from litgpt.distributed.dtensor import summed_gradient
+    from litgpt.distributed.plans.styles import local_views
+    from litgpt.lora import LoRALinear
+
+    bias = None if head.bias is None else head.bias.to_local()
+    if not (isinstance(head, LoRALinear) and head.applies_update):
+        return OutputHead(head.weight.to_local(), bias, softcap=softcap, shard=shard)
+    (_, _, _, a, b), = head.lora_factors()  # a head has one part: all of its rows
+    with local_views([(head, name, DTensor.to_local) for name, _ in head.named_parameters(recurse=False)
+                      if name.startswith("lora_A")]):
+        lora_input = summed_gradient(head.adapter_input(hidden), shard.mesh)
+    return OutputHead(head.weight.to_local(), bias, lora_input, b.to_local(), softcap, shard)
 
 
 def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,
@@ -136,8 +207,14 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
 
     `targets` (a tensor or a tuple of them) has `hidden`'s leading (batch, seq) dimensions; each chunk gets its rows.
     The head runs in `head_dtype(hidden)`; the loss in float32. The gradients reach the head's own parameters, as any
-    layer's do.
+    layer's do. A head split by vocabulary rows (`head.shard`) gives `chunk_loss` its rows' logits and the shard;
+    the hidden states' gradient, each rank's share, is summed over the group.
     """
+    if head.shard is not None:
+        from litgpt.distributed.dtensor import summed_gradient
+
+        chunk_loss = functools.partial(chunk_loss, shard=head.shard)
+        hidden = summed_gradient(hidden, head.shard.mesh)
     positions = hidden.shape[:-1].numel()
     if chunk_size is None:
         chunk_size = auto_chunk_size(positions, hidden.size(-1), head.weight.size(0))
@@ -447,7 +524,7 @@ def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Ten
     chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden))
     gpt = unwrap(model)
     hidden = model(input_ids, return_hidden=True, **packed(positions))
-    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
+    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping, split=False)
     total = chunked_head_loss(hidden, head, (labels, teacher_hidden), chunk_loss, chunk_size)
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 

@@ -1,5 +1,5 @@
-"""Tensor-parallel plans per model family, as data (`dense.py`), and the checks of which configs tensor, expert and
-context parallelism cover.
+"""Tensor-parallel plans per model family, as data (`dense.py`, with the styles of `styles.py`), and the checks of
+which configs tensor, expert and context parallelism cover.
 
 Light to import (no torch): entry points check `--parallel` before anything heavy loads."""
 
@@ -9,11 +9,37 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 
 
-def check_tensor_parallel(config: Config, degree: int, adapted_head: bool = False, quantized: bool = False) -> None:
-    """UserError unless `degree`-way tensor parallelism covers `config`: a dense family the plan knows, whose heads,
-    key-value groups, MLP width and vocabulary split evenly. LoRA adapters are split with their layers, except on the
-    head (`adapted_head`: the loss gathers the head whole) and on a quantized base (`quantized`: bitsandbytes layers
+def check_tensor_parallel(config: Config, degree: int, quantized: bool = False) -> None:
+    """UserError unless `degree`-way tensor parallelism covers `config` (`litgpt.distributed.plans.dense`): its heads,
+    key-value groups, MLP widths (the dense layers', every expert's, the shared experts') and vocabulary split
+    evenly. LoRA adapters are split with their layers, except on a quantized base (`quantized`: bitsandbytes layers
     and torchao's NF4 tensors are not DTensors the plan can split)."""
+    if degree == 1:
+        return
+    name = config.name or "this model"
+    if quantized:
+        raise UserError(f"--parallel.tensor {degree}: tensor parallelism of models with a quantized base (--quantize, "
+                        f"QLoRA) ({name}) is not supported yet; use --parallel.tensor 1.")
+    sizes = {"heads (n_head)": config.n_head, "vocabulary rows (padded_vocab_size)": config.padded_vocab_size}
+    if config.kv_lora_rank is None:  # latent attention has no key-value groups: every head expands the latent
+        sizes["key-value groups (n_query_groups)"] = config.n_query_groups
+    moe = config.mlp_class_name == "LLaMAMoE"
+    if not moe or config.moe_first_dense_layers:
+        sizes["MLP width (intermediate_size)"] = config.intermediate_size
+    if moe:
+        sizes["experts' width (moe_intermediate_size)"] = config.moe_intermediate_size
+        if config.moe_n_shared_expert:
+            sizes["shared experts' width (moe_shared_intermediate_size)"] = config.moe_shared_intermediate_size
+    for what, size in sizes.items():
+        if size % degree:
+            raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of {name}: use a divisor "
+                            "of it.")
+
+
+def check_tensor_parallel_generation(config: Config, degree: int) -> None:
+    """UserError unless generation's plan (`INFERENCE_BLOCK_PLAN`: no sequence parallelism, for single decoding
+    positions) covers `config`, beside training's checks: fused q/k/v attention and dense MLPs only."""
+    check_tensor_parallel(config, degree)
     if degree == 1:
         return
     unsupported = {
@@ -21,20 +47,12 @@ def check_tensor_parallel(config: Config, degree: int, adapted_head: bool = Fals
         "latent attention": config.kv_lora_rank is not None,
         "attention sinks": bool(config.attention_sinks),
         "query/key norms": bool(config.norm_qk),
-        "a LoRA adapter on the output head (lora_head)": adapted_head,
-        "a quantized base (--quantize, QLoRA)": quantized,
     }
     for feature, present in unsupported.items():
         if present:
-            raise UserError(f"--parallel.tensor {degree}: tensor parallelism of models with {feature} "
-                            f"({config.name or 'this model'}) is not supported yet; use --parallel.tensor 1.")
-    sizes = {"heads (n_head)": config.n_head, "key-value groups (n_query_groups)": config.n_query_groups,
-             "MLP width (intermediate_size)": config.intermediate_size,
-             "vocabulary rows (padded_vocab_size)": config.padded_vocab_size}
-    for what, size in sizes.items():
-        if size % degree:
-            raise UserError(f"--parallel.tensor {degree} does not divide the {size} {what} of "
-                            f"{config.name or 'this model'}: use a divisor of it.")
+            raise UserError(f"--parallel.tensor {degree}: generating with a split model with {feature} "
+                            f"({config.name or 'this model'}) is not supported yet (training splits it); use "
+                            "--parallel.tensor 1.")
 
 
 def check_expert_parallel(config: Config, degree: int) -> None:

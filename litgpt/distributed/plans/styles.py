@@ -1,5 +1,10 @@
 """PyTorch's colwise and rowwise parallel styles, extended to place LoRA factors (`litgpt.lora.LoRALinear`) as well:
-the placements of each kind of parameter are data (`COLWISE`, `ROWWISE`), the styles read them.
+the placements of each kind of parameter are data (`COLWISE`, `ROWWISE`), the styles read them; and the styles of
+what the model computes on local tensors beside them: a module computed whole on every rank (`Replicated`), a
+module computed on its input's shard (`ShardedInput`: norms over the rank's heads), a module's own parameters split
+by heads and read as this rank's piece (`LocalParameters`: attention sinks), a gradient summed over the ranks where
+each rank's readers give their share (`SummedGradientOf`: latent attention's rotary key), a mixture-of-experts layer
+whose every expert is split by its width (`ExpertsTensorParallel`).
 
 Next to a colwise base (split by output rows) A is whole on every rank and B split by output rows like the base: each
 rank adds the update of its own rows. Next to a rowwise base (split by input columns) A is split by input columns like
@@ -13,13 +18,26 @@ plainly, so rank r's piece of each B is that part's rows of rank r's heads, and 
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from litgpt.distributed.dtensor import summed_gradient
 from litgpt.lora import LORA_PREFIX, LoRALinear, stacked_rows
+from litgpt.moe import LLaMAMoE
 
 # Parameter kind -> placement: the base's `weight` and `bias`, and the LoRA factors `lora_A*` and `lora_B*`.
 COLWISE = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
@@ -31,9 +49,12 @@ def parameter_kind(name: str) -> str:
     return name[:len(LORA_PREFIX) + 1] if name.startswith(LORA_PREFIX) else name
 
 
-def place_parameters(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank) -> None:
+def place_parameters(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank,
+                     default: Placement | None = None) -> None:
+    """The module's own parameters as DTensors on `mesh`, each placed by its kind (`placements`, else `default`)."""
     for name, param in list(module.named_parameters(recurse=False)):
-        placed = distribute_tensor(param, mesh, [placements[parameter_kind(name)]], src_data_rank=src_data_rank)
+        placement = placements.get(parameter_kind(name), default)
+        placed = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
@@ -74,3 +95,183 @@ def local_update(layer: LoRALinear, x: DTensor, degree: int) -> torch.Tensor:
     low_rank = layer.adapter_input(x).to_local(grad_placements=(Partial(),))
     parts = [(start // degree, stop // degree, b.to_local()) for _, start, stop, _, b in layer.lora_factors()]
     return F.linear(low_rank, stacked_rows(parts, layer.out_features // degree, layer.r))
+
+
+# ---- what runs on local tensors --------------------------------------------------------------------------------------
+class Replicated(ParallelStyle):
+    """A module computed whole on every rank (a router; latent attention's down-projections and their norms): its
+    parameters replicated (buffers stay plain tensors: the router's correction bias meets local scores), its input
+    and output local tensors. Its output's gradient must be whole on every rank: the colwise layers that read it sum
+    theirs over the ranks, other readers by `summed_gradient`."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def replicate(name, submodule, mesh):
+            place_parameters(submodule, mesh, {}, None, default=Replicate())
+
+        def to_dtensors(module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        distribute_module(module, device_mesh, replicate, to_dtensors, lambda module, output, mesh: output.to_local())
+        for submodule in module.modules():  # `distribute_module` replicates the buffers too: back to plain tensors
+            for name, buffer in submodule._buffers.items():
+                if isinstance(buffer, DTensor):
+                    submodule._buffers[name] = buffer.to_local()
+        return module
+
+
+class ShardedInput(ParallelStyle):
+    """A module computed on the rank's piece of its input, split along `dim` (query/key norms on the rank's heads):
+    its input and output local tensors, its parameters placed by `placements` (parameter kind -> placement, else
+    replicated: their gradients are summed over the ranks)."""
+
+    def __init__(self, dim: int, placements: dict[str, Placement]) -> None:
+        super().__init__()
+        self.dim, self.placements = dim, placements
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        shard = [Shard(self.dim)]
+
+        def place(name, submodule, mesh):
+            place_parameters(submodule, mesh, self.placements, self.src_data_rank, default=Replicate())
+
+        def to_dtensor(module, inputs, mesh):
+            return (DTensor.from_local(inputs[0], mesh, shard, run_check=False), *inputs[1:])
+
+        def to_local(module, output, mesh):
+            return output.redistribute(placements=shard).to_local()
+
+        return distribute_module(module, device_mesh, place, to_dtensor, to_local)
+
+
+class SummedGradientOf(ParallelStyle):
+    """The gradient of argument `argument` of the module's method `method` summed over the ranks (`summed_gradient`):
+    latent attention's rotary key, which each rank's heads read, when its heads expand it."""
+
+    def __init__(self, method: str, argument: int) -> None:
+        super().__init__()
+        self.method, self.argument = method, argument
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        method, index = getattr(module, self.method), self.argument
+
+        def with_summed_gradient(*args):
+            args = list(args)
+            args[index] = summed_gradient(args[index], device_mesh)
+            return method(*args)
+
+        setattr(module, self.method, with_summed_gradient)
+        return module
+
+
+@contextlib.contextmanager
+def local_views(views: list[tuple[nn.Module, str, Callable[[DTensor], torch.Tensor]]]) -> Iterator[None]:
+    """Inside, each (module, name, view): the module's parameter `name` (a DTensor) read as `view(parameter)`, a
+    local tensor in the autograd graph (`DTensor.to_local` with the placement its local gradient has), for code
+    that computes on local tensors; the parameters themselves are back afterwards."""
+    placed = [(module, name, module._parameters[name]) for module, name, _ in views]
+    try:
+        for (module, name, param), (_, _, view) in zip(placed, views):
+            module._parameters[name] = view(param)
+        yield
+    finally:
+        for module, name, param in placed:
+            module._parameters[name] = param
+
+
+class LocalParameters(ParallelStyle):
+    """A module's own parameters (not its submodules') placed by `placements` (name -> placement) and read as this
+    rank's piece while it runs: attention sinks, one per head, split with the heads (Shard(0))."""
+
+    def __init__(self, placements: dict[str, Placement]) -> None:
+        super().__init__()
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            param = module._parameters[name]
+            placed = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        forward = module.forward
+
+        def forward_on_local_pieces(*args, **kwargs):
+            with local_views([(module, name, DTensor.to_local) for name in self.placements]):
+                return forward(*args, **kwargs)
+
+        module.forward = forward_on_local_pieces
+        return module
+
+
+# An expert's parameters as the grouped kernels read them (local tensors), by parameter kind, with the placement of
+# their local gradients: a replicated factor's gradient on a rank is its share of the sum (the rank's rows of a
+# colwise layer, the rank's partial sums of a rowwise one), and a rowwise layer's bias, added on every rank to
+# partial sums that are then summed, is read as bias / degree.
+def _local(param: DTensor) -> torch.Tensor:
+    return param.to_local()
+
+
+def _local_share_of_sum(param: DTensor) -> torch.Tensor:
+    return param.to_local(grad_placements=[Partial()])
+
+
+def _local_partial(param: DTensor) -> torch.Tensor:
+    return param.to_local(grad_placements=[Partial()]) / param.device_mesh.size()
+
+
+EXPERT_COLWISE_VIEWS = {"weight": _local, "bias": _local, "lora_A": _local_share_of_sum, "lora_B": _local}
+EXPERT_ROWWISE_VIEWS = {"weight": _local, "bias": _local_partial, "lora_A": _local, "lora_B": _local_share_of_sum}
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Tensor parallelism on a mixture-of-experts layer's routed experts (torchtitan's "TP on experts"): every expert
+    split along its width, its `colwise` inputs (fc_1, fc_2) by output rows and its `rowwise` output (proj) by input
+    columns, so the grouped kernels run every expert on the rank's share of its width, over all of the layer's rows
+    (`TensorParallelExperts`). The layer's output is then a partial sum, reduce-scattered onto the sequence by the
+    plan's output style; the routing weights' gradient (each rank's partial outputs give their share of it) is summed
+    over the ranks, the router's own stays whole (its auxiliary loss reads the same routing on every rank)."""
+
+    def __init__(self, colwise: tuple[str, ...], rowwise: tuple[str, ...]) -> None:
+        super().__init__()
+        self.colwise, self.rowwise = colwise, rowwise
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, LLaMAMoE):
+            raise TypeError(f"ExpertsTensorParallel splits a mixture-of-experts layer, not {type(module).__name__}.")
+        degree, views = device_mesh.size(), []
+        for expert in module.experts:
+            for names, placements, kind_views in ((self.colwise, COLWISE, EXPERT_COLWISE_VIEWS),
+                                                  (self.rowwise, ROWWISE, EXPERT_ROWWISE_VIEWS)):
+                for name in names:
+                    linear = getattr(expert, name)
+                    place_parameters(linear, device_mesh, placements, self.src_data_rank)
+                    views += [(linear, param, kind_views[parameter_kind(param)])
+                              for param, _ in linear.named_parameters(recurse=False)]
+                    if placements is COLWISE:  # the widths the kernels split their outputs by
+                        linear.out_features //= degree
+                    else:
+                        linear.in_features //= degree
+        module.dispatch = TensorParallelExperts(views, device_mesh)
+        route = module.route
+
+        def route_with_summed_gradient(x: torch.Tensor) -> tuple:
+            weights, chosen, scores = route(x)
+            return summed_gradient(weights, device_mesh), chosen, scores
+
+        module.route = route_with_summed_gradient
+        return module
+
+
+class TensorParallelExperts:
+    """The `litgpt.moe.ExpertDispatch` of a layer whose experts are split by their width: every rank runs the same
+    rows (its layer's whole input) through its share of every expert (`views`: the experts' parameters read as local
+    tensors) and returns partial sums; the rows' gradient, each rank's share, is summed over the ranks."""
+
+    def __init__(self, views: list, mesh) -> None:
+        self.views, self.mesh = views, mesh
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, run_local: Callable) -> torch.Tensor:
+        # each row's expert; the output size given: no read back to the host
+        experts = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
+                                          output_size=rows.size(0))
+        with local_views(self.views):
+            return run_local(summed_gradient(rows, self.mesh), experts)
