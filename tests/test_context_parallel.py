@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 
 import pytest
@@ -24,7 +23,7 @@ from test_distributed import (
     litgpt,
     write_config,
 )
-from test_tensor_parallel import run_spawned_ranks
+from test_tensor_parallel import join_gloo_group, run_spawned_ranks
 
 from litgpt.config import Config
 from litgpt.distributed.topology import Topology
@@ -85,9 +84,7 @@ def split_by_positions_matches_whole(rank: int, world: int, port: int, failures)
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_group(rank, world, port)
     try:
         torch.manual_seed(0)
         whole = GPT(Config(**SMALL))
@@ -133,9 +130,7 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_group(rank, world, port)
     try:
         torch.manual_seed(0)
         whole = GPT(Config(**{**SMALL, "n_query_groups": 4}))  # one key-value group per rank of the 2 x 2 split
@@ -183,7 +178,8 @@ def one_training_step(model, loss, optimizer_of) -> "torch.optim.Optimizer":
     generator = torch.Generator().manual_seed(1)
     idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
     labels[0, :40] = -100
-    batch = {"input_ids": idx, "labels": labels, "positions": torch.cat((torch.arange(30), torch.arange(33))).expand(2, 63)}
+    positions = torch.cat((torch.arange(30), torch.arange(33))).expand(2, 63)  # two packed samples
+    batch = {"input_ids": idx, "labels": labels, "positions": positions}
     optimizer = optimizer_of(model)
     loss(model, batch)["loss"].backward()
     optimizer.step()
@@ -210,9 +206,7 @@ def sharded_save_over_context_and_tensor(rank: int, world: int, port: int, failu
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_group(rank, world, port)
     try:
         torch.manual_seed(0)
         whole = GPT(Config(**CP2_TP2_MODEL))

@@ -750,13 +750,15 @@ def published_plans() -> dict[str, object]:
       parallelism of latent attention and experts yet (nor pipeline parallelism): planned as EP 8 within each node
       + FSDP over the 256 GPUs, one sequence per GPU (the tutorial's command)."""
     full = dict(method="full", precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=8)
+
+    def plan(name: str, nodes: int, parallel: ParallelArgs, seq_length: int, batch: int):
+        train = train_args(seq_length, batch, activation_checkpointing=True)
+        return plan_for(Config.from_name(name), **full, num_nodes=nodes, parallel=parallel, train=train)
+
     return {
-        "Llama 3.1 70B": plan_for(Config.from_name("Llama-3.1-70B"), **full, num_nodes=32,
-                                  parallel=ParallelArgs(tensor=8), train=train_args(8192, 16, activation_checkpointing=True)),
-        "Llama 3.1 405B": plan_for(Config.from_name("Llama-3.1-405B"), **full, num_nodes=16,
-                                   parallel=ParallelArgs(tensor=8), train=train_args(8192, 2, activation_checkpointing=True)),
-        "DeepSeek-V3": plan_for(Config.from_name("DeepSeek-V3"), **full, num_nodes=32,
-                                parallel=ParallelArgs(expert=8), train=train_args(4096, 1, activation_checkpointing=True)),
+        "Llama 3.1 70B": plan("Llama-3.1-70B", 32, ParallelArgs(tensor=8), 8192, 16),
+        "Llama 3.1 405B": plan("Llama-3.1-405B", 16, ParallelArgs(tensor=8), 8192, 2),
+        "DeepSeek-V3": plan("DeepSeek-V3", 32, ParallelArgs(expert=8), 4096, 1),
     }
 
 

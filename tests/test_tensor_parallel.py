@@ -244,9 +244,7 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
     from litgpt.model import GPT
     from litgpt.train.loss import loss_function
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_group(rank, world, port)
     try:
         config = Config(**{**SMALL, "bias": True})  # a qkv bias too, permuted as its rows are
         torch.manual_seed(0)
@@ -282,6 +280,13 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         failures.put(f"rank {rank}: {error}")
     finally:
         dist.destroy_process_group()
+
+
+def join_gloo_group(rank: int, world: int, port: int) -> None:
+    """This spawned process as rank `rank` of a gloo group of `world` meeting on 127.0.0.1:`port`, one thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def run_spawned_ranks(worker, world: int) -> None:

@@ -431,7 +431,8 @@ def _check_expert_and_context_parallel(recipe: "Recipe", expert: int, context: i
     `check_context_parallel`; the mesh's own in `Topology`), and what the plan does not cover yet."""
     from litgpt.distributed.plans import check_context_parallel, check_expert_parallel
 
-    for degree, option, what in ((expert, "expert", "splits the experts"), (context, "context", "splits each sequence")):
+    splits = ((expert, "expert", "splits the experts"), (context, "context", "splits each sequence"))
+    for degree, option, what in splits:
         if degree == 1:
             continue
         if degree * (tensor if option == "context" else 1) > world:
@@ -512,7 +513,8 @@ def _gradients_in_flight(run: _Run, layout: Layout) -> int:
     """With --train.optimizer_in_backward, the most gradient bytes that exist at once after autograd (or FSDP's
     reduce-scatter) made them: one parameter's on one device, one FSDP unit's shards."""
     units = [layout.root, *layout.blocks] if run.fsdp else [[p] for p in layout.params]
-    return max(sum(_shard_numel(p.shape, _shard_of(run, p)) for p in unit if p.trainable) for unit in units) * run.master
+    shards = [sum(_shard_numel(p.shape, _shard_of(run, p)) for p in unit if p.trainable) for unit in units]
+    return max(shards) * run.master
 
 
 def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
@@ -828,8 +830,8 @@ def _parallel_notes(run: _Run) -> list[str]:
     if run.expert > 1:
         layers = config.n_layer - config.moe_first_dense_layers
         notes.append(
-            f"Expert parallelism: each device holds {config.n_expert // run.expert} of the {config.n_expert} experts of "
-            f"each of {layers} MoE layers, sharded over the {run.expert_shard} device(s) holding the same experts; the "
+            f"Expert parallelism: each device holds {config.n_expert // run.expert} of the {config.n_expert} experts "
+            f"of each of {layers} MoE layers, sharded over the {run.expert_shard} device(s) holding the same experts; the "
             "router, the shared experts and the rest of the model are sharded over the data-parallel devices. The "
             f"all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in and out)."
         )
