@@ -194,6 +194,43 @@ def assert_same_final(run: Path, reference: Path, weights_file: str, atol: float
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
+def assert_resumed_where_it_stopped(resumed: Path, reference: Path, weights_file: str = "lit_model.pth") -> None:
+    """A run resumed from `reference`'s (or an equal run's) step 2: the losses of its steps 3 and 4 are the
+    uninterrupted run's (the same batches: it went on from the data position it was saved at), and so are its
+    final weights."""
+    torch.testing.assert_close(torch.tensor(losses(resumed)), torch.tensor(losses(reference)[2:]), rtol=0, atol=1e-5)
+    assert_same_final(resumed, reference, weights_file, atol=1e-4)
+
+
+def hugging_face_tensors(step: Path, work: Path) -> tuple[dict, dict]:
+    """(config.json, tensors) of the Hugging Face folder `litgpt convert_from_litgpt` writes from a step folder;
+    a sharded one is put in one file by `litgpt consolidate` first."""
+    from safetensors.torch import load_file
+
+    work.mkdir(parents=True)
+    if (step / "sharded").is_dir():
+        result = litgpt("consolidate", step, "--out_dir", work / "consolidated")
+        assert result.returncode == 0, result.stderr[-2000:]
+        step = work / "consolidated"
+    result = litgpt("convert_from_litgpt", step, work / "hf")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tensors = {}
+    for file in sorted((work / "hf").glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return json.loads((work / "hf" / "config.json").read_text()), tensors
+
+
+def assert_same_hugging_face_folder(step: Path, reference_step: Path, work: Path) -> None:
+    """`step` (saved on some mesh) and `reference_step` (one process's) convert to the same Hugging Face folder: the
+    same config, tensor names, shapes and dtypes, and values within the runs' tolerance."""
+    config, tensors = hugging_face_tensors(step, work / "run")
+    reference_config, reference = hugging_face_tensors(reference_step, work / "reference")
+    assert config == reference_config
+    assert tensors.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(tensors[key], value, rtol=0, atol=1e-4, msg=key)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("distributed")

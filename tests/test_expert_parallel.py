@@ -1,8 +1,9 @@
 """Expert parallelism (`--parallel.expert`) with real processes on the CPU (gloo), against one process: EP2 on a
 Qwen3-MoE shape and on a DeepSeek-V3 shape (latent attention, shared experts, a dense first layer, group-limited
-sigmoid routing), EP2 x FSDP2 (4 processes), an EP2 checkpoint resumed in one process, the mesh's layout, and the
-refusals; and tensor parallelism on the same shapes (TP2, and TP2 x FSDP2 on the DeepSeek-V3 shape: every expert
-split along its width).
+sigmoid routing), EP2 x FSDP2 (4 processes), EP2 checkpoints (full and sharded) resumed in one process and on FSDP
+without expert parallelism and converted to one process's Hugging Face folder, the mesh's layout, and the refusals;
+and tensor parallelism on the same shapes (TP2, and TP2 x FSDP2 on the DeepSeek-V3 shape: every expert split along
+its width).
 
 The runs are in float32 (`--precision 32-true`); the load-balancing loss is on in both shapes, so the logged loss
 carries the router's auxiliary loss, which each rank computes on its own whole routing as one process does.
@@ -18,7 +19,9 @@ import torch
 from test_distributed import (
     SMALL,
     assert_close_runs,
+    assert_resumed_where_it_stopped,
     assert_same_final,
+    assert_same_hugging_face_folder,
     child_environment,
     command_args,
     final_weights,
@@ -27,18 +30,21 @@ from test_distributed import (
     torchrun_nodes,
 )
 
+from litgpt.checkpoint.store import TRAINING_STATE_FILE
 from litgpt.distributed.topology import Topology
 from litgpt.errors import UserError
+from litgpt.io import load_state_dict
 
 FLOAT32 = ["--precision", "32-true"]
 EP2 = ["--devices", "2", "--parallel.expert", "2", *FLOAT32]
 MOE = dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=32, n_expert=4, n_expert_per_token=2,
            router_aux_loss_coef=0.01)
 # Qwen3-MoE: softmax routing without renormalization, query/key norms, no shared experts.
-QWEN3_MOE = {**SMALL, **MOE, "name": "tiny-qwen3-moe", "norm_qk": True, "moe_renormalize": False}
+QWEN3_MOE = {**SMALL, **MOE, "name": "tiny-qwen3-moe", "hf_model_type": "qwen3_moe", "norm_qk": True,
+             "moe_renormalize": False}
 # DeepSeek-V3: latent attention, a dense first layer, a shared expert, sigmoid routing with a correction bias and
 # group-limited choice (2 of 4 groups of 2), scaled weights.
-DEEPSEEK_V3 = {**SMALL, **MOE, "name": "tiny-deepseek-v3", "n_layer": 2, "n_expert": 8, "n_expert_per_token": 3,
+DEEPSEEK_V3 = {**SMALL, **MOE, "name": "tiny-deepseek-v3", "hf_model_type": "deepseek_v3", "n_layer": 2, "n_expert": 8, "n_expert_per_token": 3,
                "n_query_groups": 4, "head_size": 24, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
                "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_n_shared_expert": 1, "moe_shared_intermediate_size": 32,
                "moe_score_function": "sigmoid", "moe_expert_bias": True, "moe_n_group": 4, "moe_topk_group": 2,
@@ -136,6 +142,58 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_
     assert_same_final(out_dir, one, "lit_model.pth", atol=1e-4)
 
 
+SHARDED = ["--fsdp.state_dict_type", "sharded"]
+
+
+@pytest.mark.slow
+def test_a_sharded_expert_parallel_checkpoint_keeps_the_one_process_layout(runs):
+    """Each rank writes its own experts: under their one-process names, of their one-process shapes, and the
+    optimizer's group lists every parameter in one process's order (not the experts of whichever rank wrote it)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from litgpt.io import read_sharded_metadata
+
+    step = runs("deepseek-v3", "two-sharded", *EP2, *SHARDED) / "step-000002"
+    reference = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32) / "step-000002"
+    weights = load_state_dict(reference / "lit_model.pth")
+    metadata = read_sharded_metadata(step / "sharded").state_dict_metadata
+    assert {key[len("model."):]: item.size for key, item in metadata.items() if key.startswith("model.")} == {
+        key: value.shape for key, value in weights.items()}
+    saved = _load_state_dict_from_keys({"optimizer.param_groups.0.params"}, checkpoint_id=step / "sharded")
+    one_process = load_state_dict(reference / TRAINING_STATE_FILE)["optimizer"]["param_groups"][0]["params"]
+    assert saved["optimizer"]["param_groups"][0]["params"] == one_process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", ["1", "2"], ids=["one-process", "fsdp2"])
+def test_a_sharded_expert_parallel_checkpoint_resumes_without_it(devices, inputs, runs, tmp_path):  # noqa: F811
+    """EP2's sharded step 2 (DeepSeek-V3 shape) resumed by one process and by FSDP over 2 processes holding every
+    expert (EP1): each goes on as the uninterrupted run."""
+    two = runs("deepseek-v3", "two-sharded", *EP2, *SHARDED)
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir, DEEPSEEK_V3), "--devices", devices, *FLOAT32, *SHARDED,
+                    "--resume", two / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_resumed_where_it_stopped(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32))
+
+
+@pytest.mark.slow
+def test_a_sharded_one_process_checkpoint_resumes_under_expert_parallelism(inputs, runs, tmp_path):  # noqa: F811
+    """The other way: one process's sharded step 2 read by EP2, each rank taking its own experts."""
+    one = runs("deepseek-v3", "one-sharded", "--devices", "1", *FLOAT32, *SHARDED)
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir, DEEPSEEK_V3), *EP2, *SHARDED, "--resume", one / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_resumed_where_it_stopped(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32))
+
+
+@pytest.mark.slow
+def test_a_sharded_expert_parallel_checkpoint_converts_as_one_process(runs, tmp_path):
+    two = runs("deepseek-v3", "two-sharded", *EP2, *SHARDED)
+    one = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32)
+    assert_same_hugging_face_folder(two / "step-000002", one / "step-000002", tmp_path)
+
+
 @pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_under_expert_parallelism(inputs, runs, tmp_path):  # noqa: F811
     one = runs("qwen3-moe", "one", "--devices", "1", *FLOAT32)
@@ -181,7 +239,6 @@ def test_what_the_expert_mesh_refuses(devices, nodes, strategy, tensor, expert, 
          "--parallel.expert 4 does not divide the 2 data-parallel devices"),
         (QWEN3_MOE, ["--devices", "1", "--parallel.expert", "2"], "--parallel.expert 2 splits the experts over 2"),
         (QWEN3_MOE, ["--devices", "2", "--parallel.expert", "0"], "--parallel.expert must be a whole number"),
-        (QWEN3_MOE, [*EP2, "--fsdp.state_dict_type", "sharded"], "--fsdp.state_dict_type sharded is not supported"),
     ],
 )
 def test_what_expert_parallelism_refuses(model, flags, message, inputs, tmp_path):  # noqa: F811

@@ -303,9 +303,9 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if precision == "bf16-true" else torch.float32)
     try:
-        with torch.device("meta" if case.get("tensor") else device):
+        with torch.device("meta" if split(case) else device):
             model = GPT(config)
-        if not case.get("tensor"):
+        if not split(case):
             model.init_weights()
         if case["method"] == "lora":
             add_lora(model, LoRASettings(**case.get("lora", {})))
@@ -313,17 +313,15 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
             mark_only_lora_as_trainable(model)
     finally:
         torch.set_default_dtype(default_dtype)
-    if case.get("tensor"):  # split before checkpointing, as `litgpt.distributed.parallelize` does
-        from litgpt.distributed.tensor_parallel import apply_tensor_parallel
-
-        mesh = tensor_parallel_mesh(case["tensor"])
-        apply_tensor_parallel(model, mesh["tensor"])
+    context = None
+    if split(case):  # split before checkpointing, as `litgpt.distributed.parallelize` does
+        meshes, context = split_model(model, case)
     if case.get("activation_checkpointing"):
         apply_activation_checkpointing(model, case["activation_checkpointing"])
     if case.get("fsdp"):
         fsdp_wrap(model, precision, device)
-    if case.get("tensor"):
-        shard_and_initialize(model, mesh, precision, device)
+    if split(case):
+        shard_and_initialize(model, meshes, precision, device)
     if case.get("optimizer_in_backward"):  # stepped by hooks in the backward pass; step() and zero_grad() do nothing
         from litgpt.train.optimizer_in_backward import OptimizerInBackward
 
@@ -331,8 +329,14 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     else:
         optimizer = build_optimizer("AdamW", model.parameters(), device)
     built()
-    autocast = precision == "bf16-mixed" and not case.get("fsdp") and not case.get("tensor")
+    autocast = precision == "bf16-mixed" and not case.get("fsdp") and not split(case)
     training_loss = loss_function("cross_entropy", case.get("loss_chunk_size"))
+    if context is not None:  # each rank its slice of the positions, the loss's means over the group
+        from litgpt.train.objective import on_local_positions
+        from litgpt.train.recipe import batch_loss
+
+        sliced = on_local_positions(batch_loss(training_loss), context)
+        training_loss = lambda model, x, y: sliced(model, {"input_ids": x, "labels": y})  # noqa: E731
     for _ in range(steps):
         for micro in range(accumulation):
             if case.get("fsdp"):
@@ -345,26 +349,57 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
         optimizer.zero_grad(set_to_none=True)
 
 
-def tensor_parallel_mesh(degree: int):
-    """This process' (replicate, shard, tensor) mesh of `degree` ranks: one tensor-parallel group, as training's."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (1, 1, degree), mesh_dim_names=("replicate", "shard", "tensor"))
+def ranks(case: dict) -> int:
+    """The processes a case runs on: its tensor x context parallel group, or its expert group."""
+    return max(case.get("tensor", 1) * case.get("context", 1), case.get("expert", 1))
 
 
-def shard_and_initialize(model, mesh, precision: str, device: torch.device) -> None:
+def split(case: dict) -> bool:
+    """Whether the case splits the model over its ranks (tensor, expert or context parallelism)."""
+    return any(case.get(degree, 1) > 1 for degree in ("tensor", "expert", "context"))
+
+
+def split_model(model, case: dict):
+    """`model` (on the meta device) split over this process's ranks by the case's degrees, in
+    `litgpt.distributed.parallelize`'s order, on training's mesh (`Topology`, NO_SHARD: data parallelism takes what
+    the degrees leave); returns the meshes FSDP shards over and the context-parallel group (None without one)."""
+    from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
+    from litgpt.distributed.expert_parallel import apply_expert_parallel
+    from litgpt.distributed.tensor_parallel import apply_tensor_parallel
+    from litgpt.distributed.topology import Topology
+
+    degrees = {name: case.get(name, 1) for name in ("tensor", "expert", "context")}
+    topology = Topology(ranks(case), 1, "NO_SHARD", **degrees)
+    mesh, expert_mesh, context = topology.device_mesh("cpu"), None, None
+    data_mesh = mesh["replicate", "shard"]
+    if degrees["tensor"] > 1:
+        apply_tensor_parallel(model, mesh["tensor"])
+    if degrees["context"] > 1:
+        mesh["shard", "context"]._flatten("shard_context")  # FSDP shards over shard x context, as training's
+        data_mesh = mesh["replicate", "shard_context"]
+        context = ContextParallel(mesh["context"], degrees["tensor"])
+        apply_context_parallel(model, context)
+    if degrees["expert"] > 1:
+        expert_mesh = topology.expert_device_mesh("cpu")
+        apply_expert_parallel(model, expert_mesh["expert"])
+    return (data_mesh, expert_mesh), context
+
+
+def shard_and_initialize(model, meshes, precision: str, device: torch.device) -> None:
     """A split model on the meta device sharded, materialized and initialized as `litgpt.distributed.parallelize`
-    does (FSDP over the one-device data-parallel mesh)."""
+    does (FSDP over the data-parallel `meshes`: the model's and, with expert parallelism, the experts')."""
     from litgpt.args import FSDPArgs
     from litgpt.distributed.dtensor import FullTensorInit
+    from litgpt.distributed.expert_parallel import whole_experts
     from litgpt.distributed.fsdp import shard_model
     from litgpt.distributed.parallelize import materialize_meta_tensors
     from litgpt.lora import init_lora_weights
 
-    shard_model(model, mesh["replicate", "shard"], FSDPArgs(sharding_strategy="NO_SHARD"), Precision(precision),
-                device)
+    data_mesh, expert_mesh = meshes
+    shard_model(model, data_mesh, FSDPArgs(sharding_strategy="NO_SHARD"), Precision(precision), device,
+                expert_mesh=expert_mesh)
     materialize_meta_tensors(model, device)
-    with torch.no_grad(), FullTensorInit():
+    with torch.no_grad(), FullTensorInit(device=device), whole_experts(model):
         model.init_weights()
         init_lora_weights(model)
 
@@ -398,7 +433,7 @@ def measure_cpu_cases(cases: list[dict]) -> list[int]:
 
 
 def measure_rank(rank: int, degree: int, port: int, cases: list[dict], peaks) -> None:
-    """One of `degree` processes of a tensor-parallel run: its peaks go into the queue `peaks`."""
+    """One of `degree` processes of a run split over them: its peaks go into the queue `peaks`."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -410,7 +445,8 @@ def measure_rank(rank: int, degree: int, port: int, cases: list[dict], peaks) ->
 
 
 def measure_tensor_parallel_cases(cases: list[dict], degree: int) -> list[int]:
-    """Worker side: each case measured on `degree` processes (gloo) splitting the model; each case's largest peak."""
+    """Worker side: each case measured on `degree` processes (gloo) splitting the model (tensor, expert or context
+    parallelism); each case's largest peak."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -440,11 +476,11 @@ def planned_peak(case: dict, device: str) -> int:
                        activation_checkpointing=case.get("activation_checkpointing", False),
                        loss_chunk_size=case.get("loss_chunk_size"),
                        optimizer_in_backward=case.get("optimizer_in_backward", False))
-    tensor = case.get("tensor", 1)
+    parallel = ParallelArgs(**{name: case.get(name, 1) for name in ("tensor", "expert", "context")})
     plan = plan_for(
         Config(**case["config"]), method=case["method"], precision=case.get("precision", "32-true"), lora=lora,
         train=train, fsdp=FSDPArgs(sharding_strategy="NO_SHARD"), accumulate_gradients=case.get("accumulation", 1) > 1,
-        device=device, devices=2 if case.get("fsdp") else tensor, parallel=ParallelArgs(tensor=tensor),
+        device=device, devices=2 if case.get("fsdp") else ranks(case), parallel=parallel,
     )
     return plan.peak  # without the fixed overhead
 
@@ -459,6 +495,7 @@ def compare(cases: list[dict], measured: list[int], device: str, tolerance: floa
             f"ac={str(case.get('activation_checkpointing', False)).lower():7} "
             f"accum={case.get('accumulation', 1)} fsdp={int(bool(case.get('fsdp')))} "
             f"oib={int(bool(case.get('optimizer_in_backward')))} tp={case.get('tensor', 1)} "
+            f"ep={case.get('expert', 1)} cp={case.get('context', 1)} "
             f"b={case['micro_batch_size']} s={case['seq_length']}"
         )
         rows.append(f"{label}: measured {peak / 2**20:9.1f} MiB, planned {planned / 2**20:9.1f} MiB ({ratio:.3f})")
@@ -511,6 +548,24 @@ def test_planned_peak_matches_measured_on_cpu_more_settings():
         dict(config=SMALL, method=method, micro_batch_size=2, seq_length=256, precision="bf16-mixed",
              activation_checkpointing=setting) for method in ("full", "lora") for setting in ("every:2", "ops")
     ]
+    compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
+
+
+# A mixture-of-experts variant of SMALL: 8 experts, 2 per token.
+SMALL_MOE = {**SMALL, "name": "plan-small-moe", "mlp_class_name": "LLaMAMoE", "n_expert": 8, "n_expert_per_token": 2,
+             "moe_intermediate_size": 256}
+
+
+@pytest.mark.slow
+def test_planned_peak_matches_measured_under_expert_and_context_parallelism():
+    """Two processes holding 4 of the 8 experts each (--parallel.expert 2: the routed rows to their owners and back
+    by all-to-all, each rank reading its own batch), and two running half of every sequence (--parallel.context 2:
+    attention's all-to-all, FSDP over the pair), full training, checkpointing off and on: the larger rank's peak
+    within 15%."""
+    cases = [dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2,
+                  activation_checkpointing=checkpointing) for checkpointing in (False, True)]
+    cases += [dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, context=2,
+                   activation_checkpointing=checkpointing) for checkpointing in (False, True)]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 
@@ -642,12 +697,91 @@ def test_tensor_parallel_parameters_of_a_mixture_of_experts_by_hand():
     (dict(devices=6, parallel=ParallelArgs(tensor=3)), "does not divide the 4 heads"),
     (dict(devices=1, parallel=ParallelArgs(tensor=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**TINY)), "with frozen models"),
-    (dict(devices=2, parallel=ParallelArgs(expert=2)), "does not cover --parallel.expert yet"),
-    (dict(devices=2, parallel=ParallelArgs(context=2)), "does not cover --parallel.context yet"),
+    (dict(devices=2, parallel=ParallelArgs(expert=2)), "--parallel.expert 2: this model is a dense model"),
+    (dict(devices=1, parallel=ParallelArgs(context=2)), "plan for at least that many (--devices)"),
+    (dict(devices=2, parallel=ParallelArgs(context=2), teacher_config=Config(**TINY)), "with frozen models"),
+    (dict(devices=4, parallel=ParallelArgs(context=4)), "does not divide the 2 key-value groups"),
 ])
 def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):
         plan_for(ARCHITECTURES["llama"], precision="32-true", device="cpu", train=train_args(32), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(devices=3, parallel=ParallelArgs(expert=3)), "--parallel.expert 3 does not divide the 4 experts"),
+    (dict(devices=1, parallel=ParallelArgs(expert=2)), "plan for at least that many (--devices)"),
+    (dict(devices=4, parallel=ParallelArgs(expert=2, tensor=2)), "is not supported yet"),
+    (dict(devices=2, parallel=ParallelArgs(context=2)), "mixture-of-experts layers"),
+])
+def test_what_the_expert_parallel_plan_refuses(kwargs, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        plan_for(ARCHITECTURES["qwen3-moe"], precision="32-true", device="cpu", train=train_args(32), **kwargs)
+
+
+def test_expert_parallel_parameters_by_hand():
+    """qwen3-moe over 4 devices (FULL_SHARD) with --parallel.expert 2: a device holds 2 of the 4 experts of each
+    layer, sharded over the 2 devices holding the same ones; everything else is sharded over all 4. Counted by hand
+    from the config."""
+    config = ARCHITECTURES["qwen3-moe"]  # 2 layers of 4 experts (3 matrices of 64 x 32 each), width 64
+    expert = 3 * config.n_embd * config.moe_intermediate_size
+    experts = config.n_layer * config.n_expert * expert
+    whole = plan_for(config, precision="32-true", device="cpu", train=train_args(32))
+    rest = whole.total_params - experts
+    plan = plan_for(config, precision="32-true", device="cpu", train=train_args(32), devices=4,
+                    fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), parallel=ParallelArgs(expert=2))
+    assert plan.total_params == rest + experts // 2 and plan.expert_parallel == 2
+    assert plan.parameters == 4 * (rest // 4 + experts // 2 // 2)  # every tensor's rows divide by 4 and 2 here
+    assert any("each device holds 2 of the 4 experts of each of 2 MoE layers" in note for note in plan.notes)
+
+
+def test_context_parallel_splits_each_sequence():
+    """--parallel.context 2 on 2 devices: each runs half of every sequence (its activations and its logits' chunk
+    halve, as a plan of half the sequence has them) and FSDP shards over both."""
+    config = ARCHITECTURES["llama"]
+    split = plan_for(config, precision="bf16-true", train=train_args(64, 2), devices=2,
+                     parallel=ParallelArgs(context=2))
+    half = plan_for(config, precision="bf16-true", train=train_args(32, 2), devices=2)
+    assert split.seq_length == 64 and split.shard_group_size == 2 and split.context_parallel == 2
+    assert split.activations == half.activations and split.logits_loss == half.logits_loss
+    assert split.buffers > half.buffers  # attention's all-to-all on top
+
+
+def published_plans() -> dict[str, object]:
+    """Runs that torchtitan published, planned on 80 GB devices (bf16-mixed: float32 master weights and AdamW state,
+    as torchtitan keeps them):
+
+    - Llama 3.1 70B: torchtitan's docs/performance.md, Table 4: 256 H100s as FSDP 32 x TP 8, local batch 16, full
+      activation checkpointing (sequence length 8,192, torchtitan's llama3_70b.toml); it measured 71.9 GiB.
+    - Llama 3.1 405B: docs/performance.md (the "Llama 3.1 performance numbers" of its earlier version): 128 H100s as
+      FSDP 16 x TP 8, local batch 2, full activation checkpointing, sequence length 8,192 (llama3_405b.toml).
+    - DeepSeek-V3 671B: torchtitan's train_configs/deepseek_v3_671b.toml: sequences of 4,096, full activation
+      checkpointing, FSDP with TP 8 and a local batch of 4 per TP group, on 32 nodes of 8 GPUs. litgpt has no tensor
+      parallelism of latent attention and experts yet (nor pipeline parallelism): planned as EP 8 within each node
+      + FSDP over the 256 GPUs, one sequence per GPU (the tutorial's command)."""
+    full = dict(method="full", precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=8)
+
+    def plan(name: str, nodes: int, parallel: ParallelArgs, seq_length: int, batch: int):
+        train = train_args(seq_length, batch, activation_checkpointing=True)
+        return plan_for(Config.from_name(name), **full, num_nodes=nodes, parallel=parallel, train=train)
+
+    return {
+        "Llama 3.1 70B": plan("Llama-3.1-70B", 32, ParallelArgs(tensor=8), 8192, 16),
+        "Llama 3.1 405B": plan("Llama-3.1-405B", 16, ParallelArgs(tensor=8), 8192, 2),
+        "DeepSeek-V3": plan("DeepSeek-V3", 32, ParallelArgs(expert=8), 4096, 1),
+    }
+
+
+@pytest.mark.slow  # three fake passes of large models (about a minute)
+def test_published_runs_fit_in_80_gb():
+    """The plan says that torchtitan's published runs (`published_plans`) fit on the 80 GB devices they ran on, and
+    the parallelism guide prints what the plan says of them."""
+    plans = published_plans()
+    assert {name: plan.fits for name, plan in plans.items()} == dict.fromkeys(plans, True), {
+        name: plan.total / GiB for name, plan in plans.items()}
+    guide = (Path(__file__).resolve().parents[1] / "tutorials" / "parallelism.md").read_text()
+    deepseek = plans["DeepSeek-V3"]
+    for figure in (deepseek.peak, deepseek.total, deepseek.at_peak["gradients"], deepseek.at_peak["buffers"]):
+        assert f"{figure / GiB:.1f} GiB" in guide or f"{figure / GiB:.1f} of" in guide, figure / GiB
 
 
 def test_strategies_lay_out_the_world():
@@ -925,7 +1059,7 @@ def test_the_litgpt_command_prints_one_line_and_exits_1(monkeypatch, capsys):
 
 if __name__ == "__main__":
     measured_cases = json.loads(sys.argv[1])
-    degree = max(case.get("tensor", 1) for case in measured_cases)
+    degree = max(ranks(case) for case in measured_cases)
     if degree > 1:
         print(json.dumps(measure_tensor_parallel_cases(measured_cases, degree)))
     else:

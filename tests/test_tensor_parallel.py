@@ -1,8 +1,9 @@
 """Tensor parallelism (`--parallel.tensor`, with sequence parallelism) with real processes on the CPU (gloo), against
 one process: TP2, TP2 x FSDP2 (two torchrun "nodes" of 2), checkpoints resumed across the two layouts, the fused
 qkv's per-rank layout, every family's plan (query/key norms, sinks, latent attention, mixtures of experts, LoRA on
-every layer and the head) and the vocabulary-parallel loss on spawned ranks, and the refusals. The MoE shapes' CLI
-runs are in tests/test_expert_parallel.py, beside their one-process runs.
+every layer and the head) and the vocabulary-parallel loss on spawned ranks, and the refusals. A sharded TP2 x FSDP2
+checkpoint resumes on FSDP4, FSDP2 and one process and converts to one process's Hugging Face folder. The MoE shapes'
+CLI runs are in tests/test_expert_parallel.py, beside their one-process runs.
 
 The runs are in float32 (`--precision 32-true`): under bf16 autocast a rowwise matmul's partial sums are rounded
 before they are added, so a split layer cannot equal the whole one to 1e-5.
@@ -25,7 +26,9 @@ from torch.utils._pytree import tree_leaves
 from test_distributed import (
     SMALL,
     assert_close_runs,
+    assert_resumed_where_it_stopped,
     assert_same_final,
+    assert_same_hugging_face_folder,
     child_environment,
     command_args,
     free_port,
@@ -87,15 +90,26 @@ def test_tensor_parallel_times_fsdp_equals_one_process(tp2_fsdp2_run, one_proces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--devices", "1"], ["--devices", "2", "--fsdp.sharding_strategy", "FULL_SHARD"]],
-                         ids=["one-process", "fsdp-only"])
-def test_a_sharded_tensor_parallel_checkpoint_resumes_without_it(flags, inputs, tp2_fsdp2_run, one_process,  # noqa: F811
-                                                                  tmp_path):
+@pytest.mark.parametrize("flags, nodes", [(["--devices", "1"], 1), (["--devices", "2"], 1), (["--devices", "2"], 2)],
+                         ids=["one-process", "fsdp2", "fsdp4"])
+def test_a_sharded_tensor_parallel_checkpoint_resumes_without_it(flags, nodes, inputs, tp2_fsdp2_run,  # noqa: F811
+                                                                  one_process, tmp_path):
+    """TP2 x FSDP2's sharded step 2 resumed by one process, by FSDP over 2 processes and by FSDP over 4 (two
+    torchrun "nodes" of 2, FULL_SHARD): each goes on as the uninterrupted run."""
     out_dir = tmp_path / "resumed"
-    result = litgpt(*command_args("pretrain", inputs, out_dir), *flags, *FLOAT32, "--fsdp.state_dict_type",
-                    "sharded", "--resume", tp2_fsdp2_run / "step-000002")
-    assert result.returncode == 0, result.stderr
-    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+    args = [*command_args("pretrain", inputs, out_dir), *flags, "--num_nodes", str(nodes), *FLOAT32,
+            "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.state_dict_type", "sharded",
+            "--resume", tp2_fsdp2_run / "step-000002"]
+    results = [litgpt(*args)] if nodes == 1 else torchrun_nodes([args, args], [{}, {}], timeout=600)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out_dir / "metrics.json").read_text())["world_size"] == int(flags[1]) * nodes
+    assert_resumed_where_it_stopped(out_dir, one_process)
+
+
+@pytest.mark.slow
+def test_a_sharded_tensor_parallel_checkpoint_converts_as_one_process(tp2_fsdp2_run, one_process, tmp_path):
+    assert_same_hugging_face_folder(tp2_fsdp2_run / "step-000002", one_process / "step-000002", tmp_path)
 
 
 @pytest.mark.slow
@@ -235,9 +249,7 @@ def assert_same_loss_and_gradients(whole, split, orders: dict, loss=None) -> Non
 def gloo_rank(rank: int, world: int, port: int, failures):
     """Inside: rank `rank` of a gloo group of `world` (one thread); what fails inside is put in `failures` for the
     test, which runs in the parent (`run_spawned_ranks`)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_group(rank, world, port)
     try:
         yield
     except BaseException as error:
@@ -296,6 +308,13 @@ def split_model_matches_whole(rank: int, world: int, port: int, failures) -> Non
         loss = loss_function("cross_entropy")(split, idx, idx)["loss"]
         loss.backward()
         assert torch.isfinite(loss)
+
+
+def join_gloo_group(rank: int, world: int, port: int) -> None:
+    """This spawned process as rank `rank` of a gloo group of `world` meeting on 127.0.0.1:`port`, one thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def run_spawned_ranks(worker, world: int) -> None:

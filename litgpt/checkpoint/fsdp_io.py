@@ -1,7 +1,8 @@
 """`CheckpointIO` for a model on one device or sharded by FSDP2: whole tensors gathered from DTensors for full
 checkpoints, torch.distributed.checkpoint for sharded ones (resharded to any world size on load). Under expert
 parallelism a full checkpoint still holds every expert under its one-process name, gathered from the ranks owning
-them, and each rank reads its own experts back."""
+them, and each rank reads its own experts back; in a sharded one each rank writes and reads its own experts under
+those names, so either resumes on any mesh."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from litgpt.distributed.expert_parallel import (
     gather_across_experts,
     held_elsewhere,
     in_one_process_order,
+    one_process_param_groups,
 )
 from litgpt.distributed.runtime import is_rank_zero
 from litgpt.distributed.tensor_parallel import row_orders
@@ -82,14 +84,20 @@ class FSDPCheckpointIO:
     @staticmethod
     def sharded_state(model: nn.Module, optimizer, select: KeySelector) -> dict:
         """This rank's shards of the selected weights and of the optimizer state, as torch.distributed.checkpoint
-        reads and writes them: rows stored permuted (tensor parallelism's fused qkv) at their checkpoint positions, so
-        the checkpoint is the one-process layout, for any world size and tensor-parallel degree."""
+        reads and writes them: rows stored permuted (tensor parallelism's fused qkv) at their checkpoint positions,
+        each expert under its one-process name (expert parallelism: a rank holds its own experts, FSDP-sharded over
+        the ranks holding the same ones) and the optimizer's groups listing every parameter, so the checkpoint is the
+        one-process layout, for any world size and tensor-, expert- and context-parallel degree."""
 
         weights = {key: value for key, value in get_model_state_dict(model).items() if select(key)}
         orders = row_orders(unwrap(model))
         weights = {key: reorder(value, orders[key], to_stored=False) if key in orders else value
                    for key, value in weights.items()}
         optimizer_state = reorder_rows(get_optimizer_state_dict(model, optimizer), orders, to_stored=False)
+        peers = expert_peers(unwrap(model))
+        if peers:  # saved once for all ranks: the whole list, not the first rank's experts
+            optimizer_state["param_groups"] = one_process_param_groups(optimizer_state["param_groups"], peers,
+                                                                       unwrap(model))
         return {"model": weights, "optimizer": optimizer_state}
 
     def save_sharded(self, folder: Path, model: nn.Module, optimizer, select: KeySelector) -> None:
@@ -123,9 +131,7 @@ def gather_expert_optimizer_state(model: nn.Module, optimizer, peers: dict, grou
             if is_rank_zero():
                 for peer, tensor in pieces.items():
                     state.setdefault(peer, {})[name] = tensor.cpu() if torch.is_tensor(tensor) else tensor
-    groups = [{**group_, "params": list(in_one_process_order(
-        {peer: None for key in group_["params"] for peer in peers.get(key, [key])}, unwrap(model)))}
-        for group_ in sharded["param_groups"]]
+    groups = one_process_param_groups(sharded["param_groups"], peers, unwrap(model))
     return {"state": in_one_process_order(state, unwrap(model)), "param_groups": groups} if is_rank_zero() else {}
 
 

@@ -6,7 +6,10 @@ shared experts stay with data parallelism (`litgpt.distributed.plans.experts`).
 
 Checkpoints keep the one-process layout: `expert_peers` names the same expert slot on every rank of the group, so
 full weights and optimizer states are gathered from the group (`gather_across_experts`) and a full checkpoint is
-read into this rank's experts alone (`held_elsewhere` names the keys other ranks hold).
+read into this rank's experts alone (`held_elsewhere` names the keys other ranks hold). A sharded checkpoint needs no
+gathering: each expert's weights are DTensors of its one-process shape under its one-process name, on the ranks that
+hold it, so torch.distributed.checkpoint reshards them to any mesh (`one_process_param_groups` lists every expert in
+the optimizer's groups).
 """
 
 from __future__ import annotations
@@ -180,6 +183,13 @@ def in_one_process_order(state: dict, model: nn.Module) -> dict:
             if name in state and name not in ordered:
                 ordered[name] = state[name]
     return ordered
+
+
+def one_process_param_groups(param_groups: list[dict], peers: dict[str, list[str]], model: nn.Module) -> list[dict]:
+    """An optimizer state's parameter groups (keyed by name) listing every expert of the layers, in one process's
+    order, where this rank's list only its own (`peers`): the same on every rank, and a one-process run's."""
+    return [{**group, "params": list(in_one_process_order(
+        {peer: None for key in group["params"] for peer in peers.get(key, [key])}, model))} for group in param_groups]
 
 
 def held_elsewhere(model: nn.Module) -> dict[str, torch.Size]:

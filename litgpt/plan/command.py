@@ -104,7 +104,10 @@ def plan_for(
             cpu_offload and backward_prefetch.
         parallel: The training commands' --parallel group: --parallel.tensor N plans one device of N that split each
             layer (its heads, MLP columns and vocabulary rows; the norms' activations split over the positions; the
-            head gathered whole for the loss), FSDP sharding over the data-parallel rest of the world.
+            head gathered whole for the loss), FSDP sharding over the data-parallel rest of the world;
+            --parallel.expert N one device holding n_expert / N experts of every MoE layer (sharded over the devices
+            holding the same ones) and the all-to-all of the routed rows; --parallel.context N one device running
+            1/N of every sequence's positions and attention's all-to-all.
         lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
         quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
             (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
@@ -126,14 +129,11 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
-    for degree, option in ((parallel.expert, "expert"), (parallel.context, "context")):
-        if degree > 1:  # planned as if absent would be a plan of another run
-            raise UserError(f"litgpt plan does not cover --parallel.{option} yet (only --parallel.tensor): plan "
-                            f"without it, or measure a short run.")
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
         device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients, tensor=parallel.tensor,
+        expert=parallel.expert, context=parallel.context,
     )
 
 

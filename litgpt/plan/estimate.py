@@ -59,6 +59,17 @@ its activations are measured on that piece, except that the norms' (and each blo
 positions by sequence parallelism (`SavedActivations.split_over_sequence`); the loss runs on the rank's vocabulary
 rows of the head (`litgpt.train.loss.VocabularyShard`): its chunks' logits are (chunk, vocabulary / N).
 
+Expert parallelism (--parallel.expert N, `litgpt.distributed.expert_parallel`): a rank holds n_expert / N routed
+experts of every MoE layer (`litgpt.plan.layout.parameter_layout`), FSDP-sharded over the ranks holding the same ones
+(the expert mesh's shard dimension, `Topology.expert_mesh_shape`), the rest of the model sharded as without it. Its
+activations are one process's on its own micro-batch: with balanced routing as many routed rows (k per token) come in
+as go out. The all-to-all's received and returned rows are work buffers of the backward pass.
+
+Context parallelism (--parallel.context N, `litgpt.distributed.context_parallel`): a rank runs its slice of every
+sequence (padded to a multiple of N x the tensor degree), so its activations and logits are measured on that many
+positions; the head scatter keeps (all positions, 1/N of the heads), the same bytes. FSDP shards over the shard and
+context ranks. The contiguous copy of the local queries, keys and values sent and what comes back are work buffers.
+
 Frozen models (`Recipe.frozen_configs`: a distillation teacher): their weights, final hidden states, chunk of logits
 and forward pass are added as `_add_frozen` describes.
 
@@ -162,6 +173,8 @@ class MemoryPlan:
     summary: str = ""  # what the recipe adds to the plan's first line (`Recipe.plan_summary`)
     kv_cache_bytes_per_token: int = 0  # generation (not training): one sequence's KV cache per position, all layers
     tensor_parallel: int = 1  # devices that split each layer (--parallel.tensor); the rows are one device's
+    expert_parallel: int = 1  # devices that split each MoE layer's experts (--parallel.expert)
+    context_parallel: int = 1  # devices that split each sequence's positions (--parallel.context)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -189,6 +202,10 @@ class _Run:
     backward_prefetch: int  # blocks a block's backward pass gathers ahead (0: FSDP2's implicit one)
     tensor: int = 1  # the tensor-parallel degree
     rank_recipe: Optional["Recipe"] = None  # one rank's piece of the model (`rank_recipe`); the recipe without TP
+    expert: int = 1  # the expert-parallel degree
+    expert_shard: int = 1  # the devices FSDP shards a routed expert over: those holding the same experts
+    context: int = 1  # the context-parallel degree (`seq_length` is then each device's slice of the sequence)
+    whole_seq_length: int = 0  # the sequence's positions, all devices of a context-parallel group together
 
     @property
     def config(self) -> Config:
@@ -248,15 +265,18 @@ class _Run:
 
 def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, *, devices: int = 1,
              num_nodes: int = 1, device: str = "cuda", device_memory_gb: float = 80.0,
-             accumulate_gradients: bool = True, tensor: int = 1) -> MemoryPlan:
+             accumulate_gradients: bool = True, tensor: int = 1, expert: int = 1, context: int = 1) -> MemoryPlan:
     """The per-device memory of one training step of `recipe` with these arguments, on `num_nodes` nodes of `devices`
     devices of type `device` (cuda or cpu) with `device_memory_gb` GiB each. `accumulate_gradients`: the gradients of
     earlier micro-batches are held while the next one runs. `tensor`: tensor parallelism's degree (--parallel.tensor):
     the parameters and activations are those of one rank's piece of the model (`rank_recipe`), the norms' saved
-    activations split over the positions, and the loss gathers the head whole."""
+    activations split over the positions, and the loss gathers the head whole. `expert`: expert parallelism's
+    (--parallel.expert): a rank's routed experts (`parameter_layout`) sharded over the ranks holding the same ones,
+    the all-to-all's buffers. `context`: context parallelism's (--parallel.context): a rank's slice of every
+    sequence, attention's all-to-all buffers."""
     run = _check_run(recipe, train, fsdp, precision, devices, num_nodes, device, device_memory_gb,
-                     accumulate_gradients, tensor)
-    layout = parameter_layout(run.rank_recipe)
+                     accumulate_gradients, tensor, expert, context)
+    layout = parameter_layout(run.rank_recipe, run.expert)
     saved = saved_activation_bytes(run.rank_recipe, micro_batch_size=run.micro_batch_size,
                                    seq_length=run.seq_length, precision=precision, sharded=run.fsdp,
                                    device=run.device).split_over_sequence(run.tensor)
@@ -291,12 +311,12 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         model_name=recipe.config.name or "model_config", method=run.method, precision=precision.name,
         sharding_strategy=run.sharding_strategy if run.fsdp else "none (1 device)", device=run.device,
         devices=run.devices, num_nodes=run.num_nodes, micro_batch_size=run.micro_batch_size,
-        seq_length=run.seq_length, activation_checkpointing=str(run.activation_checkpointing),
+        seq_length=run.whole_seq_length, activation_checkpointing=str(run.activation_checkpointing),
         offload_activations=run.offload_activations, cpu_offload=run.cpu_offload,
         accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
         lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
         shard_group_size=run.shard, replicate_groups=run.world // run.tensor // run.shard, fsdp=run.fsdp,
-        tensor_parallel=run.tensor,
+        tensor_parallel=run.tensor, expert_parallel=run.expert, context_parallel=run.context,
         total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=recipe.config.n_layer,
         **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=peak + overhead,
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
@@ -343,7 +363,7 @@ def _kv_cache_per_token(config: Config, dtype: torch.dtype) -> tuple[int, str]:
 
 def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, devices: int,
                num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool,
-               tensor: int = 1) -> _Run:
+               tensor: int = 1, expert: int = 1, context: int = 1) -> _Run:
     """The options checked (by the training commands' own checks where they have one) and completed."""
     from litgpt.distributed.topology import check_sharding_strategy
 
@@ -368,7 +388,11 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
             "--fsdp.cpu_offload is an FSDP option: it needs more than one device (devices x num_nodes > 1)."
         )
     _check_tensor_parallel(recipe, tensor, world)
-    shard = _shard_group(devices, num_nodes, fsdp.sharding_strategy, tensor)
+    _check_expert_and_context_parallel(recipe, expert, context, tensor, world)
+    shard, expert_shard = _shard_groups(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context)
+    whole_seq_length = seq_length
+    if context > 1:  # each rank's slice of the sequence padded to a multiple of the group (x the tensor degree)
+        seq_length = (seq_length + -seq_length % (context * tensor)) // context
     if recipe.quantize is not None:
         _check_quantized_layout(recipe, precision, fsdp, world, shard)
     rows = train.micro_batch_size * recipe.sequences_per_sample  # a preference pair is two sequences
@@ -383,6 +407,7 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         optimizer_in_backward=train.optimizer_in_backward, shard=shard,
         loss_chunk_size=_loss_chunk(pieces.config, rows * seq_length, train.loss_chunk_size),
         backward_prefetch=fsdp.backward_prefetch, tensor=tensor, rank_recipe=pieces,
+        expert=expert, expert_shard=expert_shard, context=context, whole_seq_length=whole_seq_length,
     )
 
 
@@ -399,6 +424,25 @@ def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
     if recipe.frozen_configs():
         raise UserError(f"litgpt plan --parallel.tensor {tensor}: plans with frozen models (a teacher, a reference) "
                         "under tensor parallelism are not supported yet.")
+
+
+def _check_expert_and_context_parallel(recipe: "Recipe", expert: int, context: int, tensor: int, world: int) -> None:
+    """Training's checks of --parallel.expert and --parallel.context (`check_expert_parallel`,
+    `check_context_parallel`; the mesh's own in `Topology`), and what the plan does not cover yet."""
+    from litgpt.distributed.plans import check_context_parallel, check_expert_parallel
+
+    splits = ((expert, "expert", "splits the experts"), (context, "context", "splits each sequence"))
+    for degree, option, what in splits:
+        if degree == 1:
+            continue
+        if degree * (tensor if option == "context" else 1) > world:
+            raise UserError(f"--parallel.{option} {degree} {what} over {degree} devices: plan for at least that many "
+                            "(--devices).")
+        if recipe.frozen_configs():
+            raise UserError(f"litgpt plan --parallel.{option} {degree}: plans with frozen models (a teacher, a "
+                            f"reference) under {option} parallelism are not supported yet.")
+    check_expert_parallel(recipe.config, expert)
+    check_context_parallel(recipe.config, context, tensor)
 
 
 def _check_quantize_mode(recipe: "Recipe", world: int) -> None:
@@ -428,15 +472,18 @@ def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> 
     return min(loss_chunk_size, tokens)
 
 
-def _shard_group(devices: int, num_nodes: int, strategy: str, tensor: int = 1) -> int:
-    """The devices one copy of the sharded state spans: the shard dimension of training's FSDP mesh (beside the
-    tensor dimension with tensor parallelism)."""
+def _shard_groups(devices: int, num_nodes: int, strategy: str, tensor: int = 1, expert: int = 1,
+                  context: int = 1) -> tuple[int, int]:
+    """The devices one copy of the sharded state spans, as training's mesh (`Topology`) lays them out: (FSDP's shard
+    group: the shard dimension, times the context one with context parallelism; a routed expert's: the expert mesh's
+    shard dimension, the ranks holding the same experts)."""
     if devices * num_nodes == 1:
-        return 1
+        return 1, 1
     from litgpt.distributed.topology import Topology
 
     with contextlib.redirect_stderr(io.StringIO()):  # Topology's note on HYBRID_SHARD: the plan has its own
-        return Topology(devices, num_nodes, strategy, tensor).mesh_shape[1]
+        topology = Topology(devices, num_nodes, strategy, tensor, expert, context)
+    return topology.fsdp_shard_size, topology.expert_mesh_shape[1] if expert > 1 else topology.fsdp_shard_size
 
 
 def _resident_state(run: _Run, layout: Layout) -> dict:
@@ -444,7 +491,7 @@ def _resident_state(run: _Run, layout: Layout) -> dict:
 
     parameters = sum(_resident_bytes(run, p) for p in layout.params)
     trainable = [p for p in layout.params if p.trainable]
-    gradients = sum(_shard_numel(p.shape, run.shard) for p in trainable) * run.master
+    gradients = sum(_shard_numel(p.shape, _shard_of(run, p)) for p in trainable) * run.master
     optimizer_state = 2 * gradients + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
     state = dict(
         parameters=parameters, gradients=gradients, optimizer_state=optimizer_state, host_per_node=0,
@@ -466,7 +513,8 @@ def _gradients_in_flight(run: _Run, layout: Layout) -> int:
     """With --train.optimizer_in_backward, the most gradient bytes that exist at once after autograd (or FSDP's
     reduce-scatter) made them: one parameter's on one device, one FSDP unit's shards."""
     units = [layout.root, *layout.blocks] if run.fsdp else [[p] for p in layout.params]
-    return max(sum(_shard_numel(p.shape, run.shard) for p in unit if p.trainable) for unit in units) * run.master
+    shards = [sum(_shard_numel(p.shape, _shard_of(run, p)) for p in unit if p.trainable) for unit in units]
+    return max(shards) * run.master
 
 
 def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
@@ -508,8 +556,13 @@ def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
 def _resident_bytes(run: _Run, p: Param) -> int:
     """One parameter as it stays on a device: its shard in the master dtype, or its quantized layout."""
     if p.quantized:
-        return stored_bytes(p.shape, run.stored_quantize, run.compute, run.shard)
-    return _shard_numel(p.shape, run.shard) * run.master
+        return stored_bytes(p.shape, run.stored_quantize, run.compute, _shard_of(run, p))
+    return _shard_numel(p.shape, _shard_of(run, p)) * run.master
+
+
+def _shard_of(run: _Run, p: Param) -> int:
+    """The devices FSDP shards `p` over: a routed expert's over the ranks holding the same experts."""
+    return run.expert_shard if p.expert else run.shard
 
 
 def _chunked_loss_bytes(run: _Run) -> tuple[int, int]:
@@ -611,15 +664,28 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
         root_grads = 0 if run.accumulate_gradients or run.optimizer_in_backward else root_trainable * run.master
     return dict(
         activation_grads=activation_grads, weight_grads=weight_grads, dequantized=dequantized, root_grads=root_grads,
-        attention=attention, math_attention=math_path,
+        attention=attention, math_attention=math_path, all_to_all=_all_to_all_bytes(run),
     )
+
+
+def _all_to_all_bytes(run: _Run) -> int:
+    """What one layer's all-to-all holds beyond what autograd saves, in the backward pass (its gradients travel the
+    same way): under expert parallelism the routed rows (k per token: as many come in as go out when the routing is
+    balanced) received and sent back; under context parallelism the contiguous copy of the local queries, keys and
+    values sent and what comes back."""
+    config = run.rank_config
+    if run.expert > 1:
+        return 2 * config.n_expert_per_token * run.tokens * config.n_embd * run.compute
+    if run.context > 1:
+        return 2 * run.tokens * config.qkv_size * run.compute
+    return 0
 
 
 def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward: dict) -> dict[str, dict]:
     """Every row's size at each moment of the step that can be the peak."""
     held = state["gradients_held"]
     buffers = activations["recompute"] + backward["activation_grads"] + backward["weight_grads"]
-    buffers += backward["dequantized"]
+    buffers += backward["dequantized"] + backward["all_to_all"]
     root_grads = backward["root_grads"]
     moments = {}
     if run.autocast and (run.activation_checkpointing or run.offload_activations):
@@ -695,6 +761,8 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
     placement = f"1/{run.shard} shard" if run.shard > 1 else ("replicated" if run.fsdp else "one device")
     if run.cpu_offload:
         placement = "in CPU memory"
+    elif run.expert > 1:
+        placement += f" (routed experts 1/{run.expert_shard})"
     details = {
         "parameters": f"{placement}, {master}" + (f", blocks' linears {run.stored_quantize}" if run.quantize else ""),
         "gradients": f"{placement}, {master}"
@@ -706,9 +774,10 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
         + (f"{run.rank_config.padded_vocab_size:,} of {config.padded_vocab_size:,} vocab rows"
            if run.tensor > 1 else f"{config.padded_vocab_size:,} vocab") + ", + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
-        + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else ""),
+        + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else "")
+        + (" + its all-to-all" if backward["all_to_all"] else ""),
     }
-    notes = []
+    notes = _parallel_notes(run)
     if loading:
         steps = "each block's whole NF4 weights, then only its shards" if run.fsdp else "one weight at a time"
         notes.append(
@@ -753,6 +822,26 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
             "seq) softmax per layer; a 16-bit precision runs flash attention instead."
         )
     return details, notes
+
+
+def _parallel_notes(run: _Run) -> list[str]:
+    """What expert and context parallelism change in the rows, said once."""
+    notes, config = [], run.config
+    if run.expert > 1:
+        layers = config.n_layer - config.moe_first_dense_layers
+        notes.append(
+            f"Expert parallelism: each device holds {config.n_expert // run.expert} of the {config.n_expert} experts "
+            f"of each of {layers} MoE layers, sharded over the {run.expert_shard} device(s) holding the same experts; the "
+            "router, the shared experts and the rest of the model are sharded over the data-parallel devices. The "
+            f"all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in and out)."
+        )
+    if run.context > 1:
+        notes.append(
+            f"Context parallelism: each device runs {run.seq_length:,} of the {run.whole_seq_length:,} positions of "
+            f"every sequence (activations, logits), attention over the whole sequence for 1/{run.context} of its heads "
+            f"(all-to-all buffers); FSDP shards over the shard and context devices ({run.shard})."
+        )
+    return notes
 
 
 def _activations_detail(run: _Run, activations: dict) -> str:

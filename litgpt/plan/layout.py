@@ -21,6 +21,7 @@ class Param:
     shape: tuple[int, ...]
     trainable: bool
     quantized: bool
+    expert: bool = False  # a routed expert's, held by its expert group's rank (--parallel.expert)
 
 
 @dataclass
@@ -46,14 +47,16 @@ class Layout:
         return [p for p in self.blocks[-1] if p.trainable] if self.blocks else []
 
 
-def parameter_layout(recipe: "Recipe") -> Layout:
+def parameter_layout(recipe: "Recipe", expert: int = 1) -> Layout:
     """The recipe's model as it trains (`Recipe.build_model`: adapters added, what trains requiring gradients), with
-    the blocks' linear weights marked quantized under `recipe.quantize`."""
+    the blocks' linear weights marked quantized under `recipe.quantize`. Under `expert`-way expert parallelism one
+    rank's: n_expert / expert routed experts of every MoE layer (with their adapters), marked `expert` (FSDP shards
+    them over the ranks holding the same experts); the router and the shared experts whole."""
     from litgpt.quantize import quantize_targets
 
     model = recipe.build_model()
     quantized = {id(layer.weight) for _, _, layer in quantize_targets(model)} if recipe.quantize else set()
-    return _layout(model, recipe.config.n_layer, quantized)
+    return _layout(model, recipe.config.n_layer, quantized, expert)
 
 
 def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
@@ -88,12 +91,26 @@ def frozen_layout(config: Config) -> Layout:
     return _layout(Recipe.build_frozen(config), config.n_layer, set())
 
 
-def _layout(model: nn.Module, n_layer: int, quantized: set[int]) -> Layout:
+def routed_expert(name: str) -> "int | None":
+    """The index of the routed expert a parameter name belongs to (`transformer.h.<i>.mlp.experts.<j>.`), else None."""
+    from litgpt.distributed.plans.experts import MOE_LAYER, SPLIT
+
+    parts = name.split(".")
+    if len(parts) > 5 and parts[:2] == ["transformer", "h"] and parts[3:5] == [MOE_LAYER, SPLIT]:
+        return int(parts[5])
+    return None
+
+
+def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1) -> Layout:
     root: list[Param] = []
     blocks: list[list[Param]] = [[] for _ in range(n_layer)]
     quantized_numel = []
+    held = model.config.n_expert // expert  # the first rank's experts: every rank holds as many of the same shapes
     for name, param in model.named_parameters():
-        entry = Param(tuple(param.shape), param.requires_grad, id(param) in quantized)
+        index = routed_expert(name) if expert > 1 else None
+        if index is not None and index >= held:
+            continue
+        entry = Param(tuple(param.shape), param.requires_grad, id(param) in quantized, expert=index is not None)
         if entry.quantized:
             quantized_numel.append(param.numel())
         if name.startswith("transformer.h."):

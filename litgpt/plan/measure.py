@@ -29,6 +29,8 @@ for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `math_att
     kernels' 16-byte random-number state and the memory-efficient kernel's padding of the log-sum-exp to 32 rows
     are left out. Soft-capped attention (Gemma 2) is the model's own matmuls and softmax, on every device.
   - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
+  - a value head size other than the query's (latent attention: 192 and 128) takes CUDA's memory-efficient kernel,
+    not the math path the CPU falls back to (`_MemoryEfficientAttention`).
   - LayerNorm keeps its mean and reciprocal deviation in float32 on CUDA, in the input's dtype on the CPU.
 """
 
@@ -131,6 +133,7 @@ def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, shard
         stack.enter_context(_Kernels(device, tape))
         if device == "cuda":
             stack.enter_context(_NativeDropout())
+            stack.enter_context(_MemoryEfficientAttention())
         if math_attention(recipe.config, device, precision):
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         if autocast:
@@ -343,3 +346,20 @@ class _NativeDropout(TorchFunctionMode):
         if training and 0 < p < 1 and not inplace:
             return torch.native_dropout(input, p, True)[0]
         return torch.nn.functional.dropout(input, p, training, inplace)
+
+
+class _MemoryEfficientAttention(TorchFunctionMode):
+    """CUDA's memory-efficient attention takes values of another head size than the queries' (latent attention);
+    the CPU's flash kernel does not, and its math path would keep a (batch, heads, seq, seq) softmax that CUDA never
+    makes. The fake run pads the values to the queries' head size for the flash kernel and cuts its output back: it
+    saves q, k, v and the output (the last two at the queries' head size, a little more than CUDA keeps) and the
+    log-sum-exp, as the memory-efficient kernel does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            if v.size(-1) < q.size(-1):
+                padded = torch.nn.functional.pad(v, (0, q.size(-1) - v.size(-1)))
+                return func(q, k, padded, *args[3:], **kwargs)[..., : v.size(-1)]
+        return func(*args, **kwargs)

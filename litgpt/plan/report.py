@@ -55,6 +55,10 @@ def format_plan(plan: "MemoryPlan") -> str:
             f"{plan.world_size}: shard groups of {plan.shard_group_size}, {plan.replicate_groups} replica(s)"
             + (f", each layer split over {plan.tensor_parallel} devices (--parallel.tensor; the parameter counts "
                "are one device's piece)" if plan.tensor_parallel > 1 else "")
+            + (f", each MoE layer's experts split over {plan.expert_parallel} devices (--parallel.expert; the "
+               "parameter counts are one device's experts)" if plan.expert_parallel > 1 else "")
+            + (f", each sequence split over {plan.context_parallel} devices (--parallel.context)"
+               if plan.context_parallel > 1 else "")
         )
     else:
         lines.append("1 device, no sharding")

@@ -24,7 +24,7 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
     an extension itself (its own entry point passes one with its options); the extension checks the job first and
     gives the Fabric strategy (`strategy`: --strategy auto|fsdp|ddp). `whole_loss`: torch.compile may compile the
     whole loss on one CPU process (a recipe with frozen models compiles their blocks instead)."""
-    check_parallel(job, parallel, fsdp, compiler)
+    check_parallel(job, parallel, compiler)
     extension = None
     if not isinstance(compiler, str):
         extension = compiler
@@ -50,57 +50,52 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
     return fabric
 
 
-def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
+def check_parallel(job: "Job", parallel: ParallelArgs, compiler) -> None:
     """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
     whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
-    expert parallelism (`check_expert_parallel`) and context parallelism (`check_context_parallelism`)."""
+    expert parallelism (`check_expert_parallelism`) and context parallelism (`check_context_parallelism`)."""
     if parallel.expert > 1:
-        check_expert_parallelism(job, parallel.expert, fsdp, compiler)
+        check_expert_parallelism(job, parallel.expert, compiler)
     if parallel.context > 1:
-        check_context_parallelism(job, parallel, fsdp, compiler)
+        check_context_parallelism(job, parallel, compiler)
     if parallel.tensor == 1:
         return
     from litgpt.distributed.plans import check_tensor_parallel
 
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.tensor {parallel.tensor} works with --compiler auto, none or torch; an extension "
-                        "compiler shards the model its own way.")
+    refuse_extension_compiler(compiler, f"--parallel.tensor {parallel.tensor}", "shards the model its own way")
     recipe = job.recipe
     for config in (recipe.config, *recipe.frozen_configs().values()):
         check_tensor_parallel(config, parallel.tensor, quantized=recipe.quantize is not None)
 
 
-def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) -> None:
+def check_expert_parallelism(job: "Job", degree: int, compiler) -> None:
     """UserError for expert parallelism the run cannot have: a dense model (or frozen model), experts the degree
-    does not divide, a compiler extension, sharded checkpoints (not yet: each rank writes only its own experts)."""
+    does not divide, a compiler extension."""
     from litgpt.distributed.plans import check_expert_parallel
 
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.expert {degree} works with --compiler auto, none or torch; an extension "
-                        "compiler shards the model its own way.")
-    if fsdp.state_dict_type == "sharded":
-        raise UserError(f"--parallel.expert {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
-                        "--fsdp.state_dict_type full.")
+    refuse_extension_compiler(compiler, f"--parallel.expert {degree}", "shards the model its own way")
     check_expert_parallel(job.recipe.config, degree)
     for config in job.recipe.frozen_configs().values():
         if config.mlp_class_name == "LLaMAMoE":  # a dense teacher stays whole on every rank
             check_expert_parallel(config, degree)
 
 
-def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
+def check_context_parallelism(job: "Job", parallel: ParallelArgs, compiler) -> None:
     """UserError for context parallelism the run cannot have: a model (or frozen model) whose attention it does not
-    cover or whose heads the degrees do not divide, a compiler extension, sharded checkpoints (not yet)."""
+    cover or whose heads the degrees do not divide, a compiler extension."""
     from litgpt.distributed.plans import check_context_parallel
 
     degree = parallel.context
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.context {degree} works with --compiler auto, none or torch; an extension "
-                        "compiler runs its own attention.")
-    if fsdp.state_dict_type == "sharded":
-        raise UserError(f"--parallel.context {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
-                        "--fsdp.state_dict_type full.")
+    refuse_extension_compiler(compiler, f"--parallel.context {degree}", "runs its own attention")
     for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
         check_context_parallel(config, degree, parallel.tensor)
+
+
+def refuse_extension_compiler(compiler, option: str, because: str) -> None:
+    """UserError when `compiler` is an extension's: `option` (a parallelism and its degree) needs the core's model,
+    which the extension replaces (`because`: what it does its own way)."""
+    if compiler not in CORE_COMPILERS:
+        raise UserError(f"{option} works with --compiler auto, none or torch; an extension compiler {because}.")
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
