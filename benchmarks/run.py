@@ -55,9 +55,12 @@ GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "genera
                   "generate-5m-bf16-true-compiled"]
 SUITES = {
     "cpu": TRAINING_CPU + GENERATION_CPU + ["help"],
-    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled", "pretrain-1b-fp8", "generate-5m-bf16-true",
-            "generate-5m-bf16-true-compiled"],
+    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled", "pretrain-1b-fp8", "pretrain-1b-tp2", "pretrain-1b-cp2",
+            "pretrain-1b-pp2", "generate-5m-bf16-true", "generate-5m-bf16-true-compiled"],
 }
+# The 1B cases split over 2 GPUs (compiled, bf16-mixed, the same global batch): skipped on a machine with fewer GPUs.
+PARALLEL_1B = {"tp2": ["--parallel.tensor", "2"], "cp2": ["--parallel.context", "2"],
+               "pp2": ["--parallel.pipeline", "2"]}
 # The ~100M Llama shape of benchmarks/distributed.py (124M parameters with its 32000-row embedding).
 MODEL_100M = ["--model_config.n_layer", "12", "--model_config.n_embd", "768", "--model_config.n_head", "12",
               "--model_config.n_query_groups", "4", "--model_config.intermediate_size", "2048",
@@ -147,22 +150,26 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
             warmup, measured = 3, 8
             total = warmup + measured
             precision = "fp8-mixed" if name.endswith("fp8") else "bf16-mixed"  # fp8: compiled, as torchtitan runs it
+            split = PARALLEL_1B.get(name.rsplit("-", 1)[1], [])
+            devices = 2 if split else 1
             out = work / "out" / name
             argv = [python_ours, "-m", "litgpt", "pretrain", "Llama-3.2-1B", "--tokenizer_dir", str(harness.TOKENIZER_DIR),
                     "--data", "Tiny", "--data.cache_dir", str(work / "tiny-cache"), "--out_dir", str(out / "ours"),
                     "--train.max_seq_length", "2048", "--train.micro_batch_size", "4", "--train.global_batch_size",
                     "32", "--train.max_steps", str(total), "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
                     "--train.save_interval", "null", "--eval.interval", str(harness.BIG), "--eval.initial_validation",
-                    "false", "--eval.final_validation", "false", "--precision", precision, "--devices", "1",
-                    "--compiler", "none" if name.endswith("eager") else "torch"]
+                    "false", "--eval.final_validation", "false", "--precision", precision, "--devices", str(devices),
+                    "--compiler", "none" if name.endswith("eager") else "torch", *split]
             command = harness.Command("ours", argv, out / "ours", harness.OURS_STEP)
             from litgpt.config import Config
 
             config = Config.from_name("Llama-3.2-1B")
             model_args = {k: getattr(config, k) for k in config.__dataclass_fields__}
             cases[name] = (harness.Case(name, "Llama-3.2-1B shape, seq 2048, micro batch 4, global batch 32, "
-                                        f"{precision}, 1 GPU", 32 * 2048, command, None), warmup, total,
-                           {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16", "processes": 1})
+                                        f"{precision}, {devices} GPU" + (f"s, {' '.join(split)}" if split else ""),
+                                        32 * 2048, command, None), warmup, total,
+                           {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16",
+                            "processes": devices, "gpus": devices})
             continue
         kind, size, rest = name.split("-", 2)
         precision = rest if rest in PRECISIONS else "32-true"
@@ -344,7 +351,11 @@ def main() -> None:
             record.update(description=case.description, unit="tokens/s", higher_is_better=True,
                           flops_per_token=fpt, commands={c.toolkit: {"argv": c.argv, "config_files": c.files}
                                                          for c in (case.ours, case.ref) if c is not None})
-            for repeat in range(args.repeats):
+            gpus = torch.cuda.device_count() if device == "cuda" else 0
+            if facts.get("gpus", 0) > gpus:
+                record["skipped"] = f"needs {facts['gpus']} GPUs, this machine has {gpus}"
+                print(f"{name}: skipped: {record['skipped']}", flush=True)
+            for repeat in range(args.repeats if "skipped" not in record else 0):
                 for command in (case.ours, case.ref):
                     if command is None:
                         continue
