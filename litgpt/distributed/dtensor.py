@@ -82,3 +82,12 @@ def gather_full(tensor: torch.Tensor, row_order: Optional[torch.Tensor] = None) 
     restored = torch.empty_like(full)
     restored[row_order] = full
     return restored
+
+
+def clip_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` (whole tensors or DTensors) in place so that gradients whose norm is `total_norm` (computed by
+    the caller over every rank that holds some of them) have a norm of at most `max_norm`."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))

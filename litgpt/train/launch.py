@@ -45,15 +45,20 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
     fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor,
-                          expert=parallel.expert, context=parallel.context)
+                          expert=parallel.expert, context=parallel.context, pipeline=parallel)
     set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
+    if parallel.pipeline > 1:
+        check_pipeline_run(job, parallel, compiler, fabric)
     return fabric
 
 
 def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
     """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
     whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
-    expert parallelism (`check_expert_parallel`) and context parallelism (`check_context_parallelism`)."""
+    expert parallelism (`check_expert_parallel`), context parallelism (`check_context_parallelism`) and pipeline
+    parallelism (`check_pipeline_parallelism`)."""
+    if parallel.pipeline > 1:
+        check_pipeline_parallelism(job, parallel, compiler)
     if parallel.expert > 1:
         check_expert_parallelism(job, parallel.expert, fsdp, compiler)
     if parallel.context > 1:
@@ -102,6 +107,46 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs
                         "--fsdp.state_dict_type full.")
     for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
         check_context_parallel(config, degree, parallel.tensor)
+
+
+def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs, compiler) -> None:
+    """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
+    (tied embeddings, mixture-of-experts layers, a quantized base), a compiler extension, an optimizer stepped in the
+    backward pass (the schedule scales the gradients after it)."""
+    degree, stages, config = parallel.pipeline, parallel.pipeline_stages, job.recipe.config
+    option = f"--parallel.pipeline {degree}"
+    if compiler not in CORE_COMPILERS:
+        raise UserError(f"{option} works with --compiler auto, none or torch; an extension compiler runs the model "
+                        "its own way.")
+    if config.n_layer < stages:
+        raise UserError(f"{option} x {parallel.stages_per_rank} stage(s) per device makes {stages} pipeline stages, "
+                        f"more than the model's {config.n_layer} layers: use fewer stages (a stage holds at least one "
+                        "layer).")
+    unsupported = [what for what, present in (
+        ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
+        ("mixture-of-experts layers", config.mlp_class_name == "LLaMAMoE"),
+        ("a quantized base (QLoRA)", job.recipe.quantize is not None),
+        ("--train.optimizer_in_backward", job.train.optimizer_in_backward)) if present]
+    if unsupported:
+        raise UserError(f"{option} with {unsupported[0]} is not supported yet: leave pipeline parallelism out.")
+
+
+def check_pipeline_run(job: "Job", parallel: ParallelArgs, compiler: str, fabric) -> None:
+    """UserError for a pipeline run whose micro-batches per step do not fill the schedule
+    (`check_microbatches`), or a zero-bubble schedule asked to run compiled blocks (its split backward pass runs
+    eager only); --compiler auto leaves them eager."""
+    from litgpt.distributed.pipeline import check_microbatches
+    from litgpt.distributed.runtime import print_once
+    from litgpt.distributed.topology import data_parallel
+
+    accumulation = job.train.gradient_accumulation_iters(data_parallel(fabric)[1])
+    check_microbatches(parallel.pipeline_schedule, parallel.pipeline_stages, parallel.pipeline, accumulation)
+    if job.compile_blocks and "ZeroBubble" in parallel.pipeline_schedule:
+        if compiler == "torch":
+            raise UserError(f"--parallel.pipeline_schedule {parallel.pipeline_schedule} splits each backward pass in "
+                            "two, which runs eager only: leave out --compiler torch, or use 1F1B or Interleaved1F1B.")
+        job.compile_blocks = False
+        print_once(f"Compiler: none (--parallel.pipeline_schedule {parallel.pipeline_schedule} runs eager)")
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:
