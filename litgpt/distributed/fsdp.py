@@ -149,7 +149,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
-                prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None) -> None:
+                prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None,
+                pipeline_stage: bool = False) -> None:
     """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
 
     `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
@@ -157,14 +158,16 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
     parallelism each MoE layer's local experts are a unit of their own, sharded over `expert_mesh`'s (expert_replicate,
     expert_shard) ranks, those that hold the same experts (`shard_experts`). Parameters that
     are not on the meta device must be on `device`; FSDP keeps this rank's piece of them (in CPU memory with
-    `cpu_offload`) and frees the rest.
+    `cpu_offload`) and frees the rest. `pipeline_stage`: `model` is a pipeline stage.
     """
     compute = precision.sharded_compute_dtype
     # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
-    # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward.
-    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
+    # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward, and so does a pipeline
+    # stage (`pipeline_stage`), as torchtitan's do: its micro-batches' forward and backward passes interleave, and a
+    # zero-bubble schedule's split backward pass finds the weights it differentiates by the gathered parameters.
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP" and not pipeline_stage
     for index, block in numbered_blocks(model.transformer.h):
         if prepare_block is not None:
             prepare_block(index, block)

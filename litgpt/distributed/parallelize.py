@@ -21,7 +21,7 @@ from litgpt.distributed.context_parallel import apply_context_parallel
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.expert_parallel import apply_expert_parallel, whole_experts
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
-from litgpt.distributed.pipeline import PipelineModel, split_into_stages
+from litgpt.distributed.pipeline import PipelineModel, StageModule, split_into_stages
 from litgpt.distributed.runtime import print_once
 from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
 from litgpt.model import numbered_blocks
@@ -105,7 +105,8 @@ def parallelize_part(fabric, model: nn.Module, precision: Precision,
     if offload:
         apply_activation_offloading(model, fabric.device)
     if isinstance(strategy, FSDPStrategy):
-        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block, expert_mesh)
+        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block, expert_mesh,
+                    pipeline_stage=isinstance(model, StageModule))
     elif prepare_block is not None:
         raise RuntimeError("prepare_block is applied just before sharding: it needs the FSDP strategy.")
     materialize_meta_tensors(model, fabric.device)

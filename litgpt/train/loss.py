@@ -267,7 +267,13 @@ class _ChunkedHead(torch.autograd.Function):
         no_grads = (None,) * (7 + ctx.n_targets)  # chunk_loss .. grads_now, and the targets
         if ctx.grads is not None:
             grads, ctx.grads = ctx.grads, None  # scaled in place: a second backward pass would need them again
-            return *grads.result(ctx.bias_dtype, grad_total), *no_grads
+            ctx.returned = (grad_total.detach().clone(), grads.result(ctx.bias_dtype, grad_total))
+            return *ctx.returned[1], *no_grads
+        returned = getattr(ctx, "returned", None)
+        if returned is not None and torch.equal(returned[0], grad_total):
+            # The same backward pass in two parts (a zero-bubble pipeline schedule takes the inputs' gradients first
+            # and the weights' later, each through this node): the same gradients, each part using its own.
+            return *returned[1], *no_grads
         if not ctx.saved_tensors:
             raise RuntimeError("The chunked loss' gradients were computed in its forward pass and used once already: "
                                "a second backward pass (retain_graph=True) needs the loss computed again.")
