@@ -14,18 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
-from test_distributed import (
-    SMALL,
-    assert_close_runs,
-    assert_same_final,
-    child_environment,
-    command_args,
-    inputs,  # noqa: F401 (the module-scoped fixture, shared)
-    litgpt,
-    losses,
-    torchrun_nodes,
-    write_config,
-)
+from test_distributed import inputs  # noqa: F401 (the module-scoped fixture, shared)
+from test_distributed import SMALL, assert_close_runs, assert_same_final, child_environment, command_args, litgpt
+from test_distributed import losses, torchrun_nodes, write_config
 
 from litgpt.args import ParallelArgs
 from litgpt.config import Config
@@ -134,8 +125,9 @@ def pp2_fsdp2_run(inputs) -> Path:  # noqa: F811
 
 @pytest.mark.slow
 def test_pipeline_times_fsdp_equals_one_process(pp2_fsdp2_run, one_process):
-    assert_close_runs(pp2_fsdp2_run, one_process, "lit_model.pth")  # final/: gathered from both pipeline ranks
-    assert_same_validation(pp2_fsdp2_run, one_process)
+    # final/: gathered from both pipeline ranks. (Its validation averages two data-parallel ranks' samples, one
+    # process's reads one: the PP2 runs compare validation.)
+    assert_close_runs(pp2_fsdp2_run, one_process, "lit_model.pth")
 
 
 @pytest.mark.slow

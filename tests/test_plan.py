@@ -635,6 +635,7 @@ def test_tensor_parallel_parameters_by_hand():
     (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**TINY)), "with frozen models"),
     (dict(devices=2, parallel=ParallelArgs(expert=2)), "does not cover --parallel.expert yet"),
     (dict(devices=2, parallel=ParallelArgs(context=2)), "does not cover --parallel.context yet"),
+    (dict(devices=2, parallel=ParallelArgs(pipeline=2)), "does not cover --parallel.pipeline yet"),
 ])
 def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):

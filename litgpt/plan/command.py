@@ -126,7 +126,7 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
-    for degree, option in ((parallel.expert, "expert"), (parallel.context, "context")):
+    for degree, option in ((parallel.expert, "expert"), (parallel.context, "context"), (parallel.pipeline, "pipeline")):
         if degree > 1:  # planned as if absent would be a plan of another run
             raise UserError(f"litgpt plan does not cover --parallel.{option} yet (only --parallel.tensor): plan "
                             f"without it, or measure a short run.")
