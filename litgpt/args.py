@@ -240,8 +240,9 @@ class ParallelArgs:
             final norm and the output head), each of N devices runs its stages, and a step's micro-batches (its
             gradient accumulation: --train.global_batch_size / (--train.micro_batch_size x data-parallel devices))
             flow through them by the schedule; FSDP shards each stage over the data-parallel devices (world / N). N
-            must divide the world, and the model needs at least one block per stage; dense models with untied
-            embeddings, not yet with the other degrees or QLoRA. 1: none.
+            must divide the world, and the model needs at least one block per stage, the micro-batches per step at
+            least one per stage (1F1B; the interleaved schedules one per device, in whole rounds of N). Not yet with
+            the other degrees, mixture-of-experts models, tied embeddings or QLoRA. 1: none.
         pipeline_schedule: The order in which the stages run the micro-batches' forward and backward passes
             (`torch.distributed.pipelining`): 1F1B (one stage per device; keeps up to N micro-batches of activations
             on the first), Interleaved1F1B (several stages per device, looped: a smaller bubble, more transfers),
