@@ -129,7 +129,7 @@ class GPT(nn.Module):
                 block.mlp.router_stats = None  # each MoE layer records this pass' routing (router_aux_loss)
 
         x = self.embed(idx)
-        layer_inputs = self.layer_inputs(x, kv_length, positions, sample_positions)
+        layer_inputs = self.layer_inputs(x, T, kv_length, positions, sample_positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, *layer_inputs[i], positions)
 
@@ -144,13 +144,13 @@ class GPT(nn.Module):
         return x
 
     def layer_inputs(
-        self, x: torch.Tensor, kv_length: int, positions: Optional[torch.Tensor] = None,
+        self, x: torch.Tensor, T: int, kv_length: int, positions: Optional[torch.Tensor] = None,
         sample_positions: Optional[torch.Tensor] = None,
     ) -> list[tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor]]]:
-        """What layer i reads beside the residual stream `x` (B, T, n_embd), for every layer of the config: its rotary
-        (cos, sin) (None for a layer without rotary embedding) and its attention mask, each kind built once."""
+        """What layer i reads beside the residual stream `x` of T positions (its device and dtype; a layer split over
+        the sequence from outside holds fewer), for every layer of the config: its rotary (cos, sin) (None for a layer
+        without rotary embedding) and its attention mask, each kind built once."""
         c = self.config
-        T = x.size(1)
         ropes = {}
         for local in {c.rope_local_base is not None and c.is_sliding_layer(i) for i in range(c.n_layer)}:
             # packed samples (sample_positions) rotate by their own positions

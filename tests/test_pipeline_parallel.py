@@ -46,9 +46,17 @@ def lora_args(inputs: dict, out_dir: Path) -> list:  # noqa: F811
     return args
 
 
-def run(args: list, *flags) -> None:
+def run(args: list, *flags) -> str:
+    """Run a command; returns its standard output."""
     result = litgpt(*args, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def trainable_line(stdout: str) -> str:
+    """The number of trainable parameters a run says it trains."""
+    (line,) = [line for line in stdout.splitlines() if line.endswith("trainable parameters.")]
+    return line.rsplit(", ", 1)[1]
 
 
 def run_four(args: list, *flags) -> None:
@@ -145,14 +153,16 @@ def test_a_sharded_pipeline_checkpoint_resumes_in_one_process(inputs, pp2_fsdp2_
 @pytest.fixture(scope="module")
 def lora_one_process(inputs) -> Path:  # noqa: F811
     out_dir = inputs["root"] / "pp-lora-one"
-    run(lora_args(inputs, out_dir), "--devices", "1", *FLOAT32)
+    (out_dir.parent / "pp-lora-one.stdout").write_text(run(lora_args(inputs, out_dir), "--devices", "1", *FLOAT32))
     return out_dir
 
 
 @pytest.mark.slow
 def test_pipeline_lora_equals_one_process(inputs, lora_one_process, tmp_path):  # noqa: F811
     out_dir = tmp_path / "out"
-    run(lora_args(inputs, out_dir), *PP2, "--parallel.pipeline_schedule", "Interleaved1F1B")
+    stdout = run(lora_args(inputs, out_dir), *PP2, "--parallel.pipeline_schedule", "Interleaved1F1B")
+    # Every stage's adapters counted, as one process counts them
+    assert trainable_line(stdout) == trainable_line((lora_one_process.parent / "pp-lora-one.stdout").read_text())
     assert_close_runs(out_dir, lora_one_process, "lit_model.pth.lora")  # the adapters of every stage
     assert_same_final(out_dir, lora_one_process, "lit_model.pth", atol=1e-4)  # final/: merged into the base
     assert_same_validation(out_dir, lora_one_process)

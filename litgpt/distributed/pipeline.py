@@ -132,7 +132,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, sample_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.is_first:
             x = self.gpt.embed(x)
-        layer_inputs = self.gpt.layer_inputs(x, x.size(1), sample_positions=sample_positions)
+        layer_inputs = self.gpt.layer_inputs(x, x.size(1), x.size(1), sample_positions=sample_positions)
         for name, block in self.transformer.h.named_children():
             x = block(x, *layer_inputs[int(name)])
         if self.is_last:

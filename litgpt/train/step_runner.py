@@ -31,6 +31,15 @@ class StepRunner(Protocol):
     def validation_losses(self, batch: Batch) -> Losses:
         """The validation loss and its parts of one micro-batch (on the device), without gradients."""
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """The model's (trainable, all) parameters, wherever they are held."""
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameters of `model` (a sharded one's whole tensors)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
 
 class MicroBatchLoop:
     """Gradient accumulation over the whole model: each micro-batch's loss, divided by their number, is
@@ -55,6 +64,9 @@ class MicroBatchLoop:
     def validation_losses(self, batch: Batch) -> Losses:
         with self.fabric.autocast():
             return self.objective.validation_loss(self.model, batch)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        return parameter_counts(self.model)
 
 
 class LastStageOutput:
@@ -116,6 +128,13 @@ class PipelineSteps:
             if hidden is not None:
                 losses = self.objective.validation_loss(LastStageOutput(self.last_stage, hidden), batch)
         return self.pipeline.from_last_stage(losses, "validation")
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """Every stage's: this rank's stages' counts summed over the pipeline group."""
+        counts = torch.tensor(parameter_counts(self.model), device=self.pipeline.device)
+        torch.distributed.all_reduce(counts, group=self.pipeline.group)
+        trainable, total = counts.tolist()
+        return trainable, total
 
 
 def step_runner(fabric, model: nn.Module, objective: Objective, n_microbatches: int, micro_batch_size: int,

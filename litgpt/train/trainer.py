@@ -96,8 +96,8 @@ class Trainer:
             self.train_data.load_state_dict(state.data_positions)
         data = self.train_data.iterate(state.epoch, self.start_position())
         batches = self.objective.batches(fabric, self.model, data, self.train_data.dataset, self.accumulation)
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
+        trainable, total = self.runner.parameter_counts()
+        trainable_fraction = trainable / total
         print_once(
             f"Training {self.total_steps} steps from step {state.step}: global batch {self.train.global_batch_size} "
             f"= {self.data_world} {'device(s)' if self.data_world == fabric.world_size else 'model-parallel group(s)'}"
