@@ -241,7 +241,8 @@ class ParallelArgs:
             gradient accumulation: --train.global_batch_size / (--train.micro_batch_size x data-parallel devices))
             flow through them by the schedule; FSDP shards each stage over the data-parallel devices (world / N). N
             must divide the world, and the model needs at least one block per stage, the micro-batches per step at
-            least one per stage (1F1B; the interleaved schedules one per device, in whole rounds of N). Not yet with
+            least one per stage (1F1B; the interleaved schedules one per device, in whole rounds of N); every
+            micro-batch is padded to --train.max_seq_length (the stages exchange tensors of one shape). Not yet with
             the other degrees, mixture-of-experts models, tied embeddings or QLoRA. 1: none.
         pipeline_schedule: The order in which the stages run the micro-batches' forward and backward passes
             (`torch.distributed.pipelining`): 1F1B (one stage per device; keeps up to N micro-batches of activations

@@ -18,7 +18,9 @@ A loss function returns `Losses`: "loss", what the backward pass runs on, and th
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -149,12 +151,32 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     # Compiled, the recomputing form is the faster (inductor fuses the chunk's softmax and its gradient into the
     # backward's kernels); eager, taking the gradients now saves the head's second matmul and softmax.
     grads_now = (not per_position and not torch.compiler.is_compiling() and torch.is_grad_enabled()
-                 and any(t is not None and t.requires_grad for t in inputs))
+                 and not _BACKWARD_IN_PARTS.active and any(t is not None and t.requires_grad for t in inputs))
     total = _ChunkedHead.apply(
         hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
         head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, grads_now, *flat_targets,
     )
     return total.view(hidden.shape[:-1]) if per_position else total
+
+
+class _BackwardInParts(threading.local):
+    active = False
+
+
+_BACKWARD_IN_PARTS = _BackwardInParts()
+
+
+@contextlib.contextmanager
+def backward_in_parts():
+    """Within it, the losses built will be differentiated in more than one backward pass (a zero-bubble pipeline
+    schedule takes the inputs' gradients first and the weights' later, each through the whole graph): the chunked
+    head keeps its inputs and makes each chunk's logits again in the backward pass, instead of taking its gradients
+    in the forward pass, which one backward pass uses up."""
+    _BACKWARD_IN_PARTS.active = True
+    try:
+        yield
+    finally:
+        _BACKWARD_IN_PARTS.active = False
 
 
 def head_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -267,13 +289,7 @@ class _ChunkedHead(torch.autograd.Function):
         no_grads = (None,) * (7 + ctx.n_targets)  # chunk_loss .. grads_now, and the targets
         if ctx.grads is not None:
             grads, ctx.grads = ctx.grads, None  # scaled in place: a second backward pass would need them again
-            ctx.returned = (grad_total.detach().clone(), grads.result(ctx.bias_dtype, grad_total))
-            return *ctx.returned[1], *no_grads
-        returned = getattr(ctx, "returned", None)
-        if returned is not None and torch.equal(returned[0], grad_total):
-            # The same backward pass in two parts (a zero-bubble pipeline schedule takes the inputs' gradients first
-            # and the weights' later, each through this node): the same gradients, each part using its own.
-            return *returned[1], *no_grads
+            return *grads.result(ctx.bias_dtype, grad_total), *no_grads
         if not ctx.saved_tensors:
             raise RuntimeError("The chunked loss' gradients were computed in its forward pass and used once already: "
                                "a second backward pass (retain_graph=True) needs the loss computed again.")

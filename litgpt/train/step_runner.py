@@ -10,6 +10,7 @@ the pipeline group; the recipe's loss runs on the last stage, and the losses rea
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Protocol
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from litgpt.checkpoint.manager import unwrap
 from litgpt.data.base import pad_batch
 from litgpt.distributed import pipeline as pipelining
-from litgpt.train.loss import packed
+from litgpt.train.loss import backward_in_parts, packed
 from litgpt.train.objective import Batch, Losses, Objective
 
 
@@ -103,7 +104,10 @@ class PipelineSteps:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         batch = {name: target[:, index] for index, name in enumerate(self.names)}
-        losses = self.objective.train_loss(LastStageOutput(self.last_stage, output), batch)
+        # A zero-bubble schedule differentiates the loss twice: the inputs' gradients, later the weights'.
+        in_parts = backward_in_parts() if "ZeroBubble" in self.pipeline.schedule else contextlib.nullcontext()
+        with in_parts:
+            losses = self.objective.train_loss(LastStageOutput(self.last_stage, output), batch)
         self.recorded.append({name: value.detach().float() for name, value in losses.items()})
         return losses["loss"]
 
