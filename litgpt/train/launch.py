@@ -53,37 +53,37 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
 
 
 def check_parallel(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
-    """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
-    whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
+    """UserError for any degree with a compiler extension (its strategy runs and splits the model its own way); for
+    tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or whose sizes it does
+    not divide; the same for
     expert parallelism (`check_expert_parallel`), context parallelism (`check_context_parallelism`) and pipeline
     parallelism (`check_pipeline_parallelism`)."""
+    degrees = [(name, getattr(parallel, name)) for name in ("tensor", "expert", "context", "pipeline")]
+    split = [(name, degree) for name, degree in degrees if degree > 1]
+    if split and compiler not in CORE_COMPILERS:
+        raise UserError(f"--parallel.{split[0][0]} {split[0][1]} works with --compiler auto, none or torch; an "
+                        "extension compiler runs and splits the model its own way.")
     if parallel.pipeline > 1:
-        check_pipeline_parallelism(job, parallel, compiler)
+        check_pipeline_parallelism(job, parallel)
     if parallel.expert > 1:
-        check_expert_parallelism(job, parallel.expert, fsdp, compiler)
+        check_expert_parallelism(job, parallel.expert, fsdp)
     if parallel.context > 1:
-        check_context_parallelism(job, parallel, fsdp, compiler)
+        check_context_parallelism(job, parallel, fsdp)
     if parallel.tensor == 1:
         return
     from litgpt.distributed.plans import check_tensor_parallel
 
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.tensor {parallel.tensor} works with --compiler auto, none or torch; an extension "
-                        "compiler shards the model its own way.")
     recipe = job.recipe
     for config in (recipe.config, *recipe.frozen_configs().values()):
         check_tensor_parallel(config, parallel.tensor, adapted_head=recipe.lora is not None and recipe.lora.head,
                               quantized=recipe.quantize is not None)
 
 
-def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) -> None:
+def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs) -> None:
     """UserError for expert parallelism the run cannot have: a dense model (or frozen model), experts the degree
-    does not divide, a compiler extension, sharded checkpoints (not yet: each rank writes only its own experts)."""
+    does not divide, sharded checkpoints (not yet: each rank writes only its own experts)."""
     from litgpt.distributed.plans import check_expert_parallel
 
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.expert {degree} works with --compiler auto, none or torch; an extension "
-                        "compiler shards the model its own way.")
     if fsdp.state_dict_type == "sharded":
         raise UserError(f"--parallel.expert {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
                         "--fsdp.state_dict_type full.")
@@ -93,15 +93,12 @@ def check_expert_parallelism(job: "Job", degree: int, fsdp: FSDPArgs, compiler) 
             check_expert_parallel(config, degree)
 
 
-def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs, compiler) -> None:
+def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs) -> None:
     """UserError for context parallelism the run cannot have: a model (or frozen model) whose attention it does not
-    cover or whose heads the degrees do not divide, a compiler extension, sharded checkpoints (not yet)."""
+    cover or whose heads the degrees do not divide, sharded checkpoints (not yet)."""
     from litgpt.distributed.plans import check_context_parallel
 
     degree = parallel.context
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"--parallel.context {degree} works with --compiler auto, none or torch; an extension "
-                        "compiler runs its own attention.")
     if fsdp.state_dict_type == "sharded":
         raise UserError(f"--parallel.context {degree} with --fsdp.state_dict_type sharded is not supported yet: use "
                         "--fsdp.state_dict_type full.")
@@ -109,15 +106,12 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs, fsdp: FSDPArgs
         check_context_parallel(config, degree, parallel.tensor)
 
 
-def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs, compiler) -> None:
+def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs) -> None:
     """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
-    (tied embeddings, mixture-of-experts layers, a quantized base), a compiler extension, an optimizer stepped in the
-    backward pass (the schedule scales the gradients after it)."""
+    (tied embeddings, mixture-of-experts layers, a quantized base), an optimizer stepped in the backward pass (the
+    schedule scales the gradients after it)."""
     degree, stages, config = parallel.pipeline, parallel.pipeline_stages, job.recipe.config
     option = f"--parallel.pipeline {degree}"
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"{option} works with --compiler auto, none or torch; an extension compiler runs the model "
-                        "its own way.")
     if config.n_layer < stages:
         raise UserError(f"{option} x {parallel.stages_per_rank} stage(s) per device makes {stages} pipeline stages, "
                         f"more than the model's {config.n_layer} layers: use fewer stages (a stage holds at least one "
