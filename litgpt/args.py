@@ -207,11 +207,17 @@ class FSDPArgs:
         self.backward_prefetch = prefetch_blocks(self.backward_prefetch, "--fsdp.backward_prefetch", FSDP1_BACKWARD)
 
 
+# The pipeline schedules of `torch.distributed.pipelining` we run, and the stages per device each fixes (None: two or
+# more, interleaved).
+PIPELINE_SCHEDULES = {"1F1B": 1, "Interleaved1F1B": None, "InterleavedZeroBubble": None, "ZBVZeroBubble": 2}
+
+
 @dataclass
 class ParallelArgs:
-    """How many devices split each layer, beside the data parallelism (FSDP, `FSDPArgs`) that takes the rest of the
-    world: the device mesh is (replicate, shard, tensor), the tensor dimension innermost so that the ranks of one
-    tensor-parallel group are neighbours on one node.
+    """How many devices split the model, beside the data parallelism (FSDP, `FSDPArgs`) that takes the rest of the
+    world: the device mesh is (pipeline, replicate, shard, context, tensor), the pipeline dimension outermost (its
+    stages may sit on different nodes: they exchange one micro-batch's activations at a time) and the tensor dimension
+    innermost so that the ranks of one tensor-parallel group are neighbours on one node.
 
     Args:
         tensor: Tensor parallelism with sequence parallelism (Megatron's layout): each of N neighbouring devices holds
@@ -229,20 +235,64 @@ class ParallelArgs:
             the data-parallel and context-parallel devices together. N must divide the devices per node (with the
             tensor degree) and the heads and key-value groups left on each tensor-parallel rank; not yet
             mixture-of-experts, latent attention, attention sinks or sliding windows. 1: none.
+        pipeline: Pipeline parallelism, the outermost dimension of the mesh: the layers are cut into N x
+            `pipeline_stages_per_rank` stages of consecutive blocks (the first also holds the embedding, the last the
+            final norm and the output head), each of N devices runs its stages, and a step's micro-batches (its
+            gradient accumulation: --train.global_batch_size / (--train.micro_batch_size x data-parallel devices))
+            flow through them by the schedule; FSDP shards each stage over the data-parallel devices (world / N). N
+            must divide the world, and the model needs at least one block per stage, the micro-batches per step at
+            least one per stage (1F1B; the interleaved schedules one per device, in whole rounds of N); every
+            micro-batch is padded to --train.max_seq_length (the stages exchange tensors of one shape). Not yet with
+            the other degrees, mixture-of-experts models, tied embeddings or QLoRA. 1: none.
+        pipeline_schedule: The order in which the stages run the micro-batches' forward and backward passes
+            (`torch.distributed.pipelining`): 1F1B (one stage per device; keeps up to N micro-batches of activations
+            on the first), Interleaved1F1B (several stages per device, looped: a smaller bubble, more transfers),
+            InterleavedZeroBubble (interleaved, the weight gradients deferred to fill the bubble) or ZBVZeroBubble
+            (two stages per device in a V: device d runs stages d and 2N-1-d).
+        pipeline_stages_per_rank: Stages (virtual stages) per device: 1 for 1F1B, 2 for ZBVZeroBubble, 2 or more
+            for the interleaved schedules (default 2).
     """
 
-    # pipeline parallelism will be a further degree here.
     tensor: int = 1
     expert: int = 1
     context: int = 1
+    pipeline: int = 1
+    pipeline_schedule: str = "1F1B"
+    pipeline_stages_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int) or self.pipeline < 1:
+            raise UserError(f"--parallel.pipeline must be a whole number of devices >= 1, got {self.pipeline!r}.")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise UserError(f"--parallel.pipeline_schedule {self.pipeline_schedule!r} is not one of "
+                            f"{', '.join(PIPELINE_SCHEDULES)}.")
+        stages, fixed = self.stages_per_rank, PIPELINE_SCHEDULES[self.pipeline_schedule]
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise UserError(f"--parallel.pipeline_stages_per_rank must be a whole number >= 1, got {stages!r}.")
+        if fixed is not None and stages != fixed:
+            raise UserError(f"--parallel.pipeline_schedule {self.pipeline_schedule} runs {fixed} stage(s) per device, "
+                            f"not {stages}: leave --parallel.pipeline_stages_per_rank out.")
+        if fixed is None and stages < 2:
+            raise UserError(f"--parallel.pipeline_schedule {self.pipeline_schedule} interleaves several stages per "
+                            "device: use --parallel.pipeline_stages_per_rank 2 or more (or the 1F1B schedule).")
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise UserError(f"--parallel.tensor must be a whole number of devices >= 1, got {self.tensor!r}.")
         if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
             raise UserError(f"--parallel.expert must be a whole number of devices >= 1, got {self.expert!r}.")
         if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
             raise UserError(f"--parallel.context must be a whole number of devices >= 1, got {self.context!r}.")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """The pipeline stages each device runs: --parallel.pipeline_stages_per_rank, else the schedule's default."""
+        if self.pipeline_stages_per_rank is not None:
+            return self.pipeline_stages_per_rank
+        return PIPELINE_SCHEDULES[self.pipeline_schedule] or 2
+
+    @property
+    def pipeline_stages(self) -> int:
+        """The model's pipeline stages over all devices (1 without pipeline parallelism)."""
+        return self.pipeline * self.stages_per_rank if self.pipeline > 1 else 1
 
 
 # FSDP1's BackwardPrefetch names, as `--fsdp.backward_prefetch` reads them (see FSDPArgs).

@@ -8,7 +8,7 @@ tables live in `litgpt.rope`, the dense MLPs in `litgpt.mlp` and the mixture-of-
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -128,10 +128,29 @@ class GPT(nn.Module):
             if isinstance(block.mlp, LLaMAMoE):
                 block.mlp.router_stats = None  # each MoE layer records this pass' routing (router_aux_loss)
 
-        x = self.transformer.wte(idx)
-        if c.scale_embeddings:
-            x = x * torch.tensor(c.n_embd**0.5, dtype=x.dtype)
+        x = self.embed(idx)
+        layer_inputs = self.layer_inputs(x, T, kv_length, positions, sample_positions)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, *layer_inputs[i], positions)
 
+        x = self.transformer.ln_f(x)
+        return x if return_hidden else self.head(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `idx` (B, T), scaled where the family scales them: the first block's input."""
+        x = self.transformer.wte(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        return x
+
+    def layer_inputs(
+        self, x: torch.Tensor, T: int, kv_length: int, positions: Optional[torch.Tensor] = None,
+        sample_positions: Optional[torch.Tensor] = None,
+    ) -> list[tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[torch.Tensor]]]:
+        """What layer i reads beside the residual stream `x` of T positions (its device and dtype; a layer split over
+        the sequence from outside holds fewer), for every layer of the config: its rotary (cos, sin) (None for a layer
+        without rotary embedding) and its attention mask, each kind built once."""
+        c = self.config
         ropes = {}
         for local in {c.rope_local_base is not None and c.is_sliding_layer(i) for i in range(c.n_layer)}:
             # packed samples (sample_positions) rotate by their own positions
@@ -142,14 +161,12 @@ class GPT(nn.Module):
         for window in {c.sliding_window_size if c.is_sliding_layer(i) else None for i in range(c.n_layer)}:
             masks[window] = attention_mask(T, kv_length, positions, window, x.device, sample_positions)
 
-        for i, block in enumerate(self.transformer.h):
+        inputs = []
+        for i in range(c.n_layer):
             sliding = c.is_sliding_layer(i)
             rope = ropes[c.rope_local_base is not None and sliding] if c.uses_rope(i) else None
-            mask = masks[c.sliding_window_size if sliding else None]
-            x = block(x, rope, mask, positions)
-
-        x = self.transformer.ln_f(x)
-        return x if return_hidden else self.head(x)
+            inputs.append((rope, masks[c.sliding_window_size if sliding else None]))
+        return inputs
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the final norm's output (`forward(..., return_hidden=True)`), soft-capped where the family does."""
@@ -207,6 +224,11 @@ class GPT(nn.Module):
             if isinstance(module, CausalSelfAttention) and module.config.attention_sinks:
                 nn.init.zeros_(module.sinks)  # a sink of logit 0: one more key of score 0 and value 0
         self._rope_cache.clear()
+
+
+def numbered_blocks(blocks: nn.ModuleList) -> Iterator[tuple[int, nn.Module]]:
+    """(layer index, block) of `blocks`: a GPT's, or some of them kept under their own names (a pipeline stage's)."""
+    return ((int(name), block) for name, block in blocks.named_children())
 
 
 class Block(nn.Module):

@@ -75,7 +75,8 @@ def setup(
             (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
             each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism);
             --parallel.context N splits every sequence's positions over N devices (context parallelism, Ulysses'
-            head scatter around each attention).
+            head scatter around each attention); --parallel.pipeline N cuts the layers into stages over N devices
+            (pipeline parallelism, schedule --parallel.pipeline_schedule).
         tokenizer_dir: The folder with tokenizer.json (default: initial_checkpoint_dir, or the data's own).
         logger_name: The experiment tracker: csv, tensorboard, wandb (online unless WANDB_MODE says offline) or
             mlflow (to MLFLOW_TRACKING_URI, else out_dir/mlruns).

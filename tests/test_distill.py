@@ -236,6 +236,18 @@ def logged(out_dir: Path) -> list[dict]:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f) if row.get("loss")]
 
 
+def assert_same_run(run: Path, reference: Path, loss_atol: float, weight_atol: float) -> None:
+    """Two distillation runs of 4 steps log the same losses (both parts) and end with the same student weights."""
+    ours, theirs = logged(run), logged(reference)
+    assert len(ours) == len(theirs) == 4
+    for name in ("loss", "kd_loss", "ce_loss"):
+        torch.testing.assert_close(torch.tensor([r[name] for r in ours]), torch.tensor([r[name] for r in theirs]),
+                                   rtol=0, atol=loss_atol)
+    a, b = (load_state_dict(path / "final" / "lit_model.pth") for path in (run, reference))
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=weight_atol, msg=key)
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -280,14 +292,23 @@ def test_two_fully_sharded_processes_equal_one(world, distilled):
     out_dir = world["root"] / "two"
     p = litgpt(*distill_args(world, out_dir), "--devices", 2, "--fsdp.sharding_strategy", "FULL_SHARD")
     assert p.returncode == 0, p.stderr
-    ours, theirs = logged(out_dir), logged(distilled)
-    for name in ("loss", "kd_loss", "ce_loss"):
-        torch.testing.assert_close(torch.tensor([r[name] for r in ours]), torch.tensor([r[name] for r in theirs]),
-                                   rtol=0, atol=1e-5)
-    a, b = (load_state_dict(run / "final" / "lit_model.pth") for run in (out_dir, distilled))
-    for key in b:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
+    assert_same_run(out_dir, distilled, loss_atol=1e-5, weight_atol=1e-4)
     assert json.loads((out_dir / "metrics.json").read_text())["sharding_strategy"] == "FULL_SHARD"
+
+
+@pytest.mark.slow
+def test_a_pipelined_student_distills_as_one_process(world):
+    """--parallel.pipeline 2 cuts a 2-layer student into 2 stages; the teacher runs whole where the last stage's loss
+    reads it: the losses (both parts) and weights of one process."""
+    student = write_random_checkpoint(world["root"] / "student-2", Config(**{**STUDENT, "n_layer": 2}), seed=2)
+    runs = {}
+    for name, flags in (("one", []), ("pp2", ["--devices", 2, "--parallel.pipeline", 2])):
+        runs[name] = world["root"] / f"pipelined-{name}"
+        args = distill_args(world, runs[name], 4, *flags)
+        args[1] = student
+        p = litgpt(*args)
+        assert p.returncode == 0, p.stderr
+    assert_same_run(runs["pp2"], runs["one"], loss_atol=1e-5, weight_atol=1e-4)
 
 
 @pytest.mark.slow
@@ -300,14 +321,7 @@ def test_the_optimizer_in_the_backward_pass_distills_as_the_optimizer_after_it(w
         runs[name] = world["root"] / f"optimizer-{name}"
         p = litgpt(*distill_args(world, runs[name], 4, *one_micro_batch, *flags))
         assert p.returncode == 0, p.stderr
-    ours, theirs = logged(runs["in_backward"]), logged(runs["after"])
-    assert len(ours) == len(theirs) == 4
-    for name in ("loss", "kd_loss", "ce_loss"):
-        torch.testing.assert_close(torch.tensor([r[name] for r in ours]), torch.tensor([r[name] for r in theirs]),
-                                   rtol=0, atol=1e-6)
-    a, b = (load_state_dict(run / "final" / "lit_model.pth") for run in (runs["in_backward"], runs["after"]))
-    for key in b:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    assert_same_run(runs["in_backward"], runs["after"], loss_atol=1e-6, weight_atol=1e-6)
 
 
 @pytest.mark.slow

@@ -701,6 +701,7 @@ def test_tensor_parallel_parameters_of_a_mixture_of_experts_by_hand():
     (dict(devices=1, parallel=ParallelArgs(context=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(context=2), teacher_config=Config(**TINY)), "with frozen models"),
     (dict(devices=4, parallel=ParallelArgs(context=4)), "does not divide the 2 key-value groups"),
+    (dict(devices=2, parallel=ParallelArgs(pipeline=2)), "does not cover --parallel.pipeline yet"),
 ])
 def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -2,7 +2,8 @@
 checkpoints, torch.distributed.checkpoint for sharded ones (resharded to any world size on load). Under expert
 parallelism a full checkpoint still holds every expert under its one-process name, gathered from the ranks owning
 them, and each rank reads its own experts back; in a sharded one each rank writes and reads its own experts under
-those names, so either resumes on any mesh."""
+those names, so either resumes on any mesh. Under pipeline parallelism every stage's weights and optimizer state are
+gathered to rank zero the same way, and each rank reads its own stages back."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from litgpt.distributed.expert_parallel import (
     in_one_process_order,
     one_process_param_groups,
 )
+from litgpt.distributed.pipeline import pipeline_of
 from litgpt.distributed.runtime import is_rank_zero
 from litgpt.distributed.tensor_parallel import row_orders
 from litgpt.io import read_sharded_metadata
@@ -54,18 +56,23 @@ class FSDPCheckpointIO:
     def gather_weights(self, model: nn.Module, select: KeySelector) -> dict:
         gathered, orders = {}, row_orders(unwrap(model))
         peers, group = expert_peers(unwrap(model)), expert_group(unwrap(model))
+        collects = collecting(unwrap(model))
         for key, value in model.state_dict().items():
             if select(key):
                 full = gather_full(value, orders.get(key)).detach()
                 for name, tensor in gather_across_experts(key, full, peers, group).items():
-                    if is_rank_zero():
+                    if collects:
                         gathered[name] = tensor.cpu()
+        if pipeline_of(unwrap(model)) is not None:  # every stage's weights to rank zero
+            return unwrap(model).gather_weights(gathered)
         return in_one_process_order(gathered, unwrap(model))
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
         peers = expert_peers(unwrap(model))
+        if pipeline_of(unwrap(model)) is not None:
+            return unwrap(model).gather_optimizer_state(gather_optimizer_state_by_tensor(model, optimizer, {}, None))
         if peers:
-            return gather_expert_optimizer_state(model, optimizer, peers, expert_group(unwrap(model)))
+            return gather_optimizer_state_by_tensor(model, optimizer, peers, expert_group(unwrap(model)))
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -118,21 +125,30 @@ class FSDPCheckpointIO:
         set_optimizer_state_dict(model, optimizer, reorder_rows(state["optimizer"], orders, to_stored=True))
 
 
-def gather_expert_optimizer_state(model: nn.Module, optimizer, peers: dict, group) -> dict:
-    """The full optimizer state (keyed by parameter name) on rank zero under expert parallelism: this rank's sharded
-    state gathered tensor by tensor, each expert's from the rank of the expert group that owns it (`peers`)."""
+def collecting(model: nn.Module) -> bool:
+    """Whether this rank keeps the full tensors it gathers for a full checkpoint: rank zero, or under pipeline
+    parallelism each pipeline rank's first data-parallel rank (it hands them on to rank zero)."""
+    pipeline = pipeline_of(model)
+    return is_rank_zero() if pipeline is None else pipeline.collects
+
+
+def gather_optimizer_state_by_tensor(model: nn.Module, optimizer, peers: dict, group) -> dict:
+    """The full optimizer state (keyed by parameter name) on the collecting rank (`collecting`): this rank's sharded
+    state gathered tensor by tensor, under expert parallelism each expert's from the rank of the expert group that
+    owns it (`peers`); {} on the other ranks."""
     sharded = get_optimizer_state_dict(model, optimizer)
+    collects = collecting(unwrap(model))
     state: dict = {}
     for key, values in sharded["state"].items():  # the same order on every rank: the optimizer's parameters'
         for name, value in values.items():
             full = gather_full(value).detach() if torch.is_tensor(value) else value
             pieces = gather_across_experts(key, full, peers, group) if torch.is_tensor(full) else {
                 peer: full for peer in peers.get(key, [key])}
-            if is_rank_zero():
+            if collects:
                 for peer, tensor in pieces.items():
                     state.setdefault(peer, {})[name] = tensor.cpu() if torch.is_tensor(tensor) else tensor
     groups = one_process_param_groups(sharded["param_groups"], peers, unwrap(model))
-    return {"state": in_one_process_order(state, unwrap(model)), "param_groups": groups} if is_rank_zero() else {}
+    return {"state": in_one_process_order(state, unwrap(model)), "param_groups": groups} if collects else {}
 
 
 def without_keys(optimizer_state: dict, elsewhere: dict) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Iterator, Optional, Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from litgpt.prompts import PromptStyle
@@ -114,6 +115,22 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     if packed:
         batch["positions"] = positions
     return batch
+
+
+def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A collated micro-batch right-padded to `length` positions as `collate` pads (input 0, label IGNORE_INDEX,
+    packed positions continuing the row's last sample): causal attention keeps the padding out of every real
+    position, and it has no label."""
+    pad = length - batch["input_ids"].size(1)
+    if pad <= 0:
+        return batch
+    padded = {"input_ids": F.pad(batch["input_ids"], (0, pad)),
+              "labels": F.pad(batch["labels"], (0, pad), value=IGNORE_INDEX)}
+    if "positions" in batch:
+        positions = batch["positions"]
+        steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
+        padded["positions"] = torch.cat((positions, positions[:, -1:] + steps), dim=1)
+    return {**batch, **padded}
 
 
 @dataclass

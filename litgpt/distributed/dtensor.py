@@ -89,3 +89,12 @@ def summed_gradient(x: torch.Tensor, mesh) -> torch.Tensor:
     consumers of `x` give only their share of its gradient (their heads, their width of an expert, their vocabulary
     rows). Megatron's "copy to the tensor-parallel region"."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def clip_to_norm(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` (whole tensors or DTensors) in place so that gradients whose norm is `total_norm` (computed by
+    the caller over every rank that holds some of them) have a norm of at most `max_norm`."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))

@@ -22,9 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from litgpt.distributed.dtensor import clip_to_norm
+from litgpt.distributed.pipeline import held_by_other_stages
 from litgpt.distributed.plans import check_expert_parallel
 from litgpt.distributed.runtime import print_once
 from litgpt.distributed.plans.experts import MOE_LAYER, SPLIT
+from litgpt.model import numbered_blocks
 from litgpt.moe import LLaMAMoE
 
 
@@ -108,7 +111,7 @@ class AllToAllRows(torch.autograd.Function):
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, LLaMAMoE]]:
     """(name, layer) of the blocks' MoE layers, as the plan names them."""
-    for index, block in enumerate(model.transformer.h):
+    for index, block in numbered_blocks(model.transformer.h):
         layer = getattr(block, MOE_LAYER, None)
         if isinstance(layer, LLaMAMoE):
             yield f"transformer.h.{index}.{MOE_LAYER}", layer
@@ -193,8 +196,9 @@ def one_process_param_groups(param_groups: list[dict], peers: dict[str, list[str
 
 
 def held_elsewhere(model: nn.Module) -> dict[str, torch.Size]:
-    """The shapes of the state-dict keys that other ranks of the expert group hold (a full checkpoint has them)."""
-    shapes = {}
+    """The shapes of the state-dict keys that other ranks hold (a full checkpoint has them): other ranks of the expert
+    group their experts, other pipeline ranks their stages (`held_by_other_stages`)."""
+    shapes = held_by_other_stages(model)
     for name, layer in moe_layers(model):
         local = getattr(layer, SPLIT)
         if isinstance(local, LocalExperts):
@@ -227,11 +231,7 @@ def gather_across_experts(key: str, full: torch.Tensor, peers: dict[str, list[st
 def clip_gradients_with_experts(model: nn.Module, expert_mesh, max_norm: float, norm_type: float = 2.0):
     """Clip the gradients by their norm over the whole model (`gradient_norm_with_experts`); returns that norm."""
     total, groups = _norm_and_gradients(model, expert_mesh, norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for grads in groups.values():
-            for grad in grads:
-                grad.mul_(coefficient.to(grad.device))
+    clip_to_norm([grad for grads in groups.values() for grad in grads], total, max_norm)
     return total
 
 

@@ -15,7 +15,7 @@ import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.fabric.plugins.precision import Precision as FullPrecision
 
-from litgpt.args import FSDPArgs
+from litgpt.args import FSDPArgs, ParallelArgs
 from litgpt.distributed.fsdp import FSDPStrategy
 from litgpt.distributed.topology import Topology
 from litgpt.distributed.runtime import print_once
@@ -34,10 +34,11 @@ def build_fabric(
     tensor: int = 1,
     expert: int = 1,
     context: int = 1,
+    pipeline: Optional[ParallelArgs] = None,
 ):
     """Fabric for a run: one device, or FSDP2 (`FSDPStrategy`) when devices x num_nodes > 1, with `tensor`-way
-    tensor parallelism inside each node and `expert`-way expert parallelism over the data-parallel ranks
-    (`Topology`).
+    tensor parallelism inside each node, `expert`-way expert parallelism over the data-parallel ranks and
+    `pipeline.pipeline`-way pipeline parallelism with its schedule (`Topology`).
 
     `precision` is the run's `Precision` (a name or None is resolved here, for callers outside training);
     `strategy_for_world(world_size)`, when given, returns the Fabric strategy instead (a compiler extension's).
@@ -76,7 +77,10 @@ def build_fabric(
         strategy = strategy_for_world(world_size)
     elif world_size > 1:
         fsdp = fsdp or FSDPArgs()
-        strategy = FSDPStrategy(Topology(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context), fsdp)
+        stages = {} if pipeline is None else dict(pipeline=pipeline.pipeline, stages_per_rank=pipeline.stages_per_rank,
+                                                  pipeline_schedule=pipeline.pipeline_schedule)
+        topology = Topology(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context, **stages)
+        strategy = FSDPStrategy(topology, fsdp)
     elif tensor > 1:
         raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices, but the run has one: "
                         f"use --devices {tensor} (or a multiple of it).")
@@ -86,6 +90,9 @@ def build_fabric(
     elif context > 1:
         raise UserError(f"--parallel.context {context} splits each sequence over {context} devices, but the run has "
                         f"one: use --devices {context} (or a multiple of it).")
+    elif pipeline is not None and pipeline.pipeline > 1:
+        raise UserError(f"--parallel.pipeline {pipeline.pipeline} runs the model's stages on {pipeline.pipeline} "
+                        f"devices, but the run has one: use --devices {pipeline.pipeline} (or a multiple of it).")
     try:
         return Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, loggers=loggers, strategy=strategy,

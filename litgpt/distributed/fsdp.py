@@ -18,8 +18,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from litgpt.args import FSDPArgs
+from litgpt.distributed.dtensor import clip_to_norm
 from litgpt.distributed.launcher import RankLauncher
 from litgpt.distributed.topology import Topology
+from litgpt.model import numbered_blocks
 from litgpt.precision import Precision
 
 
@@ -50,6 +52,7 @@ class FSDPStrategy(ModelParallelStrategy):
         if self.topology.context > 1:  # FSDP shards over the shard and context ranks together (made by every rank)
             self._device_mesh["shard", "context"]._flatten("shard_context")
         self._context_parallel = None
+        self._pipeline = None
         self._expert_mesh = None
         if self.topology.expert > 1:
             self._expert_mesh = self.topology.expert_device_mesh(self.root_device.type)
@@ -70,7 +73,7 @@ class FSDPStrategy(ModelParallelStrategy):
         mesh = self.device_mesh
         if self.topology.context > 1:
             return mesh["replicate", "shard_context"]
-        return mesh if self.topology.tensor == 1 else mesh["replicate", "shard"]
+        return mesh if mesh.ndim == 2 else mesh["replicate", "shard"]
 
     @property
     def tensor_mesh(self):
@@ -88,6 +91,16 @@ class FSDPStrategy(ModelParallelStrategy):
         return self._context_parallel
 
     @property
+    def pipeline(self):
+        """This rank's pipeline group and its stages' layout (`litgpt.distributed.pipeline.Pipeline`); None without
+        pipeline parallelism."""
+        if self.topology.pipeline > 1 and self._pipeline is None:
+            from litgpt.distributed.pipeline import Pipeline
+
+            self._pipeline = Pipeline(self.device_mesh["pipeline"], self.topology)
+        return self._pipeline
+
+    @property
     def expert_mesh(self):
         """The experts' (expert_replicate, expert_shard, expert) mesh (`Topology.expert_mesh_shape`); None without
         expert parallelism."""
@@ -95,6 +108,11 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def clip_gradients_norm(self, module: nn.Module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
+        if self.pipeline is not None:  # each rank holds its stages' parameters: the norm sums over the group
+            self.precision.unscale_gradients(optimizer)
+            norm = self.gradient_norm(module, norm_type)
+            clip_to_norm([p.grad for p in module.parameters() if p.grad is not None], norm, max_norm)
+            return norm
         if self._expert_mesh is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         from litgpt.distributed.expert_parallel import clip_gradients_with_experts
@@ -105,6 +123,8 @@ class FSDPStrategy(ModelParallelStrategy):
     def gradient_norm(self, module: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of `module`'s gradients over all ranks, without clipping them."""
         grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if self.pipeline is not None:
+            return self.pipeline.gradient_norm(grads, norm_type)
         if self._expert_mesh is None:
             return torch.nn.utils.get_total_norm(grads, norm_type)
         from litgpt.distributed.expert_parallel import gradient_norm_with_experts
@@ -112,8 +132,9 @@ class FSDPStrategy(ModelParallelStrategy):
         return gradient_norm_with_experts(module, self._expert_mesh["expert"], norm_type)
 
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
-        # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing.
-        if not is_sharded(module):
+        # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing;
+        # a pipeline rank's model holds its stages, each sharded on its own.
+        if not is_sharded(module) and not all(is_sharded(stage) for stage in getattr(module, "stages", [None])):
             raise RuntimeError("FSDPStrategy sets up models that litgpt.distributed.parallelize has sharded.")
         return module
 
@@ -128,7 +149,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
-                prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None) -> None:
+                prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None,
+                pipeline_stage: bool = False) -> None:
     """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
 
     `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
@@ -136,15 +158,17 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
     parallelism each MoE layer's local experts are a unit of their own, sharded over `expert_mesh`'s (expert_replicate,
     expert_shard) ranks, those that hold the same experts (`shard_experts`). Parameters that
     are not on the meta device must be on `device`; FSDP keeps this rank's piece of them (in CPU memory with
-    `cpu_offload`) and frees the rest.
+    `cpu_offload`) and frees the rest. `pipeline_stage`: `model` is a pipeline stage.
     """
     compute = precision.sharded_compute_dtype
     # bf16 compute and all-gathers; gradients are reduced and kept in float32 with the float32 master weights.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
-    # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward.
-    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
-    for index, block in enumerate(model.transformer.h):
+    # SHARD_GRAD_OP keeps a block's parameters gathered from its forward to its backward, and so does a pipeline
+    # stage (`pipeline_stage`), as torchtitan's do: its micro-batches' forward and backward passes interleave, and a
+    # zero-bubble schedule's split backward pass finds the weights it differentiates by the gathered parameters.
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP" and not pipeline_stage
+    for index, block in numbered_blocks(model.transformer.h):
         if prepare_block is not None:
             prepare_block(index, block)
         if expert_mesh is not None:

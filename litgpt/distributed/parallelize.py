@@ -1,5 +1,5 @@
-"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, tensor
-parallelism (`--parallel.tensor`), context parallelism (`--parallel.context`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
+"""The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, pipeline
+stages (`--parallel.pipeline`; the steps that follow apply to each stage), tensor parallelism (`--parallel.tensor`), context parallelism (`--parallel.context`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
 offloading, sharding (FSDP over the data-parallel mesh), then materialization and initialization (torchtitan's
 order).
 
@@ -21,8 +21,10 @@ from litgpt.distributed.context_parallel import apply_context_parallel
 from litgpt.distributed.dtensor import FullTensorInit
 from litgpt.distributed.expert_parallel import apply_expert_parallel, whole_experts
 from litgpt.distributed.fsdp import FSDPStrategy, shard_model
+from litgpt.distributed.pipeline import PipelineModel, StageModule, split_into_stages
 from litgpt.distributed.runtime import print_once
 from litgpt.distributed.tensor_parallel import apply_tensor_parallel, row_orders
+from litgpt.model import numbered_blocks
 from litgpt.precision import Precision
 
 
@@ -36,6 +38,7 @@ def parallelize(
     prepare_block: Optional[Callable[[int, nn.Module], None]] = None,
     dtype: Optional[torch.dtype] = None,
     offload: bool = False,
+    pipelined: bool = True,
 ) -> nn.Module:
     """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, tensor parallelism (the
     strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), context parallelism (each attention over the
@@ -51,10 +54,35 @@ def parallelize(
     NF4 base, see `litgpt.distributed.fsdp.shard_model`); materialization and initialization leave those as they are.
     The model is stored in `dtype` (default: `precision.weights_dtype`; a frozen model takes the compute dtype): the
     one cast it gets, on the meta device.
+
+    Under pipeline parallelism (the strategy's `pipeline`, unless `pipelined` is False: a frozen model stays whole)
+    the model is first cut into this rank's stages (`litgpt.distributed.pipeline`), the steps above apply to each
+    stage, and a `PipelineModel` of them is returned.
     """
     dtype = dtype or precision.weights_dtype
     if dtype != torch.float32:
         model.to(dtype)
+    strategy = fabric.strategy
+    pipeline = strategy.pipeline if isinstance(strategy, FSDPStrategy) and pipelined else None
+    if pipeline is None:
+        parts = [model]
+    else:  # what travels between stages: the residual stream in FSDP's compute dtype
+        parts = split_into_stages(model, pipeline, precision.sharded_compute_dtype or dtype)
+    for part in parts:
+        parallelize_part(fabric, part, precision, activation_checkpointing, compile_blocks, prepare_block, offload)
+    orders = row_orders(model)  # the permuted rows draw what one process draws, in their stored order
+    params = dict(model.named_parameters())
+    rows = {id(params[key]): order for key, order in orders.items()}
+    # The whole model in one process's order: another stage's weights, still on the meta device, are drawn and dropped.
+    with torch.no_grad(), FullTensorInit(rows, fabric.device), whole_experts(model):
+        initialize(model)
+    return model if pipeline is None else PipelineModel(model, parts, pipeline)
+
+
+def parallelize_part(fabric, model: nn.Module, precision: Precision,
+                     activation_checkpointing: Union[bool, int, str, ActivationCheckpointing], compile_blocks: bool,
+                     prepare_block: Optional[Callable[[int, nn.Module], None]], offload: bool) -> None:
+    """`parallelize`'s steps from tensor parallelism to materialization, on the model or one pipeline stage of it."""
     strategy = fabric.strategy
     tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
     if tensor_mesh is not None:
@@ -77,16 +105,11 @@ def parallelize(
     if offload:
         apply_activation_offloading(model, fabric.device)
     if isinstance(strategy, FSDPStrategy):
-        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block, expert_mesh)
+        shard_model(model, strategy.data_mesh, strategy.fsdp, precision, fabric.device, prepare_block, expert_mesh,
+                    pipeline_stage=isinstance(model, StageModule))
     elif prepare_block is not None:
         raise RuntimeError("prepare_block is applied just before sharding: it needs the FSDP strategy.")
     materialize_meta_tensors(model, fabric.device)
-    orders = row_orders(model)  # the permuted rows draw what one process draws, in their stored order
-    params = dict(model.named_parameters())
-    rows = {id(params[key]): order for key, order in orders.items()}
-    with torch.no_grad(), FullTensorInit(rows, fabric.device), whole_experts(model):
-        initialize(model)
-    return model
 
 
 def materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:
@@ -159,7 +182,7 @@ def apply_activation_checkpointing(
     options = dict(use_reentrant=False)
     if checkpointing.mode == "ops":
         options["context_fn"] = selective_checkpoint_contexts
-    for index, block in enumerate(model.transformer.h):
+    for index, block in numbered_blocks(model.transformer.h):
         if checkpointing.checkpoints(index):
             block.forward = checkpointed(block.forward, options)
 

@@ -37,6 +37,11 @@ class Topology:
     Context parallelism (`context` > 1) adds a dimension `context` between the data-parallel ones and `tensor`: the
     ranks of one context-parallel group read the same batches (each runs its own slice of the positions), and FSDP
     shards over (shard, context) flattened (parameters are the same on every context rank), as torchtitan does.
+
+    Pipeline parallelism (`pipeline` > 1) adds the outermost dimension `pipeline`: global rank p x (world / pipeline)
+    + d runs pipeline rank p's `stages_per_rank` stages (placed by `pipeline_schedule`: looped, or in a V), the ranks
+    of one pipeline group read the same batches, and the data-parallel shape above is that of the world / pipeline
+    ranks of one pipeline rank (HYBRID_SHARD's replicate dimension: the nodes of one pipeline rank).
     """
 
     devices: int
@@ -45,9 +50,14 @@ class Topology:
     tensor: int = 1
     expert: int = 1
     context: int = 1
+    pipeline: int = 1
+    stages_per_rank: int = 1
+    pipeline_schedule: str = "1F1B"
 
     def __post_init__(self) -> None:
         check_sharding_strategy(self.sharding_strategy)
+        if self.pipeline > 1:
+            self.check_pipeline()
         if self.devices % self.tensor:
             raise UserError(
                 f"--parallel.tensor {self.tensor} does not divide --devices {self.devices}: a tensor-parallel group "
@@ -74,6 +84,22 @@ class Topology:
             raise UserError(f"--parallel.context {self.context} with --parallel.expert {self.expert} is not "
                             "supported yet: use one of the two.")
 
+    def check_pipeline(self) -> None:
+        """UserError unless the pipeline groups fit: the degree divides the world and the nodes (or one node holds
+        whole pipeline groups), not mixed with the other model-parallel degrees (not yet)."""
+        if self.world_size % self.pipeline:
+            raise UserError(f"--parallel.pipeline {self.pipeline} does not divide the {self.world_size} devices "
+                            "(--devices x --num_nodes): use a divisor of them.")
+        others = [f"--parallel.{name} {degree}" for name, degree in
+                  (("tensor", self.tensor), ("expert", self.expert), ("context", self.context)) if degree > 1]
+        if others:
+            raise UserError(f"--parallel.pipeline {self.pipeline} with {' and '.join(others)} is not supported yet: "
+                            "use pipeline parallelism with data parallelism (FSDP) alone.")
+        if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes > 1 and self.num_nodes % self.pipeline:
+            raise UserError(f"--parallel.pipeline {self.pipeline} does not divide the {self.num_nodes} nodes, which "
+                            "HYBRID_SHARD replicates over: use a divisor of them, or --fsdp.sharding_strategy "
+                            "FULL_SHARD.")
+
     @property
     def model_parallel_size(self) -> int:
         """The neighbouring ranks that read one batch together: a tensor-parallel group times a context-parallel one."""
@@ -90,26 +116,26 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that read different batches: the world over the tensor and context-parallel degrees."""
-        return self.world_size // self.model_parallel_size
+        """The ranks that read different batches: the world over the pipeline, tensor and context-parallel degrees."""
+        return self.world_size // (self.pipeline * self.model_parallel_size)
 
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which batches rank `global_rank` reads: the ranks of one tensor (and context) parallel group, neighbours,
-        read the same."""
-        return global_rank // self.model_parallel_size
+        read the same, and so do the ranks of one pipeline group (the same place in each pipeline rank's share)."""
+        return global_rank % (self.world_size // self.pipeline) // self.model_parallel_size
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """The data-parallel (replicate, shard) shape."""
         if self.sharding_strategy == "HYBRID_SHARD":
-            return self.num_nodes, self.devices // self.model_parallel_size
+            return self.num_nodes // self.pipeline, self.devices // self.model_parallel_size
         if self.sharding_strategy == "NO_SHARD":
             return self.data_parallel_size, 1
         return 1, self.data_parallel_size
 
     def device_mesh(self, device_type: str):
-        """The run's mesh: (replicate, shard), then "context" with context parallelism, then "tensor" with tensor
-        parallelism (innermost)."""
+        """The run's mesh: "pipeline" with pipeline parallelism (outermost), (replicate, shard), then "context" with
+        context parallelism, then "tensor" with tensor parallelism (innermost)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -118,7 +144,8 @@ class Topology:
                 f"{dist.get_world_size()} processes joined the run, but --devices {self.devices} x --num_nodes "
                 f"{self.num_nodes} makes {self.world_size}."
             )
-        dims = [("replicate", self.mesh_shape[0]), ("shard", self.mesh_shape[1])]
+        dims = [("pipeline", self.pipeline)] if self.pipeline > 1 else []
+        dims += [("replicate", self.mesh_shape[0]), ("shard", self.mesh_shape[1])]
         dims += [(name, size) for name, size in (("context", self.context), ("tensor", self.tensor)) if size > 1]
         return init_device_mesh(device_type, tuple(size for _, size in dims),
                                 mesh_dim_names=tuple(name for name, _ in dims))

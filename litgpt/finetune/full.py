@@ -53,7 +53,8 @@ def setup(
             (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
             each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism);
             --parallel.context N splits every sequence's positions over N devices (context parallelism, Ulysses'
-            head scatter around each attention).
+            head scatter around each attention); --parallel.pipeline N cuts the layers into stages over N devices
+            (pipeline parallelism, schedule --parallel.pipeline_schedule).
         resume: Continue a run: "auto" (the newest checkpoint in out_dir), a step-XXXXXX folder, or false.
         data: The instruction data (default: Alpaca), formatted in the checkpoint's prompt style.
         train: Training schedule and batch sizes.

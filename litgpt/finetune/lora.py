@@ -70,7 +70,8 @@ def setup(
             (tensor and sequence parallelism; FSDP shards over the rest of the world); --parallel.expert N splits
             each mixture-of-experts layer's experts over N data-parallel devices (expert parallelism);
             --parallel.context N splits every sequence's positions over N devices (context parallelism, Ulysses'
-            head scatter around each attention).
+            head scatter around each attention); --parallel.pipeline N cuts the layers into stages over N devices
+            (pipeline parallelism, schedule --parallel.pipeline_schedule).
         lora_r: The adapters' rank.
         lora_alpha: The adapters' scale numerator (the update is scaled by alpha / r).
         lora_dropout: Dropout on the adapters' input.

@@ -129,6 +129,8 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
+    if parallel.pipeline > 1:  # planned as if absent would be a plan of another run
+        raise UserError("litgpt plan does not cover --parallel.pipeline yet: plan without it, or measure a short run.")
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,

@@ -29,6 +29,7 @@ from litgpt.train.optimizer_in_backward import OptimizerInBackward, check_optimi
 from litgpt.train.recipe import Recipe
 from litgpt.train.run_record import write_run_args
 from litgpt.train.state import TrainState
+from litgpt.train.step_runner import step_runner
 from litgpt.train.trainer import Trainer, TrainerSettings
 
 
@@ -138,8 +139,10 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
             start_tracking(fabric.loggers, job.hyperparameters)
     settings = TrainerSettings(train=train, eval=job.eval, out_dir=job.out_dir, precision=job.precision,
                                profile=job.profile, timeout=job.timeout, compiles_blocks=job.compile_blocks)
+    runner = step_runner(fabric, model, objective, train.gradient_accumulation_iters(data_parallel(fabric)[1]),
+                         train.micro_batch_size, train.seq_length(recipe.config))
     trainer = Trainer(
-        fabric, model, optimizer, objective, settings, tokenizer, checkpoints, state, base_lr,
+        fabric, model, optimizer, objective, runner, settings, tokenizer, checkpoints, state, base_lr,
         train_data=job.data.batches(train_data, train.micro_batch_size, job.seed, *data_parallel(fabric)),
         val_data=val_data,
     )

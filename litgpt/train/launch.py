@@ -45,57 +45,93 @@ def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name:
         return build_fabric(devices, num_nodes, job.precision, loggers=loggers,
                             strategy_for_world=lambda world: extension.strategy(world, strategy, fsdp.timeout))
     fabric = build_fabric(devices, num_nodes, job.precision, loggers=loggers, fsdp=fsdp, tensor=parallel.tensor,
-                          expert=parallel.expert, context=parallel.context)
+                          expert=parallel.expert, context=parallel.context, pipeline=parallel)
     set_compilation(job, compiler, fabric.device, fabric.world_size, whole_loss)
+    if parallel.pipeline > 1:
+        check_pipeline_run(job, parallel, compiler, fabric)
     return fabric
 
 
 def check_parallel(job: "Job", parallel: ParallelArgs, compiler) -> None:
-    """UserError for tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or
-    whose sizes it does not divide, a compiler extension (its strategy splits the model its own way); the same for
-    expert parallelism (`check_expert_parallelism`) and context parallelism (`check_context_parallelism`)."""
+    """UserError for any degree with a compiler extension (its strategy runs and splits the model its own way); for
+    tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or whose sizes it does
+    not divide; the same for expert parallelism (`check_expert_parallelism`), context parallelism
+    (`check_context_parallelism`) and pipeline parallelism (`check_pipeline_parallelism`)."""
+    degrees = [(name, getattr(parallel, name)) for name in ("tensor", "expert", "context", "pipeline")]
+    split = [(name, degree) for name, degree in degrees if degree > 1]
+    if split and compiler not in CORE_COMPILERS:
+        raise UserError(f"--parallel.{split[0][0]} {split[0][1]} works with --compiler auto, none or torch; an "
+                        "extension compiler runs and splits the model its own way.")
+    if parallel.pipeline > 1:
+        check_pipeline_parallelism(job, parallel)
     if parallel.expert > 1:
-        check_expert_parallelism(job, parallel.expert, compiler)
+        check_expert_parallelism(job, parallel.expert)
     if parallel.context > 1:
-        check_context_parallelism(job, parallel, compiler)
+        check_context_parallelism(job, parallel)
     if parallel.tensor == 1:
         return
     from litgpt.distributed.plans import check_tensor_parallel
 
-    refuse_extension_compiler(compiler, f"--parallel.tensor {parallel.tensor}", "shards the model its own way")
     recipe = job.recipe
     for config in (recipe.config, *recipe.frozen_configs().values()):
         check_tensor_parallel(config, parallel.tensor, quantized=recipe.quantize is not None)
 
 
-def check_expert_parallelism(job: "Job", degree: int, compiler) -> None:
+def check_expert_parallelism(job: "Job", degree: int) -> None:
     """UserError for expert parallelism the run cannot have: a dense model (or frozen model), experts the degree
-    does not divide, a compiler extension."""
+    does not divide."""
     from litgpt.distributed.plans import check_expert_parallel
 
-    refuse_extension_compiler(compiler, f"--parallel.expert {degree}", "shards the model its own way")
     check_expert_parallel(job.recipe.config, degree)
     for config in job.recipe.frozen_configs().values():
         if config.mlp_class_name == "LLaMAMoE":  # a dense teacher stays whole on every rank
             check_expert_parallel(config, degree)
 
 
-def check_context_parallelism(job: "Job", parallel: ParallelArgs, compiler) -> None:
+def check_context_parallelism(job: "Job", parallel: ParallelArgs) -> None:
     """UserError for context parallelism the run cannot have: a model (or frozen model) whose attention it does not
-    cover or whose heads the degrees do not divide, a compiler extension."""
+    cover or whose heads the degrees do not divide."""
     from litgpt.distributed.plans import check_context_parallel
 
-    degree = parallel.context
-    refuse_extension_compiler(compiler, f"--parallel.context {degree}", "runs its own attention")
     for config in (job.recipe.config, *job.recipe.frozen_configs().values()):
-        check_context_parallel(config, degree, parallel.tensor)
+        check_context_parallel(config, parallel.context, parallel.tensor)
 
 
-def refuse_extension_compiler(compiler, option: str, because: str) -> None:
-    """UserError when `compiler` is an extension's: `option` (a parallelism and its degree) needs the core's model,
-    which the extension replaces (`because`: what it does its own way)."""
-    if compiler not in CORE_COMPILERS:
-        raise UserError(f"{option} works with --compiler auto, none or torch; an extension compiler {because}.")
+def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs) -> None:
+    """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
+    (tied embeddings, mixture-of-experts layers, a quantized base), an optimizer stepped in the backward pass (the
+    schedule scales the gradients after it)."""
+    degree, stages, config = parallel.pipeline, parallel.pipeline_stages, job.recipe.config
+    option = f"--parallel.pipeline {degree}"
+    if config.n_layer < stages:
+        raise UserError(f"{option} x {parallel.stages_per_rank} stage(s) per device makes {stages} pipeline stages, "
+                        f"more than the model's {config.n_layer} layers: use fewer stages (a stage holds at least one "
+                        "layer).")
+    unsupported = [what for what, present in (
+        ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
+        ("mixture-of-experts layers", config.mlp_class_name == "LLaMAMoE"),
+        ("a quantized base (QLoRA)", job.recipe.quantize is not None),
+        ("--train.optimizer_in_backward", job.train.optimizer_in_backward)) if present]
+    if unsupported:
+        raise UserError(f"{option} with {unsupported[0]} is not supported yet: leave pipeline parallelism out.")
+
+
+def check_pipeline_run(job: "Job", parallel: ParallelArgs, compiler: str, fabric) -> None:
+    """UserError for a pipeline run whose micro-batches per step do not fill the schedule
+    (`check_microbatches`), or a zero-bubble schedule asked to run compiled blocks (its split backward pass runs
+    eager only); --compiler auto leaves them eager."""
+    from litgpt.distributed.pipeline import check_microbatches
+    from litgpt.distributed.runtime import print_once
+    from litgpt.distributed.topology import data_parallel
+
+    accumulation = job.train.gradient_accumulation_iters(data_parallel(fabric)[1])
+    check_microbatches(parallel.pipeline_schedule, parallel.pipeline_stages, parallel.pipeline, accumulation)
+    if job.compile_blocks and "ZeroBubble" in parallel.pipeline_schedule:
+        if compiler == "torch":
+            raise UserError(f"--parallel.pipeline_schedule {parallel.pipeline_schedule} splits each backward pass in "
+                            "two, which runs eager only: leave out --compiler torch, or use 1F1B or Interleaved1F1B.")
+        job.compile_blocks = False
+        print_once(f"Compiler: none (--parallel.pipeline_schedule {parallel.pipeline_schedule} runs eager)")
 
 
 def set_compilation(job: "Job", compiler: str, device, world_size: int, whole_loss: bool = True) -> None:

@@ -23,8 +23,10 @@ A loss function returns `Losses`: "loss", what the backward pass runs on, and th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -226,12 +228,32 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     # Compiled, the recomputing form is the faster (inductor fuses the chunk's softmax and its gradient into the
     # backward's kernels); eager, taking the gradients now saves the head's second matmul and softmax.
     grads_now = (not per_position and not torch.compiler.is_compiling() and torch.is_grad_enabled()
-                 and any(t is not None and t.requires_grad for t in inputs))
+                 and not _BACKWARD_IN_PARTS.active and any(t is not None and t.requires_grad for t in inputs))
     total = _ChunkedHead.apply(
         hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
         head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, grads_now, *flat_targets,
     )
     return total.view(hidden.shape[:-1]) if per_position else total
+
+
+class _BackwardInParts(threading.local):
+    active = False
+
+
+_BACKWARD_IN_PARTS = _BackwardInParts()
+
+
+@contextlib.contextmanager
+def backward_in_parts():
+    """Within it, the losses built will be differentiated in more than one backward pass (a zero-bubble pipeline
+    schedule takes the inputs' gradients first and the weights' later, each through the whole graph): the chunked
+    head keeps its inputs and makes each chunk's logits again in the backward pass, instead of taking its gradients
+    in the forward pass, which one backward pass uses up."""
+    _BACKWARD_IN_PARTS.active = True
+    try:
+        yield
+    finally:
+        _BACKWARD_IN_PARTS.active = False
 
 
 def head_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -258,8 +258,10 @@ class Recipe:
         from litgpt.distributed.parallelize import parallelize
         from litgpt.distributed.tensor_parallel import row_orders
 
-        model = parallelize(fabric, cls.build_frozen(config), precision, initialize=lambda model: None, activation_checkpointing=False,
-                            compile_blocks=compile_blocks, dtype=precision.compute_dtype)
+        # Whole on every pipeline rank (the last stage's loss runs it on the batch's tokens).
+        model = parallelize(fabric, cls.build_frozen(config), precision, initialize=lambda model: None,
+                            activation_checkpointing=False, compile_blocks=compile_blocks,
+                            dtype=precision.compute_dtype, pipelined=False)
         if is_sharded(model):
             for block in model.transformer.h:
                 block.set_reshard_after_forward(True)

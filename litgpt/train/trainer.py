@@ -39,6 +39,7 @@ from litgpt.train.objective import Objective
 from litgpt.train.optimizer import lr_at
 from litgpt.train.profiler import start_profiler, stop_profiler
 from litgpt.train.state import TrainState
+from litgpt.train.step_runner import StepRunner
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,11 @@ class TrainerSettings:
 
 
 class Trainer:
-    def __init__(self, fabric, model, optimizer, objective: Objective, settings: TrainerSettings, tokenizer,
-                 checkpoints: CheckpointManager, state: TrainState, base_lr: float, train_data: MicroBatches,
-                 val_data: SampleDataset) -> None:
+    def __init__(self, fabric, model, optimizer, objective: Objective, runner: StepRunner, settings: TrainerSettings,
+                 tokenizer, checkpoints: CheckpointManager, state: TrainState, base_lr: float,
+                 train_data: MicroBatches, val_data: SampleDataset) -> None:
         self.fabric, self.model, self.optimizer, self.objective = fabric, model, optimizer, objective
+        self.runner = runner  # how a step's micro-batches run forward and backward, and validation's
         self.settings, self.train, self.eval = settings, settings.train, settings.eval
         self.tokenizer, self.checkpoints, self.state, self.base_lr = tokenizer, checkpoints, state, base_lr
         self.train_data, self.val_data = train_data, val_data
@@ -94,8 +96,8 @@ class Trainer:
             self.train_data.load_state_dict(state.data_positions)
         data = self.train_data.iterate(state.epoch, self.start_position())
         batches = self.objective.batches(fabric, self.model, data, self.train_data.dataset, self.accumulation)
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        trainable_fraction = trainable / sum(p.numel() for p in self.model.parameters())
+        trainable, total = self.runner.parameter_counts()
+        trainable_fraction = trainable / total
         print_once(
             f"Training {self.total_steps} steps from step {state.step}: global batch {self.train.global_batch_size} "
             f"= {self.data_world} {'device(s)' if self.data_world == fabric.world_size else 'model-parallel group(s)'}"
@@ -168,26 +170,22 @@ class Trainer:
 
     def step(self, batches, window: LogWindow, control: StepControl, signals: StopSignals, progress) -> int:
         """One optimizer step over `accumulation` micro-batches; returns the stop signal any rank received (or 0)."""
-        fabric, state, model = self.fabric, self.state, self.model
+        fabric, state = self.fabric, self.state
         step_start = time.perf_counter()
         window.lr = lr_at(state.step, self.base_lr, self.train.lr_warmup_steps, self.total_steps, self.train.min_lr)
         for group in self.optimizer.param_groups:
             group["lr"] = window.lr
-        step_losses: dict[str, torch.Tensor] = {}  # the loss and its parts, means over the micro-batches
-        for micro in range(self.accumulation):
+        micro_batches = []
+        for _ in range(self.accumulation):
             epoch, index, batch = next(batches)
             batch = {name: fabric.to_device(value) for name, value in batch.items()}
-            with fabric.no_backward_sync(model, enabled=micro < self.accumulation - 1):
-                with fabric.autocast():  # the loss applies the head outside the model's forward: same precision
-                    losses = self.objective.train_loss(model, batch)
-                fabric.backward(losses["loss"] / self.accumulation)
-            for name, value in losses.items():
-                step_losses[name] = step_losses.get(name, 0.0) + value.detach().float() / self.accumulation
+            micro_batches.append(batch)
             window.label_tokens += self.objective.labelled_tokens(batch)
             last_of_epoch = index + 1 == self.train_data.per_epoch
             state.epoch, state.epoch_samples = (
                 (epoch + 1, 0) if last_of_epoch else (epoch, (index + 1) * self.samples_per_micro_step))
             state.tokens += self.objective.tokens(batch) * self.data_world
+        step_losses = self.runner.train_step(micro_batches)  # the loss and its parts, means over the micro-batches
         failpoint("step:backward")
         loss_value, grad_norm = self.step_values(step_losses["loss"])  # the loop's one host-device sync per step
         finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
@@ -277,7 +275,7 @@ class Trainer:
             parts = "".join(f" | val {name} {value:.4f}" for name, value in self.val_parts.items())
             self.say(progress, f"step {step} | val loss {val_loss:.4f}{parts}")
             if self.eval.max_new_tokens and self.data_world != self.fabric.world_size:
-                self.say(progress, "(no text sample: decoding under tensor or context parallelism is not supported yet)")
+                self.say(progress, "(no text sample: decoding under model parallelism is not supported yet)")
             elif self.eval.max_new_tokens:
                 prompt, continuation = self.sample_text()  # on every rank: a sharded model's forward is collective
                 self.say(progress, f"sample prompt: {prompt!r}")
@@ -329,8 +327,7 @@ class Trainer:
         data = itertools.islice(batches.iterate(), min(self.eval.max_iters, batches.per_epoch))
         for _, _, batch in self.objective.batches(self.fabric, model, data, self.val_data, per_step=1):
             batch = {name: self.fabric.to_device(value) for name, value in batch.items()}
-            with self.fabric.autocast():
-                parts = self.objective.validation_loss(model, batch)
+            parts = self.runner.validation_losses(batch)
             names = names or list(parts)
             losses.append(torch.stack([parts[name].float() for name in names]))
         means = self.fabric.all_reduce(torch.stack(losses).mean(0), reduce_op="mean").tolist()

@@ -1,0 +1,262 @@
+"""Pipeline parallelism (`--parallel.pipeline`) with real processes on the CPU (gloo), against one process: PP2 with
+each schedule, PP2 x FSDP2 (two torchrun "nodes" of 2), pretraining and LoRA finetuning, checkpoints saved under one
+layout and resumed under the other, the stage split, the mesh, and the refusals.
+
+The model has 4 layers, so 2 devices run 4 stages under the interleaved schedules. The runs are in float32
+(`--precision 32-true`), the losses compared to 1e-5 and the final weights to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import write_random_checkpoint
+from test_distributed import inputs  # noqa: F401 (the module-scoped fixture, shared)
+from test_distributed import SMALL, assert_close_runs, assert_same_final, child_environment, command_args, litgpt
+from test_distributed import losses, torchrun_nodes, write_config
+
+from litgpt.args import ParallelArgs
+from litgpt.config import Config
+from litgpt.distributed.pipeline import check_microbatches, stage_layers
+from litgpt.distributed.topology import Topology
+from litgpt.errors import UserError
+
+FLOAT32 = ["--precision", "32-true"]
+LAYERS = 4
+PP2 = ["--devices", "2", "--parallel.pipeline", "2", *FLOAT32]
+
+
+def pretrain_args(inputs: dict, out_dir: Path) -> list:  # noqa: F811
+    """pretrain of the test inputs, with a model of LAYERS layers."""
+    args = command_args("pretrain", inputs, out_dir)
+    args[args.index("--config") + 1] = write_config(inputs["root"] / "pp-model.yaml", n_layer=LAYERS)
+    return args
+
+
+def lora_args(inputs: dict, out_dir: Path) -> list:  # noqa: F811
+    """finetune_lora of the test inputs, on a random base of LAYERS layers."""
+    base = inputs["root"] / "pp-base"
+    if not (base / "lit_model.pth").exists():
+        write_random_checkpoint(base, Config(**{**SMALL, "n_layer": LAYERS}))
+    args = command_args("finetune_lora", inputs, out_dir)
+    args[args.index(inputs["base"])] = base
+    return args
+
+
+def run(args: list, *flags) -> str:
+    """Run a command; returns its standard output."""
+    result = litgpt(*args, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def trainable_line(stdout: str) -> str:
+    """The number of trainable parameters a run says it trains."""
+    (line,) = [line for line in stdout.splitlines() if line.endswith("trainable parameters.")]
+    return line.rsplit(", ", 1)[1]
+
+
+def run_four(args: list, *flags) -> None:
+    """4 processes: two torchrun "nodes" of 2, each node one pipeline rank's 2 data-parallel ranks (FULL_SHARD)."""
+    args = [*args, "--devices", "2", "--num_nodes", "2", "--parallel.pipeline", "2", "--fsdp.sharding_strategy",
+            "FULL_SHARD", *FLOAT32, *flags]
+    for result in torchrun_nodes([args, args], [{}, {}], timeout=600):
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_same_validation(run_dir: Path, reference: Path) -> None:
+    """The final validation (the eval forward through the stages) gives one process's loss."""
+    ours, theirs = (json.loads((path / "metrics.json").read_text())["val_loss"] for path in (run_dir, reference))
+    assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(inputs) -> Path:  # noqa: F811
+    out_dir = inputs["root"] / "pp-one"
+    run(pretrain_args(inputs, out_dir), "--devices", "1", *FLOAT32)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def pp2_run(inputs) -> Path:  # noqa: F811
+    """PP2 with 1F1B (one stage per device), full checkpoints at steps 2 and 4."""
+    out_dir = inputs["root"] / "pp-two"
+    run(pretrain_args(inputs, out_dir), *PP2)
+    return out_dir
+
+
+@pytest.mark.slow
+def test_pipeline_pretraining_equals_one_process(pp2_run, one_process):
+    assert_close_runs(pp2_run, one_process, "lit_model.pth")
+    assert_same_validation(pp2_run, one_process)
+    assert json.loads((pp2_run / "metrics.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_zero_bubble_schedules_equal_one_process(schedule, inputs, one_process, tmp_path):  # noqa: F811
+    """Two stages per device, each backward pass split into the inputs' and the weights' gradients."""
+    run(pretrain_args(inputs, tmp_path / "out"), *PP2, "--parallel.pipeline_schedule", schedule)
+    assert_close_runs(tmp_path / "out", one_process, "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_in_one_process(inputs, pp2_run, one_process, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir), "--devices", "1", *FLOAT32, "--resume",
+                    pp2_run / "step-000002")
+    assert result.returncode == 0, result.stderr
+    assert "Training 4 steps from step 2" in result.stdout
+    assert losses(out_dir) == pytest.approx(losses(one_process)[2:], abs=1e-5)
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_pipeline_parallelism(inputs, one_process, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    run(pretrain_args(inputs, out_dir), *PP2, "--resume", one_process / "step-000002")
+    assert losses(out_dir) == pytest.approx(losses(one_process)[2:], abs=1e-5)
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pp2_fsdp2_run(inputs) -> Path:  # noqa: F811
+    """4 processes: PP2 x FSDP2 with Interleaved1F1B (2 stages per device), sharded checkpoints."""
+    out_dir = inputs["root"] / "pp-four"
+    run_four(pretrain_args(inputs, out_dir), "--parallel.pipeline_schedule", "Interleaved1F1B",
+             "--fsdp.state_dict_type", "sharded")
+    return out_dir
+
+
+@pytest.mark.slow
+def test_pipeline_times_fsdp_equals_one_process(pp2_fsdp2_run, one_process):
+    # final/: gathered from both pipeline ranks. (Its validation averages two data-parallel ranks' samples, one
+    # process's reads one: the PP2 runs compare validation.)
+    assert_close_runs(pp2_fsdp2_run, one_process, "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_a_sharded_pipeline_checkpoint_resumes_in_one_process(inputs, pp2_fsdp2_run, one_process,  # noqa: F811
+                                                             tmp_path):
+    """The stages keep the one-process names, so torch.distributed.checkpoint reshards their checkpoint."""
+    out_dir = tmp_path / "resumed"
+    run(pretrain_args(inputs, out_dir), "--devices", "1", *FLOAT32, "--fsdp.state_dict_type", "sharded",
+        "--resume", pp2_fsdp2_run / "step-000002")
+    assert losses(out_dir) == pytest.approx(losses(one_process)[2:], abs=1e-5)
+    assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+# ---- LoRA ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_one_process(inputs) -> Path:  # noqa: F811
+    out_dir = inputs["root"] / "pp-lora-one"
+    (out_dir.parent / "pp-lora-one.stdout").write_text(run(lora_args(inputs, out_dir), "--devices", "1", *FLOAT32))
+    return out_dir
+
+
+@pytest.mark.slow
+def test_pipeline_lora_equals_one_process(inputs, lora_one_process, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "out"
+    stdout = run(lora_args(inputs, out_dir), *PP2, "--parallel.pipeline_schedule", "Interleaved1F1B")
+    # Every stage's adapters counted, as one process counts them
+    assert trainable_line(stdout) == trainable_line((lora_one_process.parent / "pp-lora-one.stdout").read_text())
+    assert_close_runs(out_dir, lora_one_process, "lit_model.pth.lora")  # the adapters of every stage
+    assert_same_final(out_dir, lora_one_process, "lit_model.pth", atol=1e-4)  # final/: merged into the base
+    assert_same_validation(out_dir, lora_one_process)
+
+
+@pytest.mark.slow
+def test_pipeline_times_fsdp_lora_equals_one_process(inputs, lora_one_process):  # noqa: F811
+    out_dir = inputs["root"] / "pp-lora-four"
+    run_four(lora_args(inputs, out_dir))
+    assert_close_runs(out_dir, lora_one_process, "lit_model.pth.lora")
+
+
+# ---- the layout (no processes) ---------------------------------------------------------------------------------------
+def test_stages_hold_consecutive_blocks_as_even_as_they_split():
+    assert stage_layers(4, 4) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert [len(layers) for layers in stage_layers(61, 8)] == [8, 8, 8, 8, 8, 7, 7, 7]
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, shape, data_ranks",
+    [("FULL_SHARD", 4, 1, (1, 2), [0, 1, 0, 1]), ("HYBRID_SHARD", 2, 4, (2, 2), [0, 1, 2, 3, 0, 1, 2, 3]),
+     ("NO_SHARD", 2, 2, (2, 1), [0, 1, 0, 1])],
+)
+def test_the_pipeline_dimension_is_outermost(strategy, devices, nodes, shape, data_ranks):
+    """Global rank p x (world / 2) + d runs pipeline rank p's stages and reads data-parallel rank d's batches."""
+    topology = Topology(devices, nodes, strategy, pipeline=2)
+    assert topology.mesh_shape == shape and topology.data_parallel_size == devices * nodes // 2
+    assert [topology.data_parallel_rank(rank) for rank in range(devices * nodes)] == data_ranks
+
+
+def test_what_the_schedules_need_of_the_micro_batches():
+    check_microbatches("1F1B", 4, 4, 4)
+    check_microbatches("Interleaved1F1B", 8, 4, 4)
+    check_microbatches("Interleaved1F1B", 8, 4, 6)  # one round of 6
+    with pytest.raises(UserError, match="needs at least 4 micro-batches per optimizer step, but the run has 2"):
+        check_microbatches("1F1B", 4, 4, 2)
+    with pytest.raises(UserError, match="do not split into 2 of them: use a multiple of 4"):
+        check_microbatches("InterleavedZeroBubble", 8, 4, 9)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [(dict(pipeline_schedule="GPipe"), "--parallel.pipeline_schedule 'GPipe' is not one of 1F1B"),
+     (dict(pipeline_schedule="1F1B", pipeline_stages_per_rank=2), "runs 1 stage(s) per device, not 2"),
+     (dict(pipeline_schedule="ZBVZeroBubble", pipeline_stages_per_rank=3), "runs 2 stage(s) per device, not 3"),
+     (dict(pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=1),
+      "use --parallel.pipeline_stages_per_rank 2"),
+     (dict(pipeline=0), "--parallel.pipeline must be a whole number")],
+)
+def test_what_the_pipeline_options_refuse(fields, message):
+    with pytest.raises(UserError) as error:
+        ParallelArgs(**fields)
+    assert message in str(error.value)
+
+
+def test_stages_per_rank_default_to_the_schedule():
+    assert ParallelArgs(pipeline=2).pipeline_stages == 2
+    assert ParallelArgs(pipeline=2, pipeline_schedule="Interleaved1F1B").pipeline_stages == 4
+    assert ParallelArgs(pipeline=2, pipeline_schedule="InterleavedZeroBubble",
+                        pipeline_stages_per_rank=3).pipeline_stages == 6
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "changes, flags, message",
+    [
+        ({}, ["--devices", "2", "--parallel.pipeline", "3"], "--parallel.pipeline 3 does not divide the 2 devices"),
+        ({}, ["--devices", "1", "--parallel.pipeline", "2"], "--parallel.pipeline 2 runs the model's stages on 2"),
+        ({"n_layer": 2}, [*PP2, "--parallel.pipeline_schedule", "Interleaved1F1B"],
+         "makes 4 pipeline stages, more than the model's 2 layers"),
+        ({}, [*PP2, "--train.global_batch_size", "1"],
+         "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
+        ({}, [*PP2, "--parallel.tensor", "2"], "--parallel.pipeline 2 with --parallel.tensor 2 is not supported yet"),
+        ({"tie_embeddings": True}, PP2, "with tied input and output embeddings"),
+        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}, PP2,
+         "with mixture-of-experts layers is not supported yet"),
+        ({}, [*PP2, "--compiler", "torch", "--parallel.pipeline_schedule", "ZBVZeroBubble"],
+         "ZBVZeroBubble splits each backward pass in two, which runs eager only"),
+    ],
+)
+def test_what_pipeline_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811
+    args = pretrain_args(inputs, tmp_path / "out")
+    args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **{"n_layer": LAYERS, **changes})
+    result = litgpt(*args, *flags, env=child_environment())
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_preference_and_rl_training_refuse_pipeline_parallelism(inputs, tmp_path):  # noqa: F811
+    for command in ("dpo", "grpo"):
+        result = litgpt(command, inputs["base"], "--out_dir", tmp_path / "out", "--parallel.pipeline", "2")
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "--parallel.pipeline" in result.stderr
+        assert not (tmp_path / "out").exists()
