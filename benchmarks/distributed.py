@@ -11,15 +11,15 @@ rank holds (that setting slows allocation, so the throughput run goes without it
     python benchmarks/distributed.py                       # both models, every case
     python benchmarks/distributed.py --models small --steps 4
     python benchmarks/distributed.py --models 100m --prefetch 0 1 2 --repeats 2   # FSDP2's explicit prefetching
-    python benchmarks/distributed.py --models small --parallel tp2 ep2 cp2 tp2-fsdp2   # tensor, expert, context
+    python benchmarks/distributed.py --models small --parallel tp2 pp2 ep2 cp2   # tensor, pipeline, expert, context
 
 `--prefetch N ...` runs, instead of the cases above, 2 processes with FULL_SHARD and `--fsdp.forward_prefetch N
 --fsdp.backward_prefetch N` for each N (0: FSDP2's implicit order), `--repeats` times with the settings interleaved
 (a busy spell of a shared host then falls on all of them); it reports the median tokens/s and step time, and the
 peak memory per rank.
 
-`--parallel CASE ...` runs, instead, the parallelisms beside FSDP (PARALLEL_CASES: tensor, expert, context and their
-mixes with FSDP) against the 1-process run of the same model and global batch; expert parallelism runs the MoE shape
+`--parallel CASE ...` runs, instead, the parallelisms beside FSDP (PARALLEL_CASES: tensor, pipeline, expert, context
+and their mixes with FSDP) against the 1-process run of the same model and global batch; expert parallelism runs the MoE shape
 of config_hub/pretrain/tiny-moe.yaml (8 experts, 2 per token) and its own 1-process baseline. On a CPU (gloo) these
 figures are for the record: the collectives cost more than the split compute saves; on GPUs (NCCL, a process per
 GPU) they show what each layout costs.
@@ -67,6 +67,8 @@ PARALLEL_CASES = {
     "cp2": (2, ["--parallel.context", "2"], TINY_RECIPE),
     "tp2-cp2": (4, ["--parallel.tensor", "2", "--parallel.context", "2"], TINY_RECIPE),
     "tp2-fsdp2": (4, ["--parallel.tensor", "2"], TINY_RECIPE),
+    "pp2": (2, ["--parallel.pipeline", "2"], TINY_RECIPE),
+    "pp2-fsdp2": (4, ["--parallel.pipeline", "2"], TINY_RECIPE),
     "ep2": (2, ["--parallel.expert", "2"], MOE_RECIPE),
     "ep2-fsdp2": (4, ["--parallel.expert", "2"], MOE_RECIPE),
 }
