@@ -23,7 +23,7 @@ from test_distributed import (
     litgpt,
     write_config,
 )
-from test_tensor_parallel import join_gloo_group, run_spawned_ranks
+from test_tensor_parallel import gloo_rank, run_spawned_ranks
 
 from litgpt.config import Config
 from litgpt.distributed.topology import Topology
@@ -84,8 +84,7 @@ def split_by_positions_matches_whole(rank: int, world: int, port: int, failures)
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    join_gloo_group(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port, failures):
         torch.manual_seed(0)
         whole = GPT(Config(**SMALL))
         whole.init_weights()
@@ -109,10 +108,6 @@ def split_by_positions_matches_whole(rank: int, world: int, port: int, failures)
                 grad = split_params[key].grad.clone()
                 dist.all_reduce(grad)
                 torch.testing.assert_close(grad / world, param.grad, rtol=1e-5, atol=1e-6, msg=key)
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error!r}")
-    finally:
-        dist.destroy_process_group()
 
 
 def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int, failures) -> None:
@@ -130,8 +125,7 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    join_gloo_group(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port, failures):
         torch.manual_seed(0)
         whole = GPT(Config(**{**SMALL, "n_query_groups": 4}))  # one key-value group per rank of the 2 x 2 split
         whole.init_weights()
@@ -155,10 +149,6 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
             grad = gather_full(split_params[key].grad, orders.get(key)).clone()
             dist.all_reduce(grad, group=mesh["context"].get_group())
             torch.testing.assert_close(grad / 2, param.grad, rtol=1e-5, atol=1e-6, msg=key)
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error!r}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns 2 or 4 processes
@@ -206,8 +196,7 @@ def sharded_save_over_context_and_tensor(rank: int, world: int, port: int, failu
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    join_gloo_group(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port, failures):
         torch.manual_seed(0)
         whole = GPT(Config(**CP2_TP2_MODEL))
         whole.init_weights()
@@ -221,10 +210,6 @@ def sharded_save_over_context_and_tensor(rank: int, world: int, port: int, failu
         loss = on_local_positions(batch_loss(loss_function("cross_entropy")), group)
         optimizer = one_training_step(split, loss, adamw)
         FSDPCheckpointIO("FULL_SHARD", "sharded").save_sharded(folder, split, optimizer, lambda key: True)
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error!r}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns 4 processes

@@ -7,18 +7,16 @@ server answers as `generate` alone does and stops with its ranks; and the refusa
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_distributed import child_environment, litgpt
 from test_generate import tiny_config, tiny_model
 from test_serve import MAX_NEW_TOKENS, start_server, stop, write_checkpoint
 from test_serve import reference  # noqa: F401 (the fixture: `generate` alone on this module's `checkpoint`)
-from test_tensor_parallel import run_spawned_ranks
+from test_tensor_parallel import gloo_rank, run_spawned_ranks
 from tokenizer_helpers import make_tokenizer_folder
 
 from litgpt.args import ParallelArgs
@@ -66,10 +64,7 @@ def split_logits_match_whole(root: Path, rank: int, world: int, port: int, failu
     from litgpt.distributed.inference import load_split_model
     from litgpt.model import GPT
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port, failures):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
         for name in SPLIT_CASES:
             folder = root / name
@@ -93,10 +88,6 @@ def split_logits_match_whole(root: Path, rank: int, world: int, port: int, failu
                     torch.testing.assert_close(split(tokens, input_pos=positions), expected, rtol=1e-5, atol=1e-5,
                                                msg=name)
                     tokens, positions = expected[:, -1:].argmax(-1), positions[-1:] + 1
-    except BaseException as error:  # reported to the test, which runs in the parent
-        failures.put(f"rank {rank}: {error}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns 2 processes
