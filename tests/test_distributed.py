@@ -148,15 +148,16 @@ def torchrun_two_nodes(*args, timeout: int = 600) -> list[subprocess.CompletedPr
 
 
 def torchrun_nodes(args_per_node: list, env_per_node: list[dict], timeout: int = 600) -> list:
-    """Two `torchrun --nnodes 2 --node_rank 0|1` launches of 2 processes each on this machine, each with its own
-    arguments and extra environment variables (a node's own disks, say). Each rank runs `litgpt ARGS`, forked from
-    a server that imported torch and Lightning once (`launched_litgpt`)."""
+    """One `torchrun --nnodes N --node_rank i` launch of 2 processes on this machine for each of the N "nodes", each
+    with its own arguments and extra environment variables (a node's own disks, say). Each rank runs `litgpt ARGS`,
+    forked from a server that imported torch and Lightning once (`launched_litgpt`)."""
     port = free_port()
     launches = []
     for node_rank, (args, env) in enumerate(zip(args_per_node, env_per_node)):
         litgpt_command, launcher_env = launched_litgpt(child_environment(**env))
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(args_per_node)),
+            "--nproc_per_node", "2",
             "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
             "--no-python", litgpt_command, *map(str, args),
         ]

@@ -50,6 +50,7 @@ DEEPSEEK_V3 = {**SMALL, **MOE, "name": "tiny-deepseek-v3", "hf_model_type": "dee
                "moe_score_function": "sigmoid", "moe_expert_bias": True, "moe_n_group": 4, "moe_topk_group": 2,
                "moe_routed_scaling": 2.5, "moe_first_dense_layers": 1}
 SHAPES = {"qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3}
+SHARDED = ["--fsdp.state_dict_type", "sharded"]
 
 
 def pretrain_args(inputs: dict, out_dir: Path, model: dict) -> list:  # noqa: F811
@@ -131,6 +132,55 @@ def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F
     assert_close_runs(out_dir, runs("qwen3-moe", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
 
 
+TP2_EP2 = ["--parallel.tensor", "2", "--parallel.expert", "2"]
+
+
+@pytest.mark.slow
+def test_tensor_times_expert_parallel_pretraining_equals_one_process(inputs, runs):  # noqa: F811
+    """TP2 x EP2 on 4 processes (a tensor-parallel group of 2 on each torchrun "node", the expert groups across them,
+    the ranks sharing a tensor rank): each rank holds 2 of the 4 experts, each half as wide; the losses and final
+    weights of one process, saved in the one-process layout."""
+    out_dir = four_processes(inputs["root"] / "tp-ep-qwen3-moe", inputs, QWEN3_MOE, *TP2_EP2)
+    one = runs("qwen3-moe", "one", "--devices", "1", *FLOAT32)
+    assert_close_runs(out_dir, one, "lit_model.pth")
+    assert [(k, v.shape) for k, v in final_weights(out_dir, "lit_model.pth").items()] == [
+        (k, v.shape) for k, v in final_weights(one, "lit_model.pth").items()]
+
+
+@pytest.fixture(scope="module")
+def eight_processes(inputs):  # noqa: F811
+    """The DeepSeek-V3 shape pretrained by 8 processes, 4 torchrun "nodes" of 2 (a node's 2 devices a
+    tensor-parallel group), EP2 x TP2 x FSDP2 with sharded checkpoints: the expert groups pair nodes, the dense
+    weights are FSDP-sharded over the 4 data-parallel ranks, each expert over the 2 holding it."""
+    out_dir = inputs["root"] / "tp-ep-fsdp-deepseek-v3"
+    args = [*pretrain_args(inputs, out_dir, DEEPSEEK_V3), "--devices", "2", "--num_nodes", "4", *TP2_EP2,
+            "--fsdp.sharding_strategy", "FULL_SHARD", *FLOAT32, *SHARDED]
+    results = torchrun_nodes([args] * 4, [{}] * 4, timeout=600)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "each split along its width by tensor parallelism" in "".join(r.stdout + r.stderr for r in results)
+    return out_dir
+
+
+@pytest.mark.slow
+def test_eight_processes_of_expert_tensor_and_data_parallelism_equal_one_process(eight_processes, runs, tmp_path):
+    """The 2 x 2 x 2 run's losses (with the auxiliary loss) and final weights are one process's, and its sharded
+    step 2 converts to one process's Hugging Face folder."""
+    one = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32)
+    assert_close_runs(eight_processes, one, "lit_model.pth")
+    assert json.loads((eight_processes / "metrics.json").read_text())["world_size"] == 8
+    assert_same_hugging_face_folder(eight_processes / "step-000002", one / "step-000002", tmp_path)
+
+
+@pytest.mark.slow
+def test_the_eight_process_checkpoint_resumes_in_one_process(eight_processes, inputs, runs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "resumed"
+    result = litgpt(*pretrain_args(inputs, out_dir, DEEPSEEK_V3), "--devices", "1", *FLOAT32, *SHARDED,
+                    "--resume", eight_processes / "step-000002")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_resumed_where_it_stopped(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32))
+
+
 @pytest.mark.slow
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_path):  # noqa: F811
     one = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32)
@@ -140,9 +190,6 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_
                     "--resume", two / "step-000002")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_final(out_dir, one, "lit_model.pth", atol=1e-4)
-
-
-SHARDED = ["--fsdp.state_dict_type", "sharded"]
 
 
 @pytest.mark.slow

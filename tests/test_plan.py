@@ -350,8 +350,8 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
 
 
 def ranks(case: dict) -> int:
-    """The processes a case runs on: its tensor x context parallel group, or its expert group."""
-    return max(case.get("tensor", 1) * case.get("context", 1), case.get("expert", 1))
+    """The processes a case runs on: its tensor x context x expert parallel groups (one data-parallel rank each)."""
+    return case.get("tensor", 1) * case.get("context", 1) * case.get("expert", 1)
 
 
 def split(case: dict) -> bool:
@@ -380,7 +380,7 @@ def split_model(model, case: dict):
         context = ContextParallel(mesh["context"], degrees["tensor"])
         apply_context_parallel(model, context)
     if degrees["expert"] > 1:
-        expert_mesh = topology.expert_device_mesh("cpu")
+        expert_mesh = topology.expert_device_mesh(mesh)
         apply_expert_parallel(model, expert_mesh["expert"])
     return (data_mesh, expert_mesh), context
 
@@ -570,6 +570,16 @@ def test_planned_peak_matches_measured_under_expert_and_context_parallelism():
 
 
 @pytest.mark.slow
+def test_planned_peak_matches_measured_under_tensor_times_expert_parallelism():
+    """Four processes, two tensor-parallel groups of 2 whose ranks of one tensor rank form an expert group
+    (--parallel.tensor 2 --parallel.expert 2): each holds 4 of the 8 experts, each half as wide, and routes its
+    group's whole sequence (the all-to-all among the ranks of its tensor rank); the larger rank's peak within 15%."""
+    cases = [dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2, tensor=2,
+                  activation_checkpointing=checkpointing) for checkpointing in (False, True)]
+    compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
+
+
+@pytest.mark.slow
 def test_planned_peak_matches_measured_under_tensor_parallelism():
     """Two processes splitting each layer (--parallel.tensor 2: sequence parallelism, a vocabulary-parallel loss,
     FSDP over the one-device data-parallel mesh), full training and LoRA, checkpointing off and on: the larger rank's
@@ -693,6 +703,23 @@ def test_tensor_parallel_parameters_of_a_mixture_of_experts_by_hand():
     assert plan.total_params == per_rank and plan.tensor_parallel == 2
 
 
+def test_tensor_times_expert_parallel_parameters_of_a_mixture_of_experts_by_hand():
+    """The Qwen3-MoE shape over --parallel.tensor 2 --parallel.expert 2 on 4 devices: a rank holds what TP2 leaves it
+    (half the vocabulary rows, qkv rows and projection columns; the router and norms whole) and 2 of the 4 experts,
+    each half as wide (2 x 3 x 16 x 64); the dense part FSDP-sharded over the 2 data-parallel ranks, each expert held
+    by one of them."""
+    block = 2 * 64 + 64 * 64 + 64 * 32 + 2 * 16 + 4 * 64 + 2 * 3 * 16 * 64
+    per_rank = 2 * 256 * 64 + 64 + 2 * block
+    plan = plan_for(ARCHITECTURES["qwen3-moe"], precision="32-true", device="cpu", devices=4, train=train_args(32),
+                    parallel=ParallelArgs(tensor=2, expert=2))
+    assert plan.total_params == per_rank and plan.tensor_parallel == 2 and plan.expert_parallel == 2
+    assert plan.shard_group_size == 2
+    experts = 2 * 2 * 3 * 16 * 64 * 4  # float32, unsharded: the 2 ranks holding them are the expert group's
+    assert plan.parameters == (per_rank * 4 - experts) // 2 + experts
+    assert "2 of the 4 experts of each of 2 MoE layers, 1/2 of each one's width (--parallel.tensor 2)" in " ".join(
+        plan.notes)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(devices=6, parallel=ParallelArgs(tensor=3)), "does not divide the 4 heads"),
     (dict(devices=1, parallel=ParallelArgs(tensor=2)), "plan for at least that many (--devices)"),
@@ -711,7 +738,7 @@ def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(devices=3, parallel=ParallelArgs(expert=3)), "--parallel.expert 3 does not divide the 4 experts"),
     (dict(devices=1, parallel=ParallelArgs(expert=2)), "plan for at least that many (--devices)"),
-    (dict(devices=4, parallel=ParallelArgs(expert=2, tensor=2)), "is not supported yet"),
+    (dict(devices=2, parallel=ParallelArgs(expert=2, tensor=2)), "plan for at least 4 devices (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(context=2)), "mixture-of-experts layers"),
 ])
 def test_what_the_expert_parallel_plan_refuses(kwargs, message):

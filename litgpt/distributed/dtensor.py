@@ -35,22 +35,27 @@ class FullTensorInit(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
-        if func in self.RANDOM_INIT and isinstance(target, DTensor):
-            full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)
-            if args:
-                func(full, *args[1:], **kwargs)
-            else:
-                func(**{**kwargs, "tensor": full})
+        if func not in self.RANDOM_INIT or not isinstance(target, torch.Tensor):
+            return func(*args, **kwargs)
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if local.is_meta and self.device is not None:  # another rank's expert (split by tensor parallelism or not)
+            self._draw_whole(func, args, kwargs, target, self.device)
+        elif isinstance(target, DTensor):
+            full = self._draw_whole(func, args, kwargs, target, local.device)
             copy_into_shard(target, full, self.row_orders.get(id(target)))
-            return target
-        if func in self.RANDOM_INIT and self.device is not None and isinstance(target, torch.Tensor) and target.is_meta:
-            scratch = torch.empty(target.shape, dtype=target.dtype, device=self.device)
-            if args:
-                func(scratch, *args[1:], **kwargs)
-            else:
-                func(**{**kwargs, "tensor": scratch})
-            return target
-        return func(*args, **kwargs)
+        else:
+            return func(*args, **kwargs)
+        return target
+
+    @staticmethod
+    def _draw_whole(func, args: tuple, kwargs: dict, target: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """What `func` draws for the whole of `target`, drawn on `device`."""
+        full = torch.empty(target.shape, dtype=target.dtype, device=device)
+        if args:
+            func(full, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": full})
+        return full
 
 
 def copy_into_shard(target: torch.Tensor, full: torch.Tensor, row_order: Optional[torch.Tensor] = None) -> None:

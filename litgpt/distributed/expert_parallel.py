@@ -15,7 +15,7 @@ the optimizer's groups).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from litgpt.distributed.pipeline import held_by_other_stages
 from litgpt.distributed.plans import check_expert_parallel
 from litgpt.distributed.runtime import print_once
 from litgpt.distributed.plans.experts import MOE_LAYER, SPLIT
+from litgpt.distributed.plans.styles import TensorParallelExperts
 from litgpt.model import numbered_blocks
 from litgpt.moe import LLaMAMoE
 
@@ -60,10 +61,17 @@ class AllToAllDispatch:
     The experts' gradients sum the tokens of the whole expert group, and FSDP averages them only over the ranks
     holding the same experts: they are divided by the group's size (the gradient of the experts' output, multiplied
     back at their input) to be the data-parallel mean every other parameter gets. (FSDP's own divide factor would
-    need a premultiplied sum, which gloo lacks.)"""
+    need a premultiplied sum, which gloo lacks.)
 
-    def __init__(self, experts: LocalExperts, group, degree: int) -> None:
+    Under tensor parallelism too (`tensor_parallel`: the layer's experts also split along their width), every rank
+    of a tensor-parallel group routes the same rows and exchanges them with the ranks of its expert group that share
+    its tensor rank; each computes its share of its experts' width (`TensorParallelExperts.run`) and sends back
+    partial sums, which the layer's output style sums over the tensor-parallel group."""
+
+    def __init__(self, experts: LocalExperts, group, degree: int,
+                 tensor_parallel: Optional[TensorParallelExperts] = None) -> None:
         self.experts, self.group, self.degree = experts, group, degree
+        self.tensor_parallel = tensor_parallel
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, run_local: Callable) -> torch.Tensor:
         n_local = counts.numel() // self.degree
@@ -74,7 +82,11 @@ class AllToAllDispatch:
         received = AllToAllRows.apply(rows, receive, send, self.group)
         # Received by (source rank, my expert); `local_experts` sorts them by expert.
         local = torch.arange(n_local, device=rows.device).repeat(self.degree).repeat_interleave(incoming)
-        out = self.experts(run_local, _ScaleGradient.apply(received, float(self.degree)), local)
+        received = _ScaleGradient.apply(received, float(self.degree))
+        if self.tensor_parallel is None:
+            out = self.experts(run_local, received, local)
+        else:
+            out = self.experts(self.tensor_parallel.run, received, local, run_local)
         return AllToAllRows.apply(_ScaleGradient.apply(out, 1.0 / self.degree), send, receive, self.group)
 
 
@@ -130,10 +142,15 @@ def apply_expert_parallel(model: nn.Module, mesh) -> None:
         count = len(whole) // degree
         local = LocalExperts(whole, rank * count, count)
         setattr(layer, SPLIT, local)
-        layer.dispatch = AllToAllDispatch(local, mesh.get_group(), degree)
+        # Under tensor parallelism (applied first) the layer's experts are split along their width: kept so, over
+        # this rank's experts.
+        tensor_parallel = layer.dispatch if isinstance(layer.dispatch, TensorParallelExperts) else None
+        layer.dispatch = AllToAllDispatch(local, mesh.get_group(), degree,
+                                          tensor_parallel and tensor_parallel.restricted_to(local))
     n_expert = model.config.n_expert
+    width = ", each split along its width by tensor parallelism" if tensor_parallel is not None else ""
     print_once(f"Expert parallelism: each of {degree} devices holds {n_expert // degree} of the {n_expert} experts "
-               f"of each of {len(layers)} MoE layers.")
+               f"of each of {len(layers)} MoE layers{width}.")
 
 
 @contextlib.contextmanager

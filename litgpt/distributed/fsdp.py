@@ -55,7 +55,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self._pipeline = None
         self._expert_mesh = None
         if self.topology.expert > 1:
-            self._expert_mesh = self.topology.expert_device_mesh(self.root_device.type)
+            self._expert_mesh = self.topology.expert_device_mesh(self._device_mesh)
 
     def _configure_launcher(self) -> None:
         if not self.cluster_environment.creates_processes_externally:

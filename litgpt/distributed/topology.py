@@ -1,5 +1,5 @@
-"""How a run's processes lay out over nodes and devices, and the mesh over them (data and tensor parallelism):
-light to import (no torch until a mesh is built), so `litgpt plan` shares it with training."""
+"""How a run's processes lay out over nodes and devices, and the mesh over them (data, tensor, context and expert
+parallelism): light to import (no torch until a mesh is built), so `litgpt plan` shares it with training."""
 
 from __future__ import annotations
 
@@ -30,9 +30,12 @@ class Topology:
     HYBRID_SHARD: (num_nodes, devices / tensor); FULL_SHARD and SHARD_GRAD_OP: (1, world / tensor); NO_SHARD:
     (world / tensor, 1). HYBRID_SHARD on one node is FULL_SHARD.
 
-    Expert parallelism (`expert` > 1) borrows from data parallelism: the innermost `expert` data-parallel ranks form
-    an expert group (each holds its share of every MoE layer's experts, and each reads its own batches), and the
-    ranks holding the same experts shard them by FSDP: `expert_mesh`, (replicate, shard, expert).
+    Expert parallelism (`expert` > 1) borrows from data parallelism, as torchtitan's does: the innermost `expert`
+    data-parallel ranks form an expert group (each holds its share of every MoE layer's experts, and each reads its
+    own batches), and the ranks holding the same experts shard them by FSDP: `expert_mesh`, (replicate, shard,
+    expert), carved from the same mesh. With tensor parallelism too, an expert group is the ranks of `expert`
+    tensor-parallel groups that share a tensor rank (the all-to-all runs among them), and every expert is also split
+    along its width over the tensor dimension: a rank holds n_expert / expert experts, each 1 / tensor wide.
 
     Context parallelism (`context` > 1) adds a dimension `context` between the data-parallel ones and `tensor`: the
     ranks of one context-parallel group read the same batches (each runs its own slice of the positions), and FSDP
@@ -157,9 +160,6 @@ class Topology:
         expert groups take the innermost data-parallel ranks: within the shard dimension when `expert` divides it,
         else whole shard groups of the replicate dimension (NO_SHARD, or groups spanning nodes)."""
         replicate, shard = self.mesh_shape
-        if self.tensor > 1:
-            raise UserError(f"--parallel.expert {self.expert} with --parallel.tensor {self.tensor} is not supported yet: "
-                            "use one of the two.")
         if self.data_parallel_size % self.expert:
             raise UserError(f"--parallel.expert {self.expert} does not divide the {self.data_parallel_size} "
                             "data-parallel devices (--devices x --num_nodes): use a divisor of them.")
@@ -170,14 +170,14 @@ class Topology:
         raise UserError(f"--parallel.expert {self.expert} neither divides nor is a multiple of the {shard} devices "
                         f"FSDP shards over ({self.sharding_strategy}): choose a degree that is.")
 
-    def expert_device_mesh(self, device_type: str):
-        """The experts' mesh (`expert_mesh_shape`), named ("expert_replicate", "expert_shard", "expert"); every rank
-        must build it (its process groups are made together)."""
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks = torch.arange(self.world_size).view(self.expert_mesh_shape)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=("expert_replicate", "expert_shard", "expert"))
+    def expert_device_mesh(self, device_mesh):
+        """The experts' mesh (`expert_mesh_shape`), named ("expert_replicate", "expert_shard", "expert"): the
+        data-parallel dimensions of the run's `device_mesh` (`device_mesh`) flattened and laid out again, so both
+        share one root and FSDP composes the experts' tensor-parallel pieces with their shards (its "tensor"
+        dimension, when there is one, stays innermost: an expert group shares a tensor rank). Every rank must build
+        it (its process groups are made together)."""
+        data_parallel = device_mesh["replicate", "shard"]._flatten("data_parallel")
+        return data_parallel._unflatten(0, self.expert_mesh_shape, ("expert_replicate", "expert_shard", "expert"))
 
 
 def data_parallel(fabric) -> tuple[int, int]:

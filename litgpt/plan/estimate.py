@@ -435,9 +435,10 @@ def _check_expert_and_context_parallel(recipe: "Recipe", expert: int, context: i
     for degree, option, what in splits:
         if degree == 1:
             continue
-        if degree * (tensor if option == "context" else 1) > world:
-            raise UserError(f"--parallel.{option} {degree} {what} over {degree} devices: plan for at least that many "
-                            "(--devices).")
+        if degree * tensor > world:
+            over = (f"{degree} devices: plan for at least that many" if tensor == 1 else
+                    f"{degree} tensor-parallel groups of {tensor}: plan for at least {degree * tensor} devices")
+            raise UserError(f"--parallel.{option} {degree} {what} over {over} (--devices).")
         if recipe.frozen_configs():
             raise UserError(f"litgpt plan --parallel.{option} {degree}: plans with frozen models (a teacher, a "
                             f"reference) under {option} parallelism are not supported yet.")
@@ -829,11 +830,12 @@ def _parallel_notes(run: _Run) -> list[str]:
     notes, config = [], run.config
     if run.expert > 1:
         layers = config.n_layer - config.moe_first_dense_layers
+        width = f", 1/{run.tensor} of each one's width (--parallel.tensor {run.tensor})" if run.tensor > 1 else ""
         notes.append(
             f"Expert parallelism: each device holds {config.n_expert // run.expert} of the {config.n_expert} experts "
-            f"of each of {layers} MoE layers, sharded over the {run.expert_shard} device(s) holding the same experts; the "
-            "router, the shared experts and the rest of the model are sharded over the data-parallel devices. The "
-            f"all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in and out)."
+            f"of each of {layers} MoE layers{width}, sharded over the {run.expert_shard} device(s) holding the same "
+            "experts; the router, the shared experts and the rest of the model are sharded over the data-parallel "
+            f"devices. The all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in and out)."
         )
     if run.context > 1:
         notes.append(

@@ -273,5 +273,15 @@ class TensorParallelExperts:
         # each row's expert; the output size given: no read back to the host
         experts = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
                                           output_size=rows.size(0))
+        return self.run(rows, experts, run_local)
+
+    def run(self, rows: torch.Tensor, experts: torch.Tensor, run_local: Callable) -> torch.Tensor:
+        """`run_local(rows, experts)` on the rank's share of every expert's width: partial sums. Expert parallelism
+        calls this on the rows its all-to-all brought (`litgpt.distributed.expert_parallel.AllToAllDispatch`)."""
         with local_views(self.views):
             return run_local(summed_gradient(rows, self.mesh), experts)
+
+    def restricted_to(self, experts: nn.Module) -> "TensorParallelExperts":
+        """The same split over `experts` alone (the experts expert parallelism leaves this rank)."""
+        mine = {id(module) for module in experts.modules()}
+        return TensorParallelExperts([view for view in self.views if id(view[0]) in mine], self.mesh)
