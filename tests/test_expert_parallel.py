@@ -181,6 +181,48 @@ def test_the_eight_process_checkpoint_resumes_in_one_process(eight_processes, in
     assert_resumed_where_it_stopped(out_dir, runs("deepseek-v3", "one", "--devices", "1", *FLOAT32))
 
 
+def gradient_norm_matches_one_process(rank: int, world: int, port: int, failures) -> None:
+    """On each of 4 ranks (TP2 x EP2, every data-parallel rank fed the same batch): the DeepSeek-V3 shape split and
+    sharded as training does, from one process's seed; its loss and its gradient norm over both meshes (the experts'
+    pieces on the expert mesh, the rest on the model's, the tensor-replicated router and norms once) are the whole
+    model's."""
+    from test_plan import shard_and_initialize, split_model
+    from test_tensor_parallel import gloo_rank
+
+    from litgpt.config import Config
+    from litgpt.distributed.expert_parallel import gradient_norm_with_experts
+    from litgpt.model import GPT
+    from litgpt.train.loss import loss_function
+
+    with gloo_rank(rank, world, port, failures):
+        config = Config(**DEEPSEEK_V3)
+        whole = GPT(config)
+        torch.manual_seed(0)
+        whole.init_weights()
+        with torch.device("meta"):
+            split = GPT(config)
+        meshes, _ = split_model(split, dict(tensor=2, expert=2))
+        torch.manual_seed(0)
+        shard_and_initialize(split, meshes, "32-true", torch.device("cpu"))
+        idx, labels = (torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+        loss = loss_function("cross_entropy")
+        expected, actual = (loss(model, idx, labels)["loss"] for model in (whole, split))
+        expected.backward()
+        actual.backward()
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        whole_norm = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters() if p.grad is not None])
+        _, expert_mesh = meshes
+        torch.testing.assert_close(gradient_norm_with_experts(split, expert_mesh["expert"]), whole_norm, rtol=1e-5,
+                                   atol=0)
+
+
+@pytest.mark.slow  # spawns 4 processes
+def test_the_gradient_norm_under_tensor_times_expert_parallelism_is_one_process_s():
+    from test_tensor_parallel import run_spawned_ranks
+
+    run_spawned_ranks(gradient_norm_matches_one_process, 4)
+
+
 @pytest.mark.slow
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(inputs, runs, tmp_path):  # noqa: F811
     one = runs("deepseek-v3", "one", "--devices", "1", *FLOAT32)
@@ -265,7 +307,7 @@ def test_expert_groups_are_the_innermost_data_parallel_ranks(strategy, devices, 
 @pytest.mark.parametrize(
     "devices, nodes, strategy, tensor, expert, message",
     [(4, 1, "FULL_SHARD", 1, 3, "--parallel.expert 3 does not divide the 4 data-parallel devices"),
-     (4, 1, "FULL_SHARD", 2, 2, "with --parallel.tensor 2 is not supported yet"),
+     (4, 1, "FULL_SHARD", 2, 4, "--parallel.expert 4 does not divide the 2 data-parallel devices"),
      (4, 2, "HYBRID_SHARD", 1, 8, None)],
 )
 def test_what_the_expert_mesh_refuses(devices, nodes, strategy, tensor, expert, message):
@@ -274,6 +316,20 @@ def test_what_the_expert_mesh_refuses(devices, nodes, strategy, tensor, expert, 
         return
     with pytest.raises(UserError, match=message):
         Topology(devices, nodes, strategy, tensor, expert)
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, nodes, tensor, expert, shape",
+    [("FULL_SHARD", 2, 4, 2, 2, (1, 2, 2)), ("HYBRID_SHARD", 8, 4, 8, 2, (2, 1, 2)),
+     ("HYBRID_SHARD", 8, 2, 2, 4, (2, 1, 4)), ("FULL_SHARD", 8, 32, 8, 8, (1, 4, 8))],
+)
+def test_with_tensor_parallelism_the_expert_groups_are_of_data_parallel_ranks(strategy, devices, nodes, tensor,
+                                                                              expert, shape):
+    """The expert mesh lays out the data-parallel ranks (one per tensor-parallel group): TP within a node, EP over
+    the ranks that share a tensor rank (across nodes when a node is one tensor-parallel group), FSDP the rest."""
+    topology = Topology(devices, nodes, strategy, tensor, expert)
+    assert topology.expert_mesh_shape == shape
+    assert topology.data_parallel_size == devices * nodes // tensor
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------
@@ -297,20 +353,40 @@ def test_what_expert_parallelism_refuses(model, flags, message, inputs, tmp_path
     assert not out_dir.exists()
 
 
-@pytest.mark.slow
-def test_expert_parallel_lora_equals_one_process(inputs, tmp_path_factory):  # noqa: F811
-    """LoRA on every linear layer, the experts' too (--lora_mlp), of a Qwen3-MoE shape: each rank adapts its own
-    experts, whose adapters draw what one process draws; the adapters equal one process's."""
+@pytest.fixture(scope="module")
+def lora_runs(inputs, tmp_path_factory):  # noqa: F811
+    """`lora_runs(name)`: the out_dir of LoRA on every linear layer, the experts' too (--lora_mlp), of a Qwen3-MoE
+    shape: "one" process, "ep2" (2 processes), "tp2-ep2" (4 processes: 2 torchrun "nodes" of 2); launched once."""
     from checkpoint_helpers import write_random_checkpoint
 
     from litgpt.config import Config
 
     root = tmp_path_factory.mktemp("ep-lora")
     moe_inputs = {**inputs, "base": write_random_checkpoint(root / "base", Config(**QWEN3_MOE))}
-    out = {}
-    for name, flags in {"one": ["--devices", "1", *FLOAT32], "two": EP2}.items():
-        out[name] = root / name
-        result = litgpt(*command_args("finetune_lora", moe_inputs, out[name]), *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(out["two"], out["one"], "lit_model.pth.lora")
-    assert any(".mlp.experts.3." in key for key in final_weights(out["two"], "lit_model.pth.lora"))
+    done = {}
+
+    def run(name: str) -> Path:
+        if name not in done:
+            args = command_args("finetune_lora", moe_inputs, root / name)
+            if name == "tp2-ep2":
+                args += ["--devices", "2", "--num_nodes", "2", *TP2_EP2, "--fsdp.sharding_strategy", "FULL_SHARD",
+                         *FLOAT32]
+                results = torchrun_nodes([args, args], [{}, {}], timeout=600)
+            else:
+                results = [litgpt(*args, *(EP2 if name == "ep2" else ["--devices", "1", *FLOAT32]))]
+            for result in results:
+                assert result.returncode == 0, result.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2", "tp2-ep2"])
+def test_expert_parallel_lora_equals_one_process(name, lora_runs):
+    """Each rank adapts its own experts (under TP2 x EP2 each expert's adapters split with its width: A whole and B
+    split next to fc_1 and fc_2, A split and B whole next to proj), whose adapters draw what one process draws; the
+    adapters equal one process's."""
+    assert_close_runs(lora_runs(name), lora_runs("one"), "lit_model.pth.lora")
+    assert any(".mlp.experts.3." in key for key in final_weights(lora_runs(name), "lit_model.pth.lora"))
