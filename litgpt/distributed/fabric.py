@@ -55,7 +55,8 @@ def build_fabric(
     devices = resolve_devices(devices, on_cpu)
     world_size = devices * num_nodes
     precision.check_devices(on_cpu, sharded=world_size > 1 and strategy_for_world is None)
-    if on_cpu and devices > (os.cpu_count() or 1):
+    # Only where litgpt starts the processes itself: those srun or torchrun started exist already.
+    if on_cpu and devices > (os.cpu_count() or 1) and not started_by_launcher():
         raise UserError(
             f"--devices {devices} asks for more CPU processes than this machine has cores ({os.cpu_count()}): "
             "use at most that many."
@@ -143,6 +144,13 @@ def slurm_tasks_per_node(environ) -> Optional[int]:
         return int(environ["SLURM_NTASKS_PER_NODE"])
     counts = {int(part.split("(")[0]) for part in environ.get("SLURM_TASKS_PER_NODE", "").split(",") if part}
     return counts.pop() if len(counts) == 1 else None
+
+
+def started_by_launcher() -> bool:
+    """Whether srun or torchrun started this process and its peers (Fabric's launcher starts none then)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    return SLURMEnvironment.detect() or TorchElasticEnvironment.detect()
 
 
 def check_launcher(devices: int, num_nodes: int, environ) -> None:
