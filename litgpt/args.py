@@ -223,12 +223,14 @@ class ParallelArgs:
         tensor: Tensor parallelism with sequence parallelism (Megatron's layout): each of N neighbouring devices holds
             1/N of every attention and MLP layer (its own heads, its own MLP columns) and of the vocabulary, and the
             residual stream between the layers is split over the sequence. N must divide the devices per node, the
-            heads, the key-value groups and the MLP width; dense models only (not yet mixture-of-experts or latent
-            attention); LoRA adapters are split with their layers (not yet lora_head or QLoRA). 1: none.
+            heads, the key-value groups and the MLP width (a mixture of experts: every expert's width, the router
+            whole; latent attention: its heads); LoRA adapters are split with their layers (not yet QLoRA). 1: none.
         expert: Expert parallelism for mixture-of-experts models: each of N data-parallel devices holds 1/N of every
-            MoE layer's experts (whole experts), and tokens travel to their experts' devices and back by all-to-all;
+            MoE layer's experts (whole experts, or with --parallel.tensor T each 1/T of its width), and tokens travel
+            to their experts' devices and back by all-to-all (with T, among the devices that share a tensor rank);
             the devices of one expert group still read different batches, and FSDP shards the experts over the
-            data-parallel devices left (world / N). N must divide the experts and the data-parallel devices. 1: none.
+            data-parallel devices left (world / (N x T)). N must divide the experts and the data-parallel devices.
+            Not yet with --parallel.context. 1: none.
         context: Context parallelism for long sequences (Ulysses' head scatter): each of N devices holds 1/N of every
             sequence's positions (a contiguous slice; sequences are padded at their end to a multiple of N), and an
             all-to-all before and after each attention gives it every position of 1/N of the heads; FSDP shards over

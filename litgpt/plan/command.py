@@ -105,8 +105,9 @@ def plan_for(
         parallel: The training commands' --parallel group: --parallel.tensor N plans one device of N that split each
             layer (its heads, MLP columns and vocabulary rows; the norms' activations split over the positions; the
             head gathered whole for the loss), FSDP sharding over the data-parallel rest of the world;
-            --parallel.expert N one device holding n_expert / N experts of every MoE layer (sharded over the devices
-            holding the same ones) and the all-to-all of the routed rows; --parallel.context N one device running
+            --parallel.expert N one device holding n_expert / N experts of every MoE layer (each 1/T of its width
+            with --parallel.tensor T; sharded over the devices holding the same ones) and the all-to-all of the
+            routed rows; --parallel.context N one device running
             1/N of every sequence's positions and attention's all-to-all.
         lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
         quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
