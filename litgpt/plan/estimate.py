@@ -835,7 +835,8 @@ def _parallel_notes(run: _Run) -> list[str]:
             f"Expert parallelism: each device holds {config.n_expert // run.expert} of the {config.n_expert} experts "
             f"of each of {layers} MoE layers{width}, sharded over the {run.expert_shard} device(s) holding the same "
             "experts; the router, the shared experts and the rest of the model are sharded over the data-parallel "
-            f"devices. The all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in and out)."
+            f"devices. The all-to-all buffers assume balanced routing ({config.n_expert_per_token} rows per token in "
+            "and out)."
         )
     if run.context > 1:
         notes.append(
