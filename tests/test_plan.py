@@ -20,6 +20,7 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
 from litgpt.plan import GiB, format_plan, main, plan_for, recipe_for, saved_activation_bytes
+from litgpt.plan.pipeline import device_stages, held_at_each_action, most_in_flight, schedule_actions
 from litgpt.plan.quantized import bnb_bytes
 from litgpt.precision import Precision
 
@@ -303,9 +304,9 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if precision == "bf16-true" else torch.float32)
     try:
-        with torch.device("meta" if split(case) else device):
+        with torch.device("meta" if split(case) or case.get("pipeline", 1) > 1 else device):
             model = GPT(config)
-        if not split(case):
+        if not split(case) and case.get("pipeline", 1) == 1:
             model.init_weights()
         if case["method"] == "lora":
             add_lora(model, LoRASettings(**case.get("lora", {})))
@@ -313,6 +314,8 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
             mark_only_lora_as_trainable(model)
     finally:
         torch.set_default_dtype(default_dtype)
+    if case.get("pipeline", 1) > 1:
+        return train_pipeline_steps(model, case, device, steps, built, x, y)
     context = None
     if split(case):  # split before checkpointing, as `litgpt.distributed.parallelize` does
         meshes, context = split_model(model, case)
@@ -349,9 +352,58 @@ def train_steps(case: dict, device: torch.device, steps: int = 2, built=lambda: 
         optimizer.zero_grad(set_to_none=True)
 
 
+def train_pipeline_steps(model, case: dict, device: torch.device, steps: int, built, x, y) -> None:
+    """`train_steps` under pipeline parallelism: `model` (on the meta device) cut into this process's stages, each
+    checkpointed, sharded by FSDP (a data-parallel mesh of one) and materialized as `litgpt.distributed.parallelize`
+    does, the whole model initialized, and `case["accumulation"]` micro-batches per step run by the trainer's
+    `PipelineSteps` through the schedule."""
+    from lightning.fabric import Fabric
+
+    from litgpt.distributed.dtensor import FullTensorInit
+    from litgpt.distributed.fsdp import shard_model
+    from litgpt.distributed.parallelize import apply_activation_checkpointing, materialize_meta_tensors
+    from litgpt.distributed.pipeline import Pipeline, PipelineModel, split_into_stages
+    from litgpt.distributed.topology import Topology
+    from litgpt.lora import init_lora_weights
+    from litgpt.train.loss import loss_function
+    from litgpt.train.objective import Objective
+    from litgpt.train.optimizer import build_optimizer
+    from litgpt.train.recipe import batch_loss
+    from litgpt.train.step_runner import PipelineSteps
+
+    precision = Precision(case.get("precision", "32-true"))
+    topology = Topology(ranks(case), 1, "FULL_SHARD", pipeline=case["pipeline"],
+                        pipeline_schedule=case.get("schedule", "1F1B"), stages_per_rank=case.get("stages_per_rank", 1))
+    mesh = topology.device_mesh(device.type)
+    pipeline = Pipeline(mesh["pipeline"], topology)
+    stages = split_into_stages(model, pipeline, precision.sharded_compute_dtype or precision.weights_dtype)
+    for stage in stages:
+        if case.get("activation_checkpointing"):
+            apply_activation_checkpointing(stage, case["activation_checkpointing"])
+        shard_model(stage, mesh["replicate", "shard"], FSDPArgs(sharding_strategy="FULL_SHARD"), precision, device,
+                    pipeline_stage=True)
+        materialize_meta_tensors(stage, device)
+    with torch.no_grad(), FullTensorInit(device=device):
+        model.init_weights()
+        init_lora_weights(model)
+    model = PipelineModel(model, stages, pipeline)
+    optimizer = build_optimizer("AdamW", model.parameters(), device)
+    built()
+    loss = batch_loss(loss_function("cross_entropy", case.get("loss_chunk_size")))
+    microbatches = case.get("accumulation", 1)
+    runner = PipelineSteps(Fabric(accelerator="cpu", devices=1, precision=precision.name), model,
+                           Objective(train_loss=loss, validation_loss=loss), microbatches,
+                           case["micro_batch_size"], case["seq_length"])
+    for _ in range(steps):
+        runner.train_step([{"input_ids": x, "labels": y}] * microbatches)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def ranks(case: dict) -> int:
-    """The processes a case runs on: its tensor x context x expert parallel groups (one data-parallel rank each)."""
-    return case.get("tensor", 1) * case.get("context", 1) * case.get("expert", 1)
+    """The processes a case runs on: its tensor x context x expert parallel groups (one data-parallel rank each), or
+    its pipeline (one device per stage)."""
+    return max(case.get("tensor", 1) * case.get("context", 1) * case.get("expert", 1), case.get("pipeline", 1))
 
 
 def split(case: dict) -> bool:
@@ -422,7 +474,10 @@ def measure_cpu_cases(cases: list[dict]) -> list[int]:
                             sort_keys=True)
         if shapes not in warmed_up:
             warmed_up.add(shapes)
-            train_steps({**case, "accumulation": 1, "activation_checkpointing": False}, torch.device("cpu"), steps=1)
+            # (A pipeline's schedule is built for its micro-batches per step: the warm-up keeps them.)
+            accumulation = case.get("accumulation", 1) if case.get("pipeline", 1) > 1 else 1
+            train_steps({**case, "accumulation": accumulation, "activation_checkpointing": False},
+                        torch.device("cpu"), steps=1)
             gc.collect()
         before = _status_bytes("VmRSS")
         # Once the model exists, reset the high-water mark (VmHWM) to the current size: the steps' peak remains.
@@ -439,7 +494,7 @@ def measure_rank(rank: int, degree: int, port: int, cases: list[dict], peaks) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=degree)
     try:
-        peaks.put(measure_cpu_cases(cases))
+        peaks.put((rank, measure_cpu_cases(cases)))
     finally:
         dist.destroy_process_group()
 
@@ -454,10 +509,10 @@ def measure_tensor_parallel_cases(cases: list[dict], degree: int) -> list[int]:
     ranks = [context.Process(target=measure_rank, args=(rank, degree, port, cases, peaks)) for rank in range(degree)]
     for process in ranks:
         process.start()
-    per_rank = [peaks.get(timeout=600) for _ in ranks]
+    per_rank = dict(peaks.get(timeout=600) for _ in ranks)
     for process in ranks:
         process.join()
-    return [max(case_peaks) for case_peaks in zip(*per_rank)]
+    return [max(case_peaks) for case_peaks in zip(*per_rank.values())]
 
 
 def run_cpu_cases(cases: list[dict]) -> list[int]:
@@ -475,8 +530,12 @@ def planned_peak(case: dict, device: str) -> int:
     train = train_args(case["seq_length"], case["micro_batch_size"],
                        activation_checkpointing=case.get("activation_checkpointing", False),
                        loss_chunk_size=case.get("loss_chunk_size"),
-                       optimizer_in_backward=case.get("optimizer_in_backward", False))
-    parallel = ParallelArgs(**{name: case.get(name, 1) for name in ("tensor", "expert", "context")})
+                       optimizer_in_backward=case.get("optimizer_in_backward", False),
+                       # a pipeline's micro-batches per step (one data-parallel device)
+                       global_batch_size=case["micro_batch_size"] * case.get("accumulation", 1))
+    parallel = ParallelArgs(**{name: case.get(name, 1) for name in ("tensor", "expert", "context", "pipeline")},
+                            pipeline_schedule=case.get("schedule", "1F1B"),
+                            pipeline_stages_per_rank=case.get("stages_per_rank"))
     plan = plan_for(
         Config(**case["config"]), method=case["method"], precision=case.get("precision", "32-true"), lora=lora,
         train=train, fsdp=FSDPArgs(sharding_strategy="NO_SHARD"), accumulate_gradients=case.get("accumulation", 1) > 1,
@@ -495,7 +554,8 @@ def compare(cases: list[dict], measured: list[int], device: str, tolerance: floa
             f"ac={str(case.get('activation_checkpointing', False)).lower():7} "
             f"accum={case.get('accumulation', 1)} fsdp={int(bool(case.get('fsdp')))} "
             f"oib={int(bool(case.get('optimizer_in_backward')))} tp={case.get('tensor', 1)} "
-            f"ep={case.get('expert', 1)} cp={case.get('context', 1)} "
+            f"ep={case.get('expert', 1)} cp={case.get('context', 1)} pp={case.get('pipeline', 1)} "
+            f"{case.get('schedule', '1F1B') if case.get('pipeline', 1) > 1 else ''} "
             f"b={case['micro_batch_size']} s={case['seq_length']}"
         )
         rows.append(f"{label}: measured {peak / 2**20:9.1f} MiB, planned {planned / 2**20:9.1f} MiB ({ratio:.3f})")
@@ -587,6 +647,19 @@ def test_planned_peak_matches_measured_under_tensor_parallelism():
     cases = [dict(config=SMALL, method=method, micro_batch_size=2, seq_length=256, tensor=2,
                   activation_checkpointing=checkpointing)
              for method in ("full", "lora") for checkpointing in (False, True)]
+    compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
+
+
+@pytest.mark.slow
+def test_planned_peak_matches_measured_under_pipeline_parallelism():
+    """Two processes each running half of the blocks (--parallel.pipeline 2, 4 micro-batches per step through the
+    schedule, FSDP over the one-device data-parallel mesh): 1F1B with full training and LoRA, checkpointing off and
+    on, Interleaved1F1B and ZBVZeroBubble (two stages per device): the larger rank's peak within 15%."""
+    pipelined = dict(config=SMALL, micro_batch_size=2, seq_length=256, pipeline=2, accumulation=4)
+    cases = [dict(pipelined, method=method, activation_checkpointing=checkpointing)
+             for method in ("full", "lora") for checkpointing in (False, True)]
+    cases += [dict(pipelined, method="full", schedule=schedule, stages_per_rank=2)
+              for schedule in ("Interleaved1F1B", "ZBVZeroBubble")]
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 
@@ -728,11 +801,73 @@ def test_tensor_times_expert_parallel_parameters_of_a_mixture_of_experts_by_hand
     (dict(devices=1, parallel=ParallelArgs(context=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(context=2), teacher_config=Config(**TINY)), "with frozen models"),
     (dict(devices=4, parallel=ParallelArgs(context=4)), "does not divide the 2 key-value groups"),
-    (dict(devices=2, parallel=ParallelArgs(pipeline=2)), "does not cover --parallel.pipeline yet"),
 ])
 def test_what_the_tensor_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):
         plan_for(ARCHITECTURES["llama"], precision="32-true", device="cpu", train=train_args(32), **kwargs)
+
+
+def test_pipeline_stages_and_their_parameters_by_hand():
+    """3 layers over 2 stages: the first stage takes one more (blocks 0-1 and the embedding), holds 2 micro-batches
+    in flight under 1F1B and peaks; the last holds block 2, the final norm and the head. ZBVZeroBubble's V puts
+    stages 0 and 3 on rank 0, 1 and 2 on rank 1."""
+    config = Config(**{**TINY, "n_layer": 3})
+    embedding = head = 512 * 64
+    block = 2 * 64 + 64 * (64 + 2 * 2 * 16) + 64 * 64 + 3 * 64 * 96  # norms, qkv, projection, MLP
+    assert [(stage.index, stage.layers) for stage in device_stages(0, 2, 1, "1F1B", 3)] == [(0, range(0, 2))]
+    assert [(stage.index, stage.layers) for stage in device_stages(1, 2, 1, "1F1B", 3)] == [(1, range(2, 3))]
+    assert [stage.index for stage in device_stages(0, 2, 2, "ZBVZeroBubble", 4)] == [0, 3]
+    plan = plan_for(config, precision="32-true", device="cpu", devices=2, train=train_args(32, global_batch_size=4),
+                    parallel=ParallelArgs(pipeline=2))
+    assert plan.pipeline_rank == 0 and plan.total_params == embedding + 2 * block
+    assert plan.microbatches == 4 and plan.parameters == (embedding + 2 * block) * 4
+    lora = plan_for(config, method="lora", precision="32-true", device="cpu", devices=2, parallel=ParallelArgs(
+        pipeline=2), train=train_args(32, global_batch_size=4))
+    # 2 blocks' adapters of the query and the value: A (8 x 64) each, B (64 x 8) and (2 groups x 16 x 8)
+    assert lora.trainable_params == 2 * (2 * 8 * 64 + 64 * 8 + 32 * 8)
+    assert plan.gradients == plan.parameters  # every trainable weight's gradient, accumulated unsharded
+
+
+@pytest.mark.parametrize("schedule, degree, stages_per_rank, in_flight", [
+    # 1F1B: stage s of 4 runs 4 - s forward passes before its first backward pass, then one for each
+    ("1F1B", 4, 1, {0: {0: 4}, 1: {1: 3}, 2: {2: 2}, 3: {3: 1}}),
+    # Interleaved, depth first (Megatron): rank r warms up with 2 (pp - r - 1) + (v - 1) pp forward passes (rank 0:
+    # 0F0 0F1 2F0 2F1), then a forward before each backward: 0F2 2B0 0F3 2B1 (stage 0 holds 4); stage 2 holds 2.
+    # Rank 1: 1F0 1F1, then 3F0 3B0 3F1 3B1 1F2 1B0 (stage 1 holds 3), stage 3 one at a time.
+    ("Interleaved1F1B", 2, 2, {0: {0: 4, 2: 2}, 1: {1: 3, 3: 1}}),
+])
+def test_micro_batches_in_flight_per_schedule(schedule, degree, stages_per_rank, in_flight):
+    actions = schedule_actions(schedule, degree, stages_per_rank, 8 if schedule == "1F1B" else 4)
+    assert {rank: most_in_flight(ranked) for rank, ranked in actions.items()} == in_flight
+
+
+def test_zero_bubble_keeps_a_micro_batch_until_its_weight_pass():
+    """I (the inputs' gradients) keeps the micro-batch's activations and adds what the W pass starts from; W frees
+    both; B frees the activations at once."""
+    actions = [("F", 0), ("F", 0), ("I", 0), ("F", 0), ("W", 0), ("B", 0), ("I", 0), ("W", 0)]
+    held = held_at_each_action(actions)
+    assert [h.activations[0] for h in held] == [1, 2, 2, 3, 3, 2, 1, 1]
+    assert [h.awaiting_weights.get(0, 0) for h in held] == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert [0 in h.with_gradients for h in held] == [False] * 5 + [True] * 3
+    assert most_in_flight(actions) == {0: 3}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(devices=1, parallel=ParallelArgs(pipeline=2)), "plan for at least that many (--devices)"),
+    (dict(devices=2, parallel=ParallelArgs(pipeline=2), train=train_args(32, global_batch_size=1)),
+     "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
+    (dict(devices=2, parallel=ParallelArgs(pipeline=2, pipeline_schedule="Interleaved1F1B")),
+     "makes 4 pipeline stages, more than the model's 2 layers"),
+    (dict(devices=2, parallel=ParallelArgs(pipeline=2), teacher_config=Config(**TINY)), "not supported yet"),
+    (dict(devices=4, parallel=ParallelArgs(pipeline=2, tensor=2)), "--parallel.pipeline 2 with --parallel.tensor 2"),
+])
+def test_what_the_pipeline_parallel_plan_refuses(kwargs, message):
+    kwargs = {"train": train_args(32), **kwargs}
+    with pytest.raises(UserError, match=re.escape(message)):
+        plan_for(ARCHITECTURES["llama"], precision="32-true", device="cpu", **kwargs)
+    with pytest.raises(UserError, match="tied input and output embeddings"):
+        plan_for(ARCHITECTURES["gemma2"], device="cpu", devices=2, train=train_args(32),
+                 parallel=ParallelArgs(pipeline=2))
 
 
 @pytest.mark.parametrize("kwargs, message", [

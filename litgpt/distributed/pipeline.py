@@ -44,9 +44,7 @@ class Pipeline:
 
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank that runs `stage`."""
-        if self.schedule == "ZBVZeroBubble" and stage >= self.size:
-            return 2 * self.size - 1 - stage
-        return stage % self.size
+        return stage_rank(stage, self.size, self.schedule)
 
     @property
     def local_stages(self) -> list[int]:
@@ -86,6 +84,14 @@ class Pipeline:
             values = torch.stack([losses[name].detach().float() for name in names]).to(self.device)
         dist.broadcast(values, group_src=source, group=self.group)
         return dict(zip(names, values))
+
+
+def stage_rank(stage: int, degree: int, schedule: str) -> int:
+    """The pipeline rank (of `degree`) that runs `stage` under `schedule`: stage mod degree (looped), or for
+    ZBVZeroBubble the stages from `degree` on back down the ranks (a V)."""
+    if schedule == "ZBVZeroBubble" and stage >= degree:
+        return 2 * degree - 1 - stage
+    return stage % degree
 
 
 class StageBlocks(nn.ModuleList):

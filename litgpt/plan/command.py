@@ -107,8 +107,10 @@ def plan_for(
             head gathered whole for the loss), FSDP sharding over the data-parallel rest of the world;
             --parallel.expert N one device holding n_expert / N experts of every MoE layer (each 1/T of its width
             with --parallel.tensor T; sharded over the devices holding the same ones) and the all-to-all of the
-            routed rows; --parallel.context N one device running
-            1/N of every sequence's positions and attention's all-to-all.
+            routed rows; --parallel.context N one device running 1/N of every sequence's positions and attention's
+            all-to-all; --parallel.pipeline N the device of N that peaks, with its stages' blocks (and the embedding
+            or the head), the micro-batches its schedule keeps in flight (--train.global_batch_size gives how many
+            there are per step) and its receive buffers.
         lora: The adapters, as --lora.r, --lora.query, ... (method lora; `litgpt finetune_lora`'s --lora_r, ...).
         quantize: QLoRA: the frozen base weights of the blocks in bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.int8 or ao.nf4
             (method lora). On several devices FSDP shards them as torchao NF4 (ao.nf4, and bnb.nf4 / bnb.nf4-dq
@@ -130,13 +132,10 @@ def plan_for(
     from litgpt.plan.estimate import estimate
     from litgpt.precision import Precision
 
-    if parallel.pipeline > 1:  # planned as if absent would be a plan of another run
-        raise UserError("litgpt plan does not cover --parallel.pipeline yet: plan without it, or measure a short run.")
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
         recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
-        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients, tensor=parallel.tensor,
-        expert=parallel.expert, context=parallel.context,
+        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients, parallel=parallel,
     )
 
 

@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from litgpt.args import ActivationCheckpointing, FSDPArgs, TrainArgs
+from litgpt.args import ActivationCheckpointing, FSDPArgs, ParallelArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_recipe
@@ -175,6 +175,10 @@ class MemoryPlan:
     tensor_parallel: int = 1  # devices that split each layer (--parallel.tensor); the rows are one device's
     expert_parallel: int = 1  # devices that split each MoE layer's experts (--parallel.expert)
     context_parallel: int = 1  # devices that split each sequence's positions (--parallel.context)
+    pipeline_parallel: int = 1  # devices that run the model's stages one after the other (--parallel.pipeline)
+    pipeline_schedule: str = ""  # their schedule (--parallel.pipeline_schedule)
+    pipeline_rank: int = 0  # the pipeline rank whose device the rows are: the one that peaks
+    microbatches: int = 1  # micro-batches per optimizer step (with pipeline parallelism, through the schedule)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +210,10 @@ class _Run:
     expert_shard: int = 1  # the devices FSDP shards a routed expert over: those holding the same experts
     context: int = 1  # the context-parallel degree (`seq_length` is then each device's slice of the sequence)
     whole_seq_length: int = 0  # the sequence's positions, all devices of a context-parallel group together
+    pipeline: int = 1  # the pipeline-parallel degree
+    pipeline_schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    microbatches: int = 1  # micro-batches per optimizer step
 
     @property
     def config(self) -> Config:
@@ -265,27 +273,32 @@ class _Run:
 
 def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, *, devices: int = 1,
              num_nodes: int = 1, device: str = "cuda", device_memory_gb: float = 80.0,
-             accumulate_gradients: bool = True, tensor: int = 1, expert: int = 1, context: int = 1) -> MemoryPlan:
+             accumulate_gradients: bool = True, parallel: ParallelArgs = ParallelArgs()) -> MemoryPlan:
     """The per-device memory of one training step of `recipe` with these arguments, on `num_nodes` nodes of `devices`
     devices of type `device` (cuda or cpu) with `device_memory_gb` GiB each. `accumulate_gradients`: the gradients of
-    earlier micro-batches are held while the next one runs. `tensor`: tensor parallelism's degree (--parallel.tensor):
+    earlier micro-batches are held while the next one runs. `parallel`: the --parallel degrees. `tensor`: tensor
+    parallelism's degree (--parallel.tensor):
     the parameters and activations are those of one rank's piece of the model (`rank_recipe`), the norms' saved
     activations split over the positions, and the loss gathers the head whole. `expert`: expert parallelism's
     (--parallel.expert): a rank's routed experts (`parameter_layout`) sharded over the ranks holding the same ones,
     the all-to-all's buffers. `context`: context parallelism's (--parallel.context): a rank's slice of every
-    sequence, attention's all-to-all buffers."""
+    sequence, attention's all-to-all buffers. `pipeline`: pipeline parallelism's (--parallel.pipeline): the
+    device that peaks, its stages' parameters and in-flight micro-batches (`_pipeline_device`)."""
     run = _check_run(recipe, train, fsdp, precision, devices, num_nodes, device, device_memory_gb,
-                     accumulate_gradients, tensor, expert, context)
+                     accumulate_gradients, parallel)
     layout = parameter_layout(run.rank_recipe, run.expert)
     saved = saved_activation_bytes(run.rank_recipe, micro_batch_size=run.micro_batch_size,
                                    seq_length=run.seq_length, precision=precision, sharded=run.fsdp,
                                    device=run.device).split_over_sequence(run.tensor)
-    state = _resident_state(run, layout)
-    activations = _activation_rows(run, saved)
-    gathered = _gathered_params(run, layout, saved)
+    if run.pipeline > 1:
+        layout, state, activations, gathered, backward, moments = _pipeline_device(run, saved)
+    else:
+        state = _resident_state(run, layout)
+        activations = _activation_rows(run, saved)
+        gathered = _gathered_params(run, layout, saved)
+        backward = _block_backward(run, layout)
+        moments = _moments(run, state, activations, gathered, backward)
     host_activations = activations["host"] + gathered.get("host", 0)  # offloaded: what the blocks saved
-    backward = _block_backward(run, layout)
-    moments = _moments(run, state, activations, gathered, backward)
     frozen = {name: (config, frozen_layout(config)) for name, config in recipe.frozen_configs().items()}
     frozen_bytes = {name: _add_frozen(run, name, *frozen[name], moments, recipe.frozen_outputs_reach_the_loss)
                     for name in frozen}
@@ -315,8 +328,11 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         offload_activations=run.offload_activations, cpu_offload=run.cpu_offload,
         accumulate_gradients=run.accumulate_gradients, quantize=run.quantize,
         lora_r=run.lora.r if run.lora else None, lora_targets=_lora_targets(run.lora), world_size=run.world,
-        shard_group_size=run.shard, replicate_groups=run.world // run.tensor // run.shard, fsdp=run.fsdp,
+        shard_group_size=run.shard, replicate_groups=run.world // run.tensor // run.pipeline // run.shard,
+        fsdp=run.fsdp,
         tensor_parallel=run.tensor, expert_parallel=run.expert, context_parallel=run.context,
+        pipeline_parallel=run.pipeline, pipeline_schedule=run.pipeline_schedule if run.pipeline > 1 else "",
+        pipeline_rank=activations.get("pipeline_rank", 0), microbatches=run.microbatches,
         total_params=layout.total_params, trainable_params=layout.trainable_params, n_layer=recipe.config.n_layer,
         **largest, at_peak=at_peak, peak_phase=peak_phase, peak=peak, overhead=overhead, total=peak + overhead,
         device_memory=device_memory, fits=needed <= device_memory, margin=device_memory - needed, loading=loading,
@@ -363,9 +379,11 @@ def _kv_cache_per_token(config: Config, dtype: torch.dtype) -> tuple[int, str]:
 
 def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Precision, devices: int,
                num_nodes: int, device: str, device_memory_gb: float, accumulate_gradients: bool,
-               tensor: int = 1, expert: int = 1, context: int = 1) -> _Run:
+               parallel: ParallelArgs) -> _Run:
     """The options checked (by the training commands' own checks where they have one) and completed."""
     from litgpt.distributed.topology import check_sharding_strategy
+
+    tensor, expert, context = parallel.tensor, parallel.expert, parallel.context
 
     if device not in PLAN_DEVICES:
         raise UserError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}.")
@@ -389,7 +407,8 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         )
     _check_tensor_parallel(recipe, tensor, world)
     _check_expert_and_context_parallel(recipe, expert, context, tensor, world)
-    shard, expert_shard = _shard_groups(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context)
+    shard, expert_shard = _shard_groups(devices, num_nodes, fsdp.sharding_strategy, parallel)
+    microbatches = _check_pipeline(recipe, train, parallel, world)
     whole_seq_length = seq_length
     if context > 1:  # each rank's slice of the sequence padded to a multiple of the group (x the tensor degree)
         seq_length = (seq_length + -seq_length % (context * tensor)) // context
@@ -403,12 +422,35 @@ def _check_run(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Pr
         activation_checkpointing=ActivationCheckpointing.parse(train.activation_checkpointing),
         # Training refuses accumulation with the optimizer in the backward pass: one micro-batch per step.
         offload_activations=train.offload_activations, cpu_offload=fsdp.cpu_offload,
-        accumulate_gradients=accumulate_gradients and not train.optimizer_in_backward,
+        accumulate_gradients=(accumulate_gradients and not train.optimizer_in_backward) or microbatches > 1,
         optimizer_in_backward=train.optimizer_in_backward, shard=shard,
         loss_chunk_size=_loss_chunk(pieces.config, rows * seq_length, train.loss_chunk_size),
         backward_prefetch=fsdp.backward_prefetch, tensor=tensor, rank_recipe=pieces,
         expert=expert, expert_shard=expert_shard, context=context, whole_seq_length=whole_seq_length,
+        pipeline=parallel.pipeline, pipeline_schedule=parallel.pipeline_schedule,
+        stages_per_rank=parallel.stages_per_rank, microbatches=microbatches,
     )
+
+
+def _check_pipeline(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs, world: int) -> int:
+    """Training's checks of --parallel.pipeline (`check_pipeline_model`, the mesh's in `Topology`, the schedule's
+    `check_microbatches`), and what the plan does not cover yet; returns the micro-batches per optimizer step."""
+    from litgpt.distributed.pipeline import check_microbatches
+    from litgpt.train.launch import check_pipeline_model
+
+    degree = parallel.pipeline
+    if degree == 1:
+        return 1
+    if degree > world:
+        raise UserError(f"--parallel.pipeline {degree} runs the model's stages on {degree} devices: plan for at least "
+                        "that many (--devices).")
+    check_pipeline_model(recipe, train, parallel)
+    if recipe.frozen_configs() or recipe.sequences_per_sample > 1 or recipe.name in ("dpo", "grpo"):
+        raise UserError(f"litgpt plan --parallel.pipeline {degree}: plans of {recipe.name} (frozen models, preference "
+                        "pairs, sampled groups) under pipeline parallelism are not supported yet.")
+    microbatches = train.gradient_accumulation_iters(world // degree)
+    check_microbatches(parallel.pipeline_schedule, parallel.pipeline_stages, degree, microbatches)
+    return microbatches
 
 
 def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
@@ -473,8 +515,7 @@ def _loss_chunk(config: Config, tokens: int, loss_chunk_size: Optional[int]) -> 
     return min(loss_chunk_size, tokens)
 
 
-def _shard_groups(devices: int, num_nodes: int, strategy: str, tensor: int = 1, expert: int = 1,
-                  context: int = 1) -> tuple[int, int]:
+def _shard_groups(devices: int, num_nodes: int, strategy: str, parallel: ParallelArgs) -> tuple[int, int]:
     """The devices one copy of the sharded state spans, as training's mesh (`Topology`) lays them out: (FSDP's shard
     group: the shard dimension, times the context one with context parallelism; a routed expert's: the expert mesh's
     shard dimension, the ranks holding the same experts)."""
@@ -482,8 +523,10 @@ def _shard_groups(devices: int, num_nodes: int, strategy: str, tensor: int = 1, 
         return 1, 1
     from litgpt.distributed.topology import Topology
 
+    expert = parallel.expert
     with contextlib.redirect_stderr(io.StringIO()):  # Topology's note on HYBRID_SHARD: the plan has its own
-        topology = Topology(devices, num_nodes, strategy, tensor, expert, context)
+        topology = Topology(devices, num_nodes, strategy, parallel.tensor, expert, parallel.context,
+                            parallel.pipeline, parallel.stages_per_rank, parallel.pipeline_schedule)
     return topology.fsdp_shard_size, topology.expert_mesh_shape[1] if expert > 1 else topology.fsdp_shard_size
 
 
@@ -518,14 +561,14 @@ def _gradients_in_flight(run: _Run, layout: Layout) -> int:
     return max(shards) * run.master
 
 
-def _activation_rows(run: _Run, saved: SavedActivations) -> dict:
+def _activation_rows(run: _Run, saved: SavedActivations, layers: Optional[list[int]] = None) -> dict:
     """The activations held at the start of the backward pass, and the loss' float32 tensors; and, for the block
     whose backward pass holds the most, what is held then (its own and the earlier blocks' activations) and what
-    it recomputes on top."""
+    it recomputes on top. `layers`: the model's indices of the blocks `saved` holds (default: all of them)."""
     checkpointing = run.activation_checkpointing
     saved_by_autograd, cached, recomputed = [], [], []  # per block
     for index, layer in enumerate(saved.per_layer):
-        if not checkpointing.checkpoints(index):
+        if not checkpointing.checkpoints(layers[index] if layers else index):
             saved_by_autograd.append(layer)
             cached.append(0)
             recomputed.append(0)
@@ -713,6 +756,74 @@ def _moments(run: _Run, state: dict, activations: dict, gathered: dict, backward
     return moments
 
 
+def _pipeline_device(run: _Run, saved: SavedActivations) -> tuple:
+    """Under pipeline parallelism, the rows of the pipeline rank whose device peaks (every rank planned by
+    `_pipeline_rank`), as (layout, state, activations, gathered, backward, moments) of that device."""
+    from litgpt.plan.pipeline import schedule_actions
+
+    actions = schedule_actions(run.pipeline_schedule, run.pipeline, run.stages_per_rank, run.microbatches)
+    planned = [_pipeline_rank(run, saved, rank, actions[rank]) for rank in range(run.pipeline)]
+    return max(planned, key=lambda rows: max(sum(moment.values()) for moment in rows[-1].values()))
+
+
+def _pipeline_rank(run: _Run, saved: SavedActivations, rank: int, actions: list[tuple[str, int]]) -> tuple:
+    """One pipeline rank's device: its stages' parameters (FSDP-sharded over the data-parallel devices; each stage
+    kept gathered from its first forward pass to the end of the step, and its gradients accumulated unsharded until
+    the schedule reduces them after the last micro-batch, as torch.distributed.pipelining sets FSDP up), and at
+    each action of its schedule (`litgpt.plan.pipeline.held_at_each_action`) the activations of the micro-batches
+    each stage holds. A stage's micro-batch keeps what its blocks save (`_activation_rows`), a non-last stage's
+    output until its backward pass, less the input of a non-first stage, which is a receive buffer: the stage
+    allocates one per micro-batch of the step for the activations it receives (all but the first stage) and one for
+    the gradients (all but the last), kept across steps. A zero-bubble I pass keeps the whole micro-batch until its
+    W pass (retain_graph), and the gradients of the outputs of its blocks' trainable weights (the W pass starts
+    from them). The last stage's loss tensors and a block's backward pass come on top."""
+    from litgpt.plan.layout import stage_layout
+    from litgpt.plan.pipeline import BACKWARD_WEIGHT, FORWARD, device_stages, held_at_each_action
+
+    stages = device_stages(rank, run.pipeline, run.stages_per_rank, run.pipeline_schedule, run.config.n_layer)
+    layout = stage_layout(run.rank_recipe, stages)
+    state, backward = _resident_state(run, layout), _block_backward(run, layout)
+    hidden = run.tokens * run.config.n_embd * run.compute  # what travels between stages, in the compute dtype
+    ends = sum(math.prod(p.shape) for p in layout.root if p.trainable)  # the embedding's or the head's
+    per_stage, blocks = {}, iter(layout.blocks)
+    for stage in stages:
+        rows = _activation_rows(run, saved.of_stage(stage.layers, stage.first, stage.last), list(stage.layers))
+        rows["micro_batch"] = rows["activations"] + (0 if stage.last else hidden) - (0 if stage.first else hidden)
+        trainable = [p for _ in stage.layers for p in next(blocks) if p.trainable]
+        rows["weights_inputs"] = sum(p.shape[0] for p in trainable) * run.tokens * run.compute
+        rows["gradients"] = (sum(math.prod(p.shape) for p in trainable)
+                             + (ends if stage.first or stage.last else 0)) * run.master
+        per_stage[stage.index] = rows
+    receive = run.microbatches * hidden * sum((not stage.first) + (not stage.last) for stage in stages)
+    fixed = dict(parameters=state["resident"]["parameters"], optimizer_state=state["resident"]["optimizer_state"],
+                 gathered_params=sum(_gathered_bytes(run, p) for p in layout.params))
+    timeline = held_at_each_action(actions)
+    busiest = {"most activations held in the schedule": {}, "backward pass of a block in the schedule": {}}
+    for held in timeline:
+        rows = per_stage[held.stage]
+        activations = sum(count * per_stage[index]["micro_batch"] for index, count in held.activations.items())
+        activations += sum(count * per_stage[index]["weights_inputs"] for index, count in held.awaiting_weights.items())
+        gradients = sum(per_stage[index]["gradients"] for index in held.with_gradients)
+        loss = rows["logits_loss"] if held.stage == stages[-1].index and stages[-1].last else 0
+        moments = {"most activations held in the schedule": dict(
+            fixed, gradients=gradients, activations=activations, buffers=receive,
+            logits_loss=loss if held.kind != BACKWARD_WEIGHT else 0)}
+        if held.kind != FORWARD:  # the backward pass of one of its blocks (a W pass's recomputes what it needs too)
+            moments["backward pass of a block in the schedule"] = dict(
+                fixed, gradients=gradients, activations=activations - rows["micro_batch"] + rows["backward"],
+                buffers=receive + rows["recompute"] + backward["activation_grads"] + backward["weight_grads"])
+        for name, moment in moments.items():
+            if sum(moment.values()) > sum(busiest[name].values()):
+                busiest[name] = moment
+    busiest["optimizer step"] = dict(fixed, gathered_params=0, gradients=state["resident"]["gradients"],
+                                     buffers=receive)
+    in_flight = {index: max(held.activations.get(index, 0) for held in timeline) for index in per_stage}
+    activations = dict(per_stage[stages[-1].index], pipeline_rank=rank, stages=stages, receive=receive,
+                       in_flight=in_flight)
+    gathered = dict(detail=f"the device's {len(stages)} stage(s) whole, compute dtype, from forward to the step's end")
+    return layout, state, activations, gathered, backward, {name: rows for name, rows in busiest.items() if rows}
+
+
 def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: dict[str, dict],
                 outputs_reach_the_loss: bool = True) -> int:
     """Add the frozen model `name` (a distillation teacher, a preference reference:
@@ -776,9 +887,12 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
            if run.tensor > 1 else f"{config.padded_vocab_size:,} vocab") + ", + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
         + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else "")
-        + (" + its all-to-all" if backward["all_to_all"] else ""),
+        + (" + its all-to-all" if backward["all_to_all"] else "")
+        + (f" + the stages' receive buffers ({run.microbatches} micro-batches)" if activations.get("receive") else ""),
     }
-    notes = _parallel_notes(run)
+    if run.pipeline > 1:
+        details["gradients"] = f"the stages' unsharded until the step's last backward pass, then {placement}, {master}"
+    notes = _parallel_notes(run, activations)
     if loading:
         steps = "each block's whole NF4 weights, then only its shards" if run.fsdp else "one weight at a time"
         notes.append(
@@ -825,9 +939,11 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
     return details, notes
 
 
-def _parallel_notes(run: _Run) -> list[str]:
-    """What expert and context parallelism change in the rows, said once."""
+def _parallel_notes(run: _Run, activations: dict) -> list[str]:
+    """What expert, context and pipeline parallelism change in the rows, said once."""
     notes, config = [], run.config
+    if run.pipeline > 1:
+        notes.append(_pipeline_note(run, activations))
     if run.expert > 1:
         layers = config.n_layer - config.moe_first_dense_layers
         width = f", 1/{run.tensor} of each one's width (--parallel.tensor {run.tensor})" if run.tensor > 1 else ""
@@ -847,7 +963,33 @@ def _parallel_notes(run: _Run) -> list[str]:
     return notes
 
 
+def _pipeline_note(run: _Run, activations: dict) -> str:
+    """Which device the rows are, what it runs and how many micro-batches its schedule keeps in flight."""
+    def stage_words(stage) -> str:
+        ends = (["the embedding"] if stage.first else []) + (["the final norm and head"] if stage.last else [])
+        blocks = f"blocks {stage.layers.start}-{stage.layers.stop - 1}" if len(stage.layers) > 1 \
+            else f"block {stage.layers.start}"
+        return f"stage {stage.index} ({', '.join([blocks, *ends])})"
+
+    stages = activations["stages"]
+    in_flight = ", ".join(f"{activations['in_flight'][stage.index]} on stage {stage.index}" for stage in stages)
+    return (
+        f"Pipeline parallelism: the rows are pipeline rank {activations['pipeline_rank']}'s device (of "
+        f"{run.pipeline}; the one that peaks), running {'; '.join(map(stage_words, stages))}. {run.pipeline_schedule} "
+        f"over {run.microbatches} micro-batches per step (--train.global_batch_size) keeps at most {in_flight} in "
+        f"flight (torch.distributed.pipelining's order), each padded to {run.seq_length:,} positions"
+        + ("; a zero-bubble schedule keeps a micro-batch whole until its weights' gradients are taken"
+           if "ZeroBubble" in run.pipeline_schedule else "")
+        + f". FSDP shards each stage over the {run.shard} data-parallel device(s) and keeps it gathered for the "
+        "whole step, its gradients unsharded until the last micro-batch; every stage but the first receives its "
+        "activations, every stage but the last its gradients, into a buffer per micro-batch."
+    )
+
+
 def _activations_detail(run: _Run, activations: dict) -> str:
+    if run.pipeline > 1:
+        held = sum(activations["in_flight"].values())
+        return f"{held} micro-batch(es) of the device's stage(s) in flight at most"
     if run.offload_activations:
         kept = " + matmul and attention outputs" if run.activation_checkpointing.mode == "ops" else ""
         return f"head{kept} + 1 block's brought back; the blocks' saved tensors on the host"

@@ -13,6 +13,7 @@ from torch import nn
 from litgpt.config import Config
 
 if TYPE_CHECKING:
+    from litgpt.plan.pipeline import Stage
     from litgpt.train.recipe import Recipe
 
 
@@ -59,6 +60,21 @@ def parameter_layout(recipe: "Recipe", expert: int = 1) -> Layout:
     return _layout(model, recipe.config.n_layer, quantized, expert)
 
 
+def stage_layout(recipe: "Recipe", stages: "list[Stage]") -> Layout:
+    """The parameters a pipeline rank holds: those of its `stages` (`litgpt.plan.pipeline.Stage`) as
+    `litgpt.distributed.pipeline.StageModule` cuts the recipe's model: their blocks (`Layout.blocks`, in order), the
+    embedding on the first stage, the final norm and the head on the last."""
+    import torch
+
+    from litgpt.distributed.pipeline import StageModule
+
+    model = recipe.build_model()
+    held = {id(param) for stage in stages
+            for param in StageModule(model, stage.index, stage.n_stages, stage.layers, torch.float32).parameters()}
+    layout = _layout(model, recipe.config.n_layer, set(), held=held)
+    return Layout(layout.root, [layout.blocks[index] for stage in stages for index in stage.layers], [])
+
+
 def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
     """The recipe of one rank's piece of the model under `tensor`-way tensor parallelism: the plans
     (`litgpt.distributed.plans.dense`) give each rank 1/tensor of the heads (latent attention's too, its
@@ -101,14 +117,16 @@ def routed_expert(name: str) -> "int | None":
     return None
 
 
-def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1) -> Layout:
+def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1,
+            held: "set[int] | None" = None) -> Layout:
+    """`model`'s parameters by FSDP unit; only those in `held` (their ids) where given."""
     root: list[Param] = []
     blocks: list[list[Param]] = [[] for _ in range(n_layer)]
     quantized_numel = []
-    held = model.config.n_expert // expert  # the first rank's experts: every rank holds as many of the same shapes
+    experts_held = model.config.n_expert // expert  # the first rank's: every rank holds as many of the same shapes
     for name, param in model.named_parameters():
         index = routed_expert(name) if expert > 1 else None
-        if index is not None and index >= held:
+        if index is not None and index >= experts_held or (held is not None and id(param) not in held):
             continue
         entry = Param(tuple(param.shape), param.requires_grad, id(param) in quantized, expert=index is not None)
         if entry.quantized:

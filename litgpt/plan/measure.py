@@ -81,10 +81,23 @@ class SavedActivations:
     # the root: the part sequence parallelism splits over the positions.
     norms_saved: list[int] = field(default_factory=list)
     root_norms_saved: int = 0
+    embedding: int = 0  # the part of `root` saved before the first block (the embedding's)
 
     @property
     def total(self) -> int:
         return sum(self.per_layer) + self.root + self.weight_copies
+
+    def of_stage(self, layers: range, first: bool, last: bool) -> "SavedActivations":
+        """What a pipeline stage's forward pass of one micro-batch saves: its blocks' (`layers`), the embedding's on
+        the first stage, the final norm's and the head's on the last."""
+        blocks = lambda values: [values[index] for index in layers] if values else []  # noqa: E731
+        return dataclasses.replace(
+            self, per_layer=blocks(self.per_layer), layer_weight_copies=blocks(self.layer_weight_copies),
+            block_inputs=blocks(self.block_inputs), kept_outputs=blocks(self.kept_outputs),
+            kept_outputs_saved=blocks(self.kept_outputs_saved), norms_saved=blocks(self.norms_saved),
+            root=(self.embedding if first else 0) + (self.root - self.embedding if last else 0),
+            root_norms_saved=self.root_norms_saved if last else 0, embedding=self.embedding if first else 0,
+        )
 
     def split_over_sequence(self, degree: int) -> "SavedActivations":
         """What one rank saves when sequence parallelism splits the norms (and the residual stream between the
@@ -180,7 +193,7 @@ class _SavedTensors:
         self.autocast = autocast
         self.copies: set[int] = set()  # storages of autocast's copies of parameters
         self.cached = 0
-        self.where: object = "root"
+        self.where: object = "embedding"  # until the first block runs; "root" after a block
         self.saved: dict[object, int] = {}
         self.saved_copies: dict[object, int] = {}
         self.saved_kept: dict[object, int] = {}
@@ -287,7 +300,8 @@ class _SavedTensors:
     def result(self, n_layer: int) -> SavedActivations:
         layer_copies = [self.saved_copies.get(i, 0) for i in range(n_layer)]
         return SavedActivations(
-            per_layer=[self.saved.get(i, 0) for i in range(n_layer)], root=self.saved.get("root", 0),
+            per_layer=[self.saved.get(i, 0) for i in range(n_layer)],
+            root=self.saved.get("root", 0) + self.saved.get("embedding", 0), embedding=self.saved.get("embedding", 0),
             weight_copies=sum(self.saved_copies.values()), layer_weight_copies=layer_copies,
             cached_weight_copies=self.cached, block_inputs=self.inputs,
             kept_outputs=[sum(n for where, n in self.kept.values() if where == i) for i in range(n_layer)],

@@ -59,6 +59,9 @@ def format_plan(plan: "MemoryPlan") -> str:
                "parameter counts are one device's experts)" if plan.expert_parallel > 1 else "")
             + (f", each sequence split over {plan.context_parallel} devices (--parallel.context)"
                if plan.context_parallel > 1 else "")
+            + (f", the layers cut into stages over {plan.pipeline_parallel} devices (--parallel.pipeline "
+               f"{plan.pipeline_schedule}; the parameter counts are pipeline rank {plan.pipeline_rank}'s stages')"
+               if plan.pipeline_parallel > 1 else "")
         )
     else:
         lines.append("1 device, no sharding")

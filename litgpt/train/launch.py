@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
-from litgpt.args import FSDPArgs, ParallelArgs
+from litgpt.args import FSDPArgs, ParallelArgs, TrainArgs
 from litgpt.errors import UserError
 from litgpt.registry import CORE_COMPILERS, CompilerExtension, load_compiler
 
 if TYPE_CHECKING:
     from litgpt.train.job import Job
+    from litgpt.train.recipe import Recipe
 
 
 def run_fabric(job: "Job", *, devices, num_nodes: int, fsdp: FSDPArgs, run_name: str,
@@ -56,14 +57,14 @@ def check_parallel(job: "Job", parallel: ParallelArgs, compiler) -> None:
     """UserError for any degree with a compiler extension (its strategy runs and splits the model its own way); for
     tensor parallelism the run cannot have: a model (or frozen model) the plans do not cover or whose sizes it does
     not divide; the same for expert parallelism (`check_expert_parallelism`), context parallelism
-    (`check_context_parallelism`) and pipeline parallelism (`check_pipeline_parallelism`)."""
+    (`check_context_parallelism`) and pipeline parallelism (`check_pipeline_model`)."""
     degrees = [(name, getattr(parallel, name)) for name in ("tensor", "expert", "context", "pipeline")]
     split = [(name, degree) for name, degree in degrees if degree > 1]
     if split and compiler not in CORE_COMPILERS:
         raise UserError(f"--parallel.{split[0][0]} {split[0][1]} works with --compiler auto, none or torch; an "
                         "extension compiler runs and splits the model its own way.")
     if parallel.pipeline > 1:
-        check_pipeline_parallelism(job, parallel)
+        check_pipeline_model(job.recipe, job.train, parallel)
     if parallel.expert > 1:
         check_expert_parallelism(job, parallel.expert)
     if parallel.context > 1:
@@ -97,11 +98,11 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs) -> None:
         check_context_parallel(config, parallel.context, parallel.tensor)
 
 
-def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs) -> None:
+def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs) -> None:
     """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
     (tied embeddings, mixture-of-experts layers, a quantized base), an optimizer stepped in the backward pass (the
-    schedule scales the gradients after it)."""
-    degree, stages, config = parallel.pipeline, parallel.pipeline_stages, job.recipe.config
+    schedule scales the gradients after it). `litgpt plan` checks its plans with it too."""
+    degree, stages, config = parallel.pipeline, parallel.pipeline_stages, recipe.config
     option = f"--parallel.pipeline {degree}"
     if config.n_layer < stages:
         raise UserError(f"{option} x {parallel.stages_per_rank} stage(s) per device makes {stages} pipeline stages, "
@@ -110,8 +111,8 @@ def check_pipeline_parallelism(job: "Job", parallel: ParallelArgs) -> None:
     unsupported = [what for what, present in (
         ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
         ("mixture-of-experts layers", config.mlp_class_name == "LLaMAMoE"),
-        ("a quantized base (QLoRA)", job.recipe.quantize is not None),
-        ("--train.optimizer_in_backward", job.train.optimizer_in_backward)) if present]
+        ("a quantized base (QLoRA)", recipe.quantize is not None),
+        ("--train.optimizer_in_backward", train.optimizer_in_backward)) if present]
     if unsupported:
         raise UserError(f"{option} with {unsupported[0]} is not supported yet: leave pipeline parallelism out.")
 
