@@ -122,8 +122,11 @@ class AllToAllRows(torch.autograd.Function):
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, LLaMAMoE]]:
-    """(name, layer) of the blocks' MoE layers, as the plan names them."""
-    for index, block in numbered_blocks(model.transformer.h):
+    """(name, layer) of the blocks' MoE layers, as the plan names them (none in a model without blocks)."""
+    transformer = getattr(model, "transformer", None)
+    if transformer is None:
+        return
+    for index, block in numbered_blocks(transformer.h):
         layer = getattr(block, MOE_LAYER, None)
         if isinstance(layer, LLaMAMoE):
             yield f"transformer.h.{index}.{MOE_LAYER}", layer

@@ -124,7 +124,7 @@ def nll_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool,
     if not need_grad:
         return per_position, None
     grad = exps.div_(sums)
-    grad.scatter_add_(1, index, torch.where(mine, -1.0, 0.0).unsqueeze(1))
+    grad.scatter_add_(1, index, mine.to(grad.dtype).neg().unsqueeze(1))  # the logits' dtype (bf16-true)
     return per_position, grad.mul_(labelled.unsqueeze(1))
 
 
