@@ -42,6 +42,8 @@ os.environ.setdefault("LITGPT_CPUINFO", str(CPUINFO_FIXTURES / "no_bf16.txt"))
 # starts last while the other worker idles. Other modules keep their place after these.
 LONGEST_MODULES = (
     "test_tutorials.py", "test_thunder.py", "test_fault_tolerance.py", "test_distributed.py", "test_plan.py",
+    "test_expert_parallel.py", "test_tensor_parallel.py", "test_pipeline_parallel.py", "test_context_parallel.py",
+    "test_tensor_parallel_generation.py",
     "test_slurm.py", "test_cluster.py", "test_litgpt_folders.py", "test_error_causes.py", "test_distill.py",
     "test_bad_input.py", "test_fsdp_prefetch.py", "test_training.py", "test_config_registry.py", "test_mla_cli.py",
     "test_convert.py", "test_download.py", "test_training_cli.py", "test_safe_loading.py", "test_compress_moe.py",
