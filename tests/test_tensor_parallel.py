@@ -317,6 +317,14 @@ def join_gloo_group(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def assert_refused_before_writing(result, message: str, out_dir) -> None:
+    """A refusal: exit code 1, `message` in the last line of stderr, no traceback, and nothing written to `out_dir`."""
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not Path(out_dir).exists()
+
+
 def run_spawned_ranks(worker, world: int) -> None:
     """`worker(rank, world, port, failures)` on `world` spawned gloo ranks; fails with what any of them put in
     `failures`, or when one did not end cleanly."""
@@ -478,10 +486,7 @@ def test_what_tensor_parallelism_refuses(changes, flags, message, inputs, tmp_pa
     args = command_args("pretrain", inputs, tmp_path / "out")
     args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **changes)
     result = litgpt(*args, *flags, env=child_environment())
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
+    assert_refused_before_writing(result, message, tmp_path / "out")
 
 
 def test_tensor_parallelism_refuses_a_quantized_base(inputs, tmp_path):  # noqa: F811
