@@ -18,7 +18,7 @@ from hf_models import save_hf_model
 from litgpt_forkserver import run_litgpt
 
 from litgpt.checkpoint.store import MANIFEST_FILE, TRAINING_STATE_FILE, write_manifest
-from litgpt.class_paths import check_class_paths
+from litgpt.class_paths import check_class_paths, may_import
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.io import file_sha256
@@ -208,6 +208,16 @@ def test_a_class_path_outside_installed_code_is_refused_before_it_is_imported(ca
     result = python_in(tmp_path, "-m", "litgpt", "finetune_lora", "checkpoints/any", *args)
     assert_one_line_refusal(result, named)
     assert not marker.exists(), "the planted module was imported"
+
+
+def test_a_module_named_after_a_distribution_that_does_not_provide_it_is_refused():
+    """PyYAML (a requirement of jsonargparse) provides `yaml`, not `pyyaml`: the names a distribution provides
+    decide, not its name."""
+    assert may_import("yaml.loader") and may_import("torch.optim") and may_import("litgpt.data")
+    for name in ("pyyaml", "pyyaml.loader", "os.path", "evilmod"):
+        assert not may_import(name), name
+    with pytest.raises(UserError, match="'pyyaml' is neither"):
+        check_class_paths(["--data", "pyyaml.Data"])
 
 
 def test_class_paths_of_litgpt_and_installed_packages_pass(tmp_path):

@@ -95,6 +95,27 @@ def test_matmul_peak_grows_the_matrices_only_while_they_stay_quick():
     assert side == 512 and flops > 0
 
 
+def test_the_matmul_peak_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """MFU's peak is a hardware limit: measured the first time, then read from the cache folder (per device, dtype,
+    thread count and torch version); a cache file that is not one is measured again and replaced."""
+    from litgpt.train.metrics import matmul_peak
+
+    monkeypatch.setenv("LITGPT_CACHE_DIR", str(tmp_path))
+    cpu, kept = torch.device("cpu"), tmp_path / "matmul-peaks.json"
+    flops, source = matmul_peak(cpu, torch.float32, "test cpu")
+    (key, entry), = json.loads(kept.read_text()).items()
+    assert entry["flops"] == flops > 0 and source.startswith("measured") and str(kept) in source
+    assert key.startswith("test cpu | torch.float32 | 1 threads")  # this module runs on one thread
+    kept.write_text(json.dumps({key: {"flops": 1.5e9, "side": 64}}))
+    flops, source = matmul_peak(cpu, torch.float32, "test cpu")
+    assert flops == 1.5e9 and source.startswith("measured: 64^3 torch.float32")
+    assert matmul_peak(cpu, torch.bfloat16, "test cpu")[0] != 1.5e9  # another dtype: measured, kept beside
+    assert len(json.loads(kept.read_text())) == 2
+    kept.write_text("{not json")
+    assert matmul_peak(cpu, torch.float32, "test cpu")[0] != 1.5e9
+    assert list(json.loads(kept.read_text())) == [key]
+
+
 def test_loss_falls_and_outputs_are_complete(tmp_path, text_folder):
     pretrain(tmp_path / "run", text_folder, max_steps=40, save_interval=20, lr_warmup_steps=5)
     out = tmp_path / "run"

@@ -31,9 +31,10 @@ rendered guide do not see them.
 Every block runs with HF_HUB_OFFLINE=1 (the hub is never contacted), one Hugging Face cache (HF_HOME: a `hub`
 annotation's model is built once) and one token cache (LITGPT_CACHE_DIR: the bundled corpus is tokenized once) for
 all guides, a free MASTER_PORT, no SLURM_* variables of an enclosing job, the interpreter's `litgpt` script on PATH,
-and, in a block with a litgpt command, before it a `litgpt` that forks each command from a server that imported
-torch and Lightning once (tests/litgpt_forkserver.py; it runs the real script where the environment differs from
-the server's, as under srun or torchrun).
+and before it a `litgpt` that forks each command from a server that imported torch and Lightning once
+(tests/litgpt_forkserver.py; it runs the real script where the environment differs from the server's). That
+`litgpt` reaches the commands of batch scripts too (sbatch passes the environment on to its job), and a
+`torchrun ... -m litgpt` runs as `torchrun ... --no-python litgpt`, so that its ranks are forked as well.
 
 The relative links of README.md, config_hub/README.md and the guides must reach existing files and headings.
 """
@@ -69,6 +70,8 @@ ANNOTATION = re.compile(r"<!--\s*(?:test:\s*(?P<kind>[a-z]+)\b\s*(?P<value>.*?)|
 TAKES_VALUE = {"append": True, "replace": True, "save": True, "hub": True, "records": True,
                "slow": False, "run": False, "slurm": False}
 LITGPT_COMMAND = re.compile(r"(?<![\w./-])litgpt\s+[a-z_]+")
+# `-m litgpt` in a torchrun command (which may continue over lines ending in a backslash).
+TORCHRUN_MODULE = re.compile(r"(\btorchrun\b(?:[^\n;&|]|\\\n)*?\s)-m litgpt\b")
 
 
 @dataclass
@@ -195,7 +198,7 @@ def prepared_text(block: Block) -> str:
     for args in block.values("append"):
         assert LITGPT_COMMAND.search(text), f"{block.guide}.md:{block.line}: `append` but no litgpt command"
         text = append_to_litgpt_commands(text, args)
-    return text
+    return TORCHRUN_MODULE.sub(r"\1--no-python litgpt", text)
 
 
 # ---- fixtures the annotations ask for ----------------------------------------------------------------------------------
@@ -277,8 +280,7 @@ def run_block(block: Block, scratch: Path, caches: Caches, request: pytest.Fixtu
     command = ["bash", "-euo", "pipefail", "-c", text] if block.info == "bash" else [sys.executable, "-c", text]
     started = time.time()
     try:
-        env = caches.server_env() if LITGPT_COMMAND.search(text) else caches.env
-        done = subprocess.run(command, cwd=scratch, env=dict(env, MASTER_PORT=str(free_port())),
+        done = subprocess.run(command, cwd=scratch, env=dict(caches.server_env(), MASTER_PORT=str(free_port())),
                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"tutorials/{block.guide}.md, block at line {block.line}: still running after {error.timeout} s")
@@ -323,6 +325,19 @@ def test_append_reaches_every_litgpt_command_and_nothing_else():
         "srun litgpt finetune_lora ckpt \\\n  --devices 8 --x 1\n"
         "litgpt generate out --prompt 'a | b && c' --x 1 | tee log.txt\n"
         "torchrun --nproc_per_node 8 -m litgpt pretrain --x 1; ls out/litgpt pretrain\n"
+    )
+
+
+def test_torchrun_runs_the_litgpt_on_path_instead_of_the_module():
+    block = Block("guide", 1, "bash", (
+        "torchrun --nnodes 2 --master_port 29500 \\\n  -m litgpt pretrain --devices 8\n"
+        "torchrun --standalone -m litgpt distill out -m litgpt_like\n"
+        "python -m litgpt generate out; echo torchrun && python -m litgpt chat out\n"
+    ))
+    assert prepared_text(block) == (
+        "torchrun --nnodes 2 --master_port 29500 \\\n  --no-python litgpt pretrain --devices 8\n"
+        "torchrun --standalone --no-python litgpt distill out -m litgpt_like\n"
+        "python -m litgpt generate out; echo torchrun && python -m litgpt chat out\n"
     )
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 import numpy as np
 import torch
 
+from litgpt.caches import cache_dir as litgpt_cache_dir
 from litgpt.distributed.runtime import local_rank
 from litgpt.io import atomic_path, file_sha256
 from litgpt.data.base import DataModule
@@ -73,9 +74,7 @@ MAX_DIGESTS = 100_000
 # ---- fingerprints ---------------------------------------------------------------------------------------------------
 def default_cache_root() -> Path:
     """`$LITGPT_CACHE_DIR/tokens`, or `~/.cache/litgpt/tokens`."""
-    base = os.environ.get("LITGPT_CACHE_DIR")
-    root = Path(base).expanduser() if base else Path.home() / ".cache" / "litgpt"
-    return root / "tokens"
+    return litgpt_cache_dir() / "tokens"
 
 
 def tokenizer_fingerprint(tokenizer: "Tokenizer") -> str:

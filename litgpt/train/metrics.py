@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from pathlib import Path
@@ -9,9 +10,11 @@ from typing import Optional
 
 import torch
 
+from litgpt.caches import cache_dir
 from litgpt.checkpoint.model_files import meta_device
 from litgpt.config import Config
 from litgpt.distributed.runtime import every_rank
+from litgpt.io import write_json
 from litgpt.model import GPT
 from litgpt.precision import Precision
 
@@ -121,6 +124,42 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 
     return 2 * side**3 * runs / (time.perf_counter() - start), side
 
 
+PEAKS_FILE = "matmul-peaks.json"
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, device_name: str) -> tuple[float, str]:
+    """`measured_matmul_flops` of this device, dtype and thread count, measured once per machine and kept in the
+    cache folder (`$LITGPT_CACHE_DIR/matmul-peaks.json`): a hardware limit need not cost every run half a second of
+    matmuls at its end. Returns the FLOP/s and where they come from."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    key = f"{device_name} | {dtype} | {threads} threads | torch {torch.__version__}"
+    path = cache_dir() / PEAKS_FILE
+    peaks = _read_peaks(path)
+    if key not in peaks:
+        flops, side = measured_matmul_flops(device, dtype)
+        peaks[key] = {"flops": flops, "side": side}
+        try:
+            write_json(path, {**_read_peaks(path), key: peaks[key]})  # another run may have added its own since
+        except OSError:  # a read-only home: measured again next time
+            pass
+    flops, side = peaks[key]["flops"], peaks[key]["side"]
+    return flops, f"measured: {side}^3 {dtype} matmul on this device ({threads or 'GPU'} threads), kept in {path}"
+
+
+def _read_peaks(path: Path) -> dict:
+    """The cached peaks, without the entries that are not what `matmul_peak` writes (nothing, if the file is not
+    JSON): those are measured again."""
+    try:
+        peaks = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(peaks, dict):
+        return {}
+    return {key: value for key, value in peaks.items()
+            if isinstance(value, dict) and isinstance(value.get("flops"), float) and value["flops"] > 0
+            and isinstance(value.get("side"), int)}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -143,8 +182,9 @@ def run_metrics(fabric, state, config: Config, precision: Precision, io, val_los
         peak, source = GPU_PEAK_FLOPS[device_name], "datasheet, dense bf16"
     else:
         dtype = torch.float32 if precision.compute_dtype == torch.float32 else torch.bfloat16  # 16 bits: bf16's peak
-        peak, side = measured_matmul_flops(device, dtype)
-        source = f"measured: {side}^3 {dtype} matmul on this device"
+        # Rank 0 alone measures (the ranks of a machine measuring at once would share its cores) and tells the others.
+        measured = matmul_peak(device, dtype, device_name) if fabric.global_rank == 0 else None
+        peak, source = fabric.broadcast(measured, src=0)
     return {
         "steps": state.step,
         "tokens": state.tokens,
