@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from forked_ranks import rank_start_method
 
 from litgpt.config import Config
 from litgpt.distributed import runtime
@@ -252,7 +253,8 @@ def test_node_local_first_runs_rank_zero_then_each_nodes_first_then_the_rest(tmp
     other), then rank 3 (node 1's other)."""
     log = tmp_path / "order.txt"
     port = 29500 + os.getpid() % 1000
-    mp.start_processes(node_local_worker, args=(4, 2, port, str(log)), nprocs=4, join=True, start_method="spawn")
+    mp.start_processes(node_local_worker, args=(4, 2, port, str(log)), nprocs=4, join=True,
+                       start_method=rank_start_method())
     events = {}
     for line in log.read_text().splitlines():
         rank, what, when = line.split()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from forked_ranks import rank_start_method
 from test_distributed import inputs, qlora_base  # noqa: F401 (fixtures: test_distributed's tiny inputs, QLoRA base)
 
 from litgpt.args import FSDPArgs
@@ -145,7 +146,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("prefetch") / "results.json"
-    mp.start_processes(prefetch_worker, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(prefetch_worker, args=(free_port(), str(out)), nprocs=2, join=True,
+                       start_method=rank_start_method())
     return json.loads(out.read_text())
 
 

@@ -356,7 +356,10 @@ def check_fsdp2_with_checkpointing_equals_one_process(*make_models) -> list[dict
         for batch in tokens:
             (_total_loss(model, batch) / 2).backward()
         expected.append({name: param.grad for name, param in model.named_parameters()})
-    torch.multiprocessing.spawn(_fsdp_rank, args=(free_port(), make_models, tokens, expected), nprocs=2)
+    from forked_ranks import rank_start_method
+
+    torch.multiprocessing.start_processes(_fsdp_rank, args=(free_port(), make_models, tokens, expected), nprocs=2,
+                                          start_method=rank_start_method())
     return expected
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from forked_ranks import rank_context
 from test_distributed import (
     SMALL,
     assert_close_runs,
@@ -326,9 +326,9 @@ def assert_refused_before_writing(result, message: str, out_dir) -> None:
 
 
 def run_spawned_ranks(worker, world: int) -> None:
-    """`worker(rank, world, port, failures)` on `world` spawned gloo ranks; fails with what any of them put in
-    `failures`, or when one did not end cleanly."""
-    context = mp.get_context("spawn")
+    """`worker(rank, world, port, failures)` on `world` gloo ranks (tests/forked_ranks.py); fails with what any of
+    them put in `failures`, or when one did not end cleanly."""
+    context = rank_context()
     failures = context.Queue()
     port = free_port()
     processes = [context.Process(target=worker, args=(rank, world, port, failures)) for rank in range(world)]
