@@ -143,7 +143,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, device_name: str) -> t
         except OSError:  # a read-only home: measured again next time
             pass
     flops, side = peaks[key]["flops"], peaks[key]["side"]
-    return flops, f"measured: {side}^3 {dtype} matmul on this device ({threads or 'GPU'} threads), kept in {path}"
+    return flops, f"measured: {side}^3 {dtype} matmul on this device, kept in {path}"
 
 
 def _read_peaks(path: Path) -> dict:
