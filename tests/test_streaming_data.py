@@ -4,9 +4,11 @@ our runs; a killed run resumes from every rank's loader position to the same wei
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from litgpt.__main__ import main as cli_main
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data import LitData, MicroLlama, TinyLlama
+from litgpt.data.streaming import open_dataset
 from litgpt.data.tiny import TOKENIZER_DIR
 from litgpt.errors import UserError
 from litgpt.tokenizer import Tokenizer
@@ -244,3 +247,60 @@ def test_two_nodes_of_two_ranks_read_their_own_blocks_and_resume_on_another_worl
     read += [torch.load(rest / f"blocks-{rank}.pt") for rank in range(2)]
     assert [len(part) for part in read[4:]] == [32, 32]
     assert rows(torch.cat(read)) == rows(blocks)
+
+
+# ---- the reader and litdata's prefetch thread share one loader --------------------------------------------------------
+class PausingMap:
+    """Stands in for an open chunk's `mmap`: its first `close()` runs `meanwhile` on another thread and waits for it
+    (a second at most), which is the thread switch that failed a two-node run in CI."""
+
+    def __init__(self, real, meanwhile):
+        self.real, self.calls = real, 0
+        self.other = threading.Thread(target=meanwhile)
+
+    def close(self):
+        self.calls += 1
+        if self.calls == 1:
+            self.other.start()
+            self.other.join(timeout=1.0)
+        self.real.close()
+
+
+def test_the_prefetch_threads_delete_waits_for_the_readers_close_of_the_same_chunk(tmp_path, monkeypatch):
+    """The reader closes the chunk it read to the end while litdata's prefetch thread deletes it from the node cache:
+    both finish, the chunk is closed once and gone from the cache, and reading goes on."""
+    import litdata.utilities.dataset_utilities
+
+    folder, cache = tmp_path / "corpus", tmp_path / "node-cache"
+    blocks = block_corpus(folder, blocks=8, block_size=33, blocks_per_chunk=4)
+    monkeypatch.setattr(litdata.utilities.dataset_utilities, "_LITDATA_CACHE_DIR", str(cache))
+    dataset = open_dataset(f"local:{folder}", block_size=33, shuffle=False, seed=0)
+    assert torch.equal(dataset[0], blocks[0])
+    loader = dataset.item_loader
+    cached = [path for path in cache.rglob("chunk-*.bin") if "chunk-0-0" in path.name]
+    assert len(cached) == 1 and list(loader._mmaps) == [0]
+    errors = []
+
+    def prefetch_thread_deletes():
+        try:
+            loader.delete(0, str(cached[0]))
+        except Exception as error:
+            errors.append(error)
+
+    opened = loader._mmaps[0]
+    pausing = PausingMap(opened._mmap, prefetch_thread_deletes)
+    monkeypatch.setattr(opened, "_mmap", pausing)
+    loader.close(0)  # litdata's own loader: KeyError here, or in the other thread
+    pausing.other.join(timeout=60)  # the delete, now let in
+    assert not errors and pausing.calls == 1 and not loader._mmaps and not cached[0].exists()
+    assert torch.equal(dataset[5], blocks[5])
+
+
+def test_the_loader_crosses_to_a_spawned_worker_with_its_own_lock(tmp_path):
+    folder = tmp_path / "corpus"
+    blocks = block_corpus(folder, blocks=8, block_size=33, blocks_per_chunk=4)
+    dataset = open_dataset(str(folder), block_size=33, shuffle=False, seed=0)
+    assert torch.equal(dataset[1], blocks[1])
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert copy.item_loader._open_chunks_lock is not dataset.item_loader._open_chunks_lock
+    assert torch.equal(copy[6], blocks[6])

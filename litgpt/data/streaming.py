@@ -114,9 +114,11 @@ def check_folder(folder: str, what: str, tokenizer) -> None:
 def open_dataset(folder: str, block_size: int, shuffle: bool, seed: int):
     """litdata's `StreamingDataset` of blocks of `block_size` token ids; a folder it cannot reach is one line."""
     litdata = import_litdata()
+    from litgpt.data.tokens_loader import TokensLoader
+
     try:
         return litdata.StreamingDataset(
-            input_dir=str(folder), item_loader=litdata.TokensLoader(block_size=block_size), shuffle=shuffle,
+            input_dir=str(folder), item_loader=TokensLoader(block_size=block_size), shuffle=shuffle,
             drop_last=True, seed=seed,
         )
     except Exception as error:  # litdata's storage clients raise their own kinds
