@@ -18,6 +18,7 @@ from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
 from litgpt.distributed.topology import data_parallel
+from litgpt.host_malloc import keep_freed_memory
 from litgpt.loggers import start_tracking
 from litgpt.precision import Precision
 from litgpt.preemption import slurm_job_id
@@ -69,6 +70,8 @@ def launch(fabric, job: Job) -> dict:
 
 def run_job(fabric, job: Job) -> dict:
     """Check the inputs, prepare the data, build, shard and load the model, and train it; returns the metrics."""
+    if fabric.device.type == "cpu":
+        keep_freed_memory()  # the steps' tensors live in host memory: reuse it instead of faulting it in each step
     _, optimizer_class, _ = optimizer_spec(job.optimizer)  # a bad --optimizer stops the run before anything exists
     if job.train.optimizer_in_backward:
         check_optimizer_in_backward(job.train, optimizer_class, job.precision,
