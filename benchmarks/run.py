@@ -48,7 +48,9 @@ REPO = harness.REPO
 PRECISIONS = ("32-true", "bf16-mixed", "default")  # "default": no --precision, each toolkit's own
 STEPS_100M = (3, 20)  # (warm-up, measured) steps of the ~100M cases: ~7 s a step on 2 cores
 TRAINING_CPU = ["pretrain-5m-default", "pretrain-5m-32-true", "pretrain-5m-bf16-mixed", "pretrain-tiny-default",
-                "pretrain-100m-default", "lora-5m-32-true", "lora-5m-bf16-mixed", "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP", "pretrain-5m-2proc-NO_SHARD",
+                "pretrain-100m-default", "pretrain-100m-32-true", "pretrain-100m-bf16-mixed", "lora-5m-32-true",
+                "lora-5m-bf16-mixed", "pretrain-5m-2proc-FULL_SHARD", "pretrain-5m-2proc-SHARD_GRAD_OP",
+                "pretrain-5m-2proc-NO_SHARD",
                 "pretrain-5m-2proc-HYBRID_SHARD", "pretrain-100m-1proc", "pretrain-100m-1proc-1thread",
                 "pretrain-100m-2proc"]
 GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "generate-5m-bf16-true",

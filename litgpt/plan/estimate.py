@@ -94,7 +94,7 @@ from litgpt.args import ActivationCheckpointing, FSDPArgs, ParallelArgs, TrainAr
 from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_recipe
-from litgpt.plan.measure import SavedActivations, math_attention, saved_activation_bytes
+from litgpt.plan.measure import SavedActivations, math_attention, matmul_attention, saved_activation_bytes
 from litgpt.plan.quantized import dequantize_bytes, nf4_bytes, quantize_work_bytes, stored_bytes
 from litgpt.plan.report import GiB, ROWS, count, fmt
 from litgpt.precision import Precision
@@ -679,13 +679,16 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     widest = max(config.qkv_size, _mlp_width(config), config.n_embd)
     activation_grads = 3 * run.tokens * widest * grad_itemsize + 2 * run.tokens * config.n_embd * run.param_compute
     math_path = math_attention(config, run.device, run.precision)
+    by_matmuls = matmul_attention(config, run.device, run.precision, run.seq_length)
     if config.attention_logit_softcapping is not None:
         attention = "soft-capped attention, materialized"
     elif math_path:
         attention = "math attention: no fused float32 kernel takes grouped keys"
+    elif by_matmuls:
+        attention = "matmul attention (bf16 on this CPU, short sequences)"
     else:
         attention = "flash attention" if run.device == "cuda" else "CPU flash attention"
-    if math_path or config.attention_logit_softcapping is not None:
+    if math_path or by_matmuls or config.attention_logit_softcapping is not None:
         # The attention weights' gradient and the scores' gradient: (B, H, T, T) each.
         activation_grads += 2 * run.micro_batch_size * config.n_head * run.seq_length**2 * run.compute
     top_trainable = unsharded(layout.top_block_trainable)

@@ -11,7 +11,7 @@ one kind (structure, rope and mask) save the same, so only two of each kind run 
 kept per model config and settings for the rest of the process.
 
 The fake run executes the model's own code on fake CPU tensors. What it cannot decide by itself, and how it adjusts
-for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `math_attention`):
+for it (each adjustment is one rule in `_Kernels`, `_NativeDropout`, `math_attention` or `fused_attention_only`):
 
 - 16-bit compute is run in bfloat16 (float16 has the same sizes). A -mixed precision on one device runs under the
   CPU's autocast, whose op lists are taken for CUDA's: for the ops of this model they agree (linear layers, matmuls
@@ -28,6 +28,8 @@ for it (each adjustment is one rule in `_Kernels`, `_NativeDropout` or `math_att
     output out as (batch, seq, heads, head size), which changes whether the projection's reshape copies it; the
     kernels' 16-byte random-number state and the memory-efficient kernel's padding of the log-sum-exp to 32 rows
     are left out. Soft-capped attention (Gemma 2) is the model's own matmuls and softmax, on every device.
+  - the model's own matmul attention for short bf16 sequences (`litgpt.model.MatmulAttention`) is the CPU's only:
+    for other devices the fake run turns it off (`fused_attention_only`).
   - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
   - a value head size other than the query's (latent attention: 192 and 128) takes CUDA's memory-efficient kernel,
     not the math path the CPU falls back to (`_MemoryEfficientAttention`).
@@ -149,6 +151,8 @@ def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, shard
             stack.enter_context(_MemoryEfficientAttention())
         if math_attention(recipe.config, device, precision):
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if device != "cpu":
+            stack.enter_context(fused_attention_only())
         if autocast:
             stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tape.pack, lambda tensor: tensor))
@@ -317,6 +321,29 @@ def math_attention(config: Config, device: str, precision: Precision) -> bool:
         device == "cuda" and precision.compute_dtype == torch.float32 and config.n_query_groups != config.n_head
         and config.attention_logit_softcapping is None
     )
+
+
+def matmul_attention(config: Config, device: str, precision: Precision, seq_length: int) -> bool:
+    """On a CPU with native bf16, short bf16 sequences run the model's own matmul attention, which keeps the
+    (batch, heads, seq, seq) softmax (`litgpt.model.MatmulAttention`)."""
+    from litgpt.model import MatmulAttention
+
+    return (
+        device == "cpu" and precision.compute_dtype == torch.bfloat16 and seq_length <= MatmulAttention.max_positions
+        and config.attention_logit_softcapping is None and not config.attention_sinks
+    )
+
+
+@contextlib.contextmanager
+def fused_attention_only():
+    """The model's attention through SDPA at every length, as on devices other than the CPU."""
+    from litgpt.model import MatmulAttention
+
+    kept, MatmulAttention.max_positions = MatmulAttention.max_positions, 0
+    try:
+        yield
+    finally:
+        MatmulAttention.max_positions = kept
 
 
 class _Kernels(TorchDispatchMode):
