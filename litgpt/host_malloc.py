@@ -3,7 +3,7 @@
 By default glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB) with a mapping
 of its own, unmapped when freed, and hands the free top of its heap back to the system. A training step allocates
 and frees the same activations every step, so each step faulted their pages in anew, and the kernel zeroed them
-(`benchmarks/run.py`'s 5M model: 2-3 million page faults in 160 steps, 300,000 once kept; the ~100M shape:
+(`benchmarks/run.py`'s 5M model: 1.7-2.8 million page faults in 160 steps, 260,000 once kept; the ~100M shape:
 7-8 million in 30 steps, 1 million once kept). Kept, a bf16-mixed step on 2 cores of an AMD EPYC took 71 instead
 of 85 ms at 5M and 990 instead of 1,240-1,320 ms at ~100M; the peak RSS moved by under 6 %.
 

@@ -325,12 +325,13 @@ def math_attention(config: Config, device: str, precision: Precision) -> bool:
 
 def matmul_attention(config: Config, device: str, precision: Precision, seq_length: int) -> bool:
     """On a CPU with native bf16, short bf16 sequences run the model's own matmul attention, which keeps the
-    (batch, heads, seq, seq) softmax (`litgpt.model.MatmulAttention`)."""
+    (batch, heads, seq, seq) softmax (`litgpt.model.MatmulAttention`; plain causal attention of fused q/k/v only)."""
     from litgpt.model import MatmulAttention
 
     return (
         device == "cpu" and precision.compute_dtype == torch.bfloat16 and seq_length <= MatmulAttention.max_positions
         and config.attention_logit_softcapping is None and not config.attention_sinks
+        and config.kv_lora_rank is None and config.sliding_window_size is None
     )
 
 
