@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from litgpt.config import Config
 from litgpt.mlp import GemmaMLP, GptNeoxMLP, LLaMAMLP
 from litgpt.moe import LLaMAMoE, Router
-from litgpt.precision import cpu_has_fast_bf16
+from litgpt.precision import compute_dtype, cpu_has_fast_bf16
 from litgpt.rope import apply_rope, apply_rope_interleaved, build_rope_cache
 
 
@@ -392,9 +392,9 @@ class MatmulAttention:
 
 def takes_matmul_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether plain causal attention of these queries and keys runs as `causal_attention_by_matmuls`."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     T = q.size(-2)
-    return q.device.type == "cpu" and dtype == torch.bfloat16 and T == k.size(-2) <= MatmulAttention.max_positions
+    short = T == k.size(-2) <= MatmulAttention.max_positions
+    return q.device.type == "cpu" and compute_dtype(q) == torch.bfloat16 and short
 
 
 def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

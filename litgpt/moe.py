@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from litgpt.config import Config
 from litgpt.mlp import LLaMAMLP, swiglu
 from litgpt.nf4 import is_nf4
+from litgpt.precision import compute_dtype
 
 
 @runtime_checkable
@@ -78,7 +79,7 @@ class LLaMAMoE(nn.Module):
         k = self.config.n_expert_per_token
         x = x.reshape(-1, C)
         weights, chosen, scores = self.route(x)
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         route = Routing.sort(chosen, self.config.n_expert, self._kernel(x, dtype))
         if self.config.router_aux_loss_coef:
             # Computed in every run of the block, so that a recomputation saves what the first forward saved.
@@ -112,7 +113,7 @@ class LLaMAMoE(nn.Module):
     def local_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This layer's own experts (`self.experts`) on `rows`, row i going to `self.experts[experts[i]]`: the
         outputs in the rows' order (what an `ExpertDispatch` runs on the rows it brought here)."""
-        dtype = _compute_dtype(rows)
+        dtype = compute_dtype(rows)
         route = Routing.sort(experts.unsqueeze(1), len(self.experts), self._kernel(rows, dtype))
         y = self._sorted_rows(rows.index_select(0, route.token), route, dtype)
         return y.index_select(0, route.inverse)
@@ -427,9 +428,3 @@ def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: list[
     return dtype in dtypes and all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the experts' matmuls run in: autocast's when it is on, else x's."""
-    device = x.device.type
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype

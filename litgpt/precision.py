@@ -177,3 +177,11 @@ def default_inference_dtype(device: torch.device, cpuinfo: Optional[str] = None)
     if device.type == "mps":
         return torch.float16
     return torch.bfloat16 if cpu_bf16_flags(cpuinfo) else torch.float32
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `x` runs in: autocast's where autocast is on for x's device (CPU or CUDA), else x's own."""
+    device = x.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype

@@ -36,6 +36,7 @@ from torch import nn
 
 from litgpt.args import KDArgs
 from litgpt.data.base import IGNORE_INDEX
+from litgpt.precision import compute_dtype
 
 # Per-position targets: one tensor, or a tuple of them, each with the hidden states' leading (batch, seq) dimensions.
 Targets = Union[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -208,9 +209,10 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     `hidden`'s leading dimensions, whose gradient may differ from position to position.
 
     `targets` (a tensor or a tuple of them) has `hidden`'s leading (batch, seq) dimensions; each chunk gets its rows.
-    The head runs in `head_dtype(hidden)`; the loss in float32. The gradients reach the head's own parameters, as any
-    layer's do. A head split by vocabulary rows (`head.shard`) gives `chunk_loss` its rows' logits and the shard;
-    the hidden states' gradient, each rank's share, is summed over the group.
+    The head runs in `compute_dtype(hidden)` (autocast's where it is on, as the model's own layers did); the loss in
+    float32. The gradients reach the head's own parameters, as any layer's do. A head split by vocabulary rows
+    (`head.shard`) gives `chunk_loss` its rows' logits and the shard; the hidden states' gradient, each rank's
+    share, is summed over the group.
     """
     if head.shard is not None:
         from litgpt.distributed.dtensor import summed_gradient
@@ -231,7 +233,7 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
                  and not _BACKWARD_IN_PARTS.active and any(t is not None and t.requires_grad for t in inputs))
     total = _ChunkedHead.apply(
         hidden.flatten(0, -2), head.weight, head.bias, lora_input, head.lora_b, chunk_loss, head.softcap,
-        head_dtype(hidden), max(1, chunk_size), as_tuple, per_position, grads_now, *flat_targets,
+        compute_dtype(hidden), max(1, chunk_size), as_tuple, per_position, grads_now, *flat_targets,
     )
     return total.view(hidden.shape[:-1]) if per_position else total
 
@@ -255,12 +257,6 @@ def backward_in_parts():
     finally:
         _BACKWARD_IN_PARTS.active = False
 
-
-def head_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype an output head applied outside the model runs in: the one autocast gives a linear layer where
-    autocast is on (as the model's own layers did), else the hidden states' own."""
-    device_type = hidden.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
 
 
 class _HeadInDtype:
@@ -522,7 +518,7 @@ class _OnWholeLogits(torch.autograd.Function):
 
 
 def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
-    """The teacher's output head as whole tensors in `head_dtype(hidden)`, after the teacher's forward: a sharded
+    """The teacher's output head as whole tensors in `compute_dtype(hidden)`, after the teacher's forward: a sharded
     teacher's root keeps them gathered (`Recipe.frozen_model`); one still sharded is gathered here (a
     collective) for this micro-batch's loss."""
     from litgpt.distributed.dtensor import gather_full
@@ -531,7 +527,7 @@ def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
     with torch.no_grad():
         bias = None if head.bias is None else gather_full(head.bias)
         return _HeadInDtype(gather_full(head.weight), bias, None, None, teacher.config.final_logit_softcapping,
-                            head_dtype(hidden))
+                            compute_dtype(hidden))
 
 
 def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
