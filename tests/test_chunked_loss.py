@@ -24,6 +24,7 @@ from litgpt.train.loss import (
     OutputHead,
     auto_chunk_size,
     chunked_head_loss,
+    compiled_chunk_losses,
     cross_entropy,
     cross_entropy_chunk,
 )
@@ -145,6 +146,39 @@ def test_auto_chunk_size():
     assert auto_chunk_size(300, 64, 512) == 300  # never more than all positions
 
 
+@pytest.mark.parametrize(("per_position", "softcap", "autocast"), [(False, 2.0, False), (True, None, True)])
+def test_compiled_chunk_losses_equal_the_eager_ones_and_the_whole_logits(per_position, softcap, autocast):
+    """`compiled_chunk_losses` (a GPU run that compiles its blocks): each chunk's loss and gradient run as one compiled
+    function, with the same values and gradients as eager and as whole float64 logits, for the summed loss (the
+    gradient taken in the forward pass) and the per-position one (made again in the backward pass, scaled per
+    position); the compiled function is traced, and a second call with the same shapes reuses it."""
+    hidden, weight, bias, labels = inputs()
+    tensors = (hidden, weight, bias)
+    scales = torch.linspace(0.5, 2.0, B * T).view(B, T)  # per-position losses reach the gradient with their own scale
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            total = chunked_head_loss(hidden, OutputHead(weight, bias, softcap=softcap), labels, cross_entropy_chunk,
+                                      5, per_position=per_position)
+        return (total * scales).sum() if per_position else total
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them
+    eager = loss()
+    eager_grads = gradients(eager, tensors)
+    with compiled_chunk_losses():
+        compiled = loss()
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled_again = loss()
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames > 0
+    assert max_diff(compiled, eager) < 1e-5 and max_diff(compiled_again, eager) < 1e-5
+    for got, want in zip(gradients(compiled, tensors), eager_grads):
+        assert max_diff(got, want) < 1e-5 * max(1.0, want.abs().max().item())
+    if not autocast:
+        expected = reference(hidden, weight, bias, labels, softcap) * (labels != IGNORE_INDEX).sum()
+        assert max_diff(compiled, expected) < 1e-5
+
+
 # ---- memory --------------------------------------------------------------------------------------------------------
 class LiveBytes(TorchDispatchMode):
     """The peak bytes of the tensors allocated under it that are alive at once (a storage counts once, until the
@@ -246,16 +280,18 @@ TINY = dict(block_size=32, vocab_size=50, padded_vocab_size=64, n_layer=2, n_emb
             intermediate_size=48, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
 
 
-@pytest.mark.parametrize(("variant", "lora_head"), [
-    (dict(), False),
-    (dict(tie_embeddings=True), False),
-    (dict(lm_head_bias=True, bias=True, final_logit_softcapping=5.0), False),
-    (dict(), True),
-    (dict(lm_head_bias=True, bias=True, final_logit_softcapping=5.0), True),
+@pytest.mark.parametrize(("variant", "lora_head", "compiled_chunks"), [
+    (dict(), False, False),
+    (dict(tie_embeddings=True), False, False),
+    (dict(lm_head_bias=True, bias=True, final_logit_softcapping=5.0), False, False),
+    (dict(), True, False),
+    (dict(lm_head_bias=True, bias=True, final_logit_softcapping=5.0), True, False),
+    (dict(lm_head_bias=True, bias=True, final_logit_softcapping=5.0), True, True),
 ])
-def test_a_training_step_through_the_recipe_equals_the_whole_logits_path(variant, lora_head):
+def test_a_training_step_through_the_recipe_equals_the_whole_logits_path(variant, lora_head, compiled_chunks):
     """The recipe's loss (chunked, several chunks) against the plain path (`model(x)`, `cross_entropy`): the same loss
-    and every parameter's gradient, padded vocabulary rows included (LoRA does not adapt a tied head)."""
+    and every parameter's gradient, padded vocabulary rows included (LoRA does not adapt a tied head); also with the
+    objective's chunk losses compiled (`with_compiled_chunk_losses`, a GPU run that compiles its blocks)."""
     config = Config(**TINY, **variant)
     torch.manual_seed(0)
     model = GPT(config)
@@ -270,7 +306,14 @@ def test_a_training_step_through_the_recipe_equals_the_whole_logits_path(variant
     recipe = Recipe(name="pretrain", config=config, lora=LoRASettings(head=True) if lora_head else None)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    loss = recipe.objective({}, chunk_size=10).train_loss(model, {"input_ids": x, "labels": y})["loss"]
+    objective = recipe.objective({}, chunk_size=10)
+    if compiled_chunks:
+        objective = objective.with_compiled_chunk_losses()
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # reset() keeps them
+    loss = objective.train_loss(model, {"input_ids": x, "labels": y})["loss"]
+    if compiled_chunks:  # the chunks' function was traced
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     chunked_grads = torch.autograd.grad(loss, params)
     expected = cross_entropy(model(x), y)
     expected_grads = torch.autograd.grad(expected, params)

@@ -170,9 +170,12 @@ def training_optimizer(fabric, job: Job, parameters: list):
 
 def build_objective(fabric, job: Job, model, frozen: dict) -> Objective:
     """The recipe's objective for this strategy (whole logits where the strategy's module is opaque), its training
-    loss compiled whole with `job.compile_loss`."""
+    loss compiled whole with `job.compile_loss`, its head's loss compiled chunk by chunk where a GPU run compiles the
+    blocks."""
     chunked = not (isinstance(fabric.strategy, ExtensionStrategy) and fabric.strategy.litgpt_loss_on_logits)
     objective = job.recipe.objective(frozen, job.train.loss_chunk_size, chunked)
+    if job.compile_blocks and fabric.device.type == "cuda":  # measured there (benchmarks/gpu_profile.py)
+        objective = objective.with_compiled_chunk_losses()
     context = getattr(fabric.strategy, "context_parallel", None)
     if context is not None:  # never with compile_loss, which is for one process
         return objective.over_positions(context)

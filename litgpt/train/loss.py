@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 from dataclasses import dataclass
@@ -268,25 +269,33 @@ class _HeadInDtype:
         self.lora_input, self.lora_b = lora_input, None if lora_b is None else lora_b.to(dtype)
         self.softcap, self.dtype = softcap, dtype
 
-    def logits(self, x: torch.Tensor, rows: slice) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(float32 logits of the chunk, and with soft-capping the tanh they are capped with, for the backward)."""
+    def product(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The chunk's logits before soft-capping, in the head's dtype."""
         out = F.linear(x, self.weight, self.bias)
         if self.lora_b is not None:
             out.addmm_(self.lora_input[rows].to(self.dtype), self.lora_b.t())
-        logits = out.float()
-        del out  # a 16-bit head: free its copy before the float32 math
-        if self.softcap is None:
-            return logits, None
-        tanh = logits.div_(self.softcap).tanh_()
-        return tanh * self.softcap, tanh
+        return out
+
+    def logits(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The chunk's float32 logits, soft-capped."""
+        logits = self.product(x, rows).float()
+        return logits if self.softcap is None else logits.div_(self.softcap).tanh_().mul_(self.softcap)
 
 
 def _add_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """accumulator += a @ b, in the accumulator's dtype (in one kernel where the dtypes agree)."""
+    """accumulator += a @ b, in the accumulator's dtype, in one kernel where the dtypes agree or the device's matmul
+    writes the accumulator's dtype from 16-bit operands (CUDA: a float32 accumulator of a bf16 head's weight
+    gradient, where adding a 16-bit product cost as much as the matmul and rounded each chunk's share)."""
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
-    else:
-        accumulator.add_(a @ b)
+        return
+    if accumulator.is_cuda:
+        try:
+            torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+            return
+        except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype
+            pass
+    accumulator.add_(a @ b)
 
 
 class _HeadGradients:
@@ -338,15 +347,17 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.chunk_loss, ctx.softcap, ctx.dtype, ctx.chunk_size = chunk_loss, softcap, dtype, chunk_size
         ctx.as_tuple, ctx.per_position, ctx.n_targets = as_tuple, per_position, len(targets)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.loss_of_chunk = loss_of_chunk = _loss_of_chunk_function(chunk_loss)  # backward: another thread
         grads = _HeadGradients(ctx.needs_input_grad, hidden, weight, bias, lora_input, lora_b) if grads_now else None
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
             head = _HeadInDtype(weight, bias, lora_input, lora_b, softcap, dtype)
             shape = (hidden.size(0),) if per_position else ()
             total = torch.zeros(shape, device=hidden.device, dtype=torch.float32)
             for rows in _chunks(hidden.size(0), chunk_size):
-                values, grad, x = _chunk(head, hidden, rows, targets, chunk_loss, as_tuple, grads is not None)
+                values, grad, x = _chunk(head, hidden, rows, targets, chunk_loss, as_tuple, grads is not None,
+                                         loss_of_chunk)
                 if grads is not None:
-                    grads.add_chunk(head, x, grad.to(dtype), rows, lora_input)
+                    grads.add_chunk(head, x, grad, rows, lora_input)
                 if per_position:
                     total[rows] = values
                 else:
@@ -370,22 +381,75 @@ class _ChunkedHead(torch.autograd.Function):
         head = _HeadInDtype(weight, bias, lora_input, lora_b, ctx.softcap, ctx.dtype)
         grads = _HeadGradients(ctx.needs_input_grad, hidden, weight, bias, lora_input, lora_b)
         for rows in _chunks(hidden.size(0), ctx.chunk_size):
-            _, grad, x = _chunk(head, hidden, rows, targets, ctx.chunk_loss, ctx.as_tuple, True)
-            grad = grad.mul_(grad_total[rows].unsqueeze(1) if ctx.per_position else grad_total).to(ctx.dtype)
+            scale = grad_total[rows].unsqueeze(1) if ctx.per_position else grad_total
+            _, grad, x = _chunk(head, hidden, rows, targets, ctx.chunk_loss, ctx.as_tuple, True, ctx.loss_of_chunk,
+                                scale)
             grads.add_chunk(head, x, grad, rows, lora_input)
             del x, grad  # before the next chunk's are made
         return *grads.result(ctx.bias_dtype), *no_grads
 
 
-def _chunk(head: _HeadInDtype, hidden, rows: slice, targets, chunk_loss: ChunkLoss, as_tuple: bool, need_grad: bool):
-    """One chunk: (the chunk loss' values, with `need_grad` the float32 gradient of their sum with respect to the
-    chunk's logits (soft-capping included), and the chunk's hidden states in the head's dtype)."""
+def _chunk(head: _HeadInDtype, hidden, rows: slice, targets, chunk_loss: ChunkLoss, as_tuple: bool, need_grad: bool,
+           loss_of_chunk: Callable, scale: Optional[torch.Tensor] = None):
+    """One chunk: (the chunk loss' values, with `need_grad` the gradient of their sum (times `scale`) with respect to
+    the head's product in its dtype, and the chunk's hidden states in the head's dtype)."""
     x = hidden[rows].to(head.dtype)
-    logits, tanh = head.logits(x, rows)
-    values, grad = chunk_loss(logits, _target_rows(targets, rows, as_tuple), need_grad)
-    if grad is not None and tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
-        grad.mul_(tanh.square_().neg_().add_(1))
+    values, grad = loss_of_chunk(head.product(x, rows), _target_rows(targets, rows, as_tuple), chunk_loss,
+                                 head.softcap, need_grad, scale)
     return values, grad, x
+
+
+def _loss_of_chunk(product: torch.Tensor, targets: Targets, chunk_loss: ChunkLoss, softcap: Optional[float],
+                   need_grad: bool, scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`chunk_loss` of the chunk's float32 logits, made from the head's `product` (soft-capped where the model caps
+    them), and with `need_grad` the gradient of its sum with respect to `product`, times `scale`, in its dtype."""
+    dtype = product.dtype
+    logits = product.float()
+    del product  # a 16-bit head: free its copy before the float32 math
+    tanh = None
+    if softcap is not None:
+        tanh = logits.div_(softcap).tanh_()
+        logits = tanh * softcap
+    values, grad = chunk_loss(logits, targets, need_grad)
+    if grad is None:
+        return values, None
+    if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
+        grad.mul_(tanh.square_().neg_().add_(1))
+    if scale is not None:
+        grad.mul_(scale)
+    return values, grad.to(dtype)
+
+
+class _CompiledChunks(threading.local):
+    active = False
+
+
+_COMPILED_CHUNKS = _CompiledChunks()
+
+
+@contextlib.contextmanager
+def compiled_chunk_losses():
+    """Within it, the chunked head runs each chunk's loss and gradient (`_loss_of_chunk`: the float32 logits, the
+    softmax, the gradient in the head's dtype) as one compiled function, where the chunk loss is a plain function
+    (`cross_entropy_chunk`, `nll_chunk`; not one split over ranks, nor distillation's, which keeps sums): eager,
+    its passes over the chunk's float32 logits took a third of the head's time on a GPU
+    (benchmarks/gpu_profile.py)."""
+    _COMPILED_CHUNKS.active = True
+    try:
+        yield
+    finally:
+        _COMPILED_CHUNKS.active = False
+
+
+def _loss_of_chunk_function(chunk_loss: ChunkLoss) -> Callable:
+    if _COMPILED_CHUNKS.active and inspect.isfunction(chunk_loss) and not torch.compiler.is_compiling():
+        return _compiled_loss_of_chunk()
+    return _loss_of_chunk
+
+
+@functools.cache
+def _compiled_loss_of_chunk() -> Callable:
+    return torch.compile(_loss_of_chunk)
 
 
 def _chunks(positions: int, chunk_size: int):
@@ -493,7 +557,7 @@ class DistillationChunkLoss:
         """The teacher's float32 logits of the chunk, a buffer of their own."""
         if self.teacher_head is None:
             return teacher.to(torch.float32, copy=True)
-        return self.teacher_head.logits(teacher.to(self.teacher_head.dtype), slice(None))[0]
+        return self.teacher_head.logits(teacher.to(self.teacher_head.dtype), slice(None))
 
     def losses(self, total: torch.Tensor, labelled: torch.Tensor) -> Losses:
         """The loss and its two parts as means over the `labelled` positions, from the summed `total`."""

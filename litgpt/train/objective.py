@@ -56,6 +56,20 @@ class Objective:
         return replace(self, train_loss=on_local_positions(self.train_loss, context),
                        validation_loss=on_local_positions(self.validation_loss, context))
 
+    def with_compiled_chunk_losses(self) -> "Objective":
+        """This objective with the output head's loss compiled chunk by chunk (`compiled_chunk_losses`), for runs that
+        compile the blocks and leave the head and loss to run eager around them."""
+        from litgpt.train.loss import compiled_chunk_losses
+
+        def within(loss: BatchLoss) -> BatchLoss:
+            def loss_with_compiled_chunks(model: nn.Module, batch: Batch) -> Losses:
+                with compiled_chunk_losses():
+                    return loss(model, batch)
+
+            return loss_with_compiled_chunks
+
+        return replace(self, train_loss=within(self.train_loss), validation_loss=within(self.validation_loss))
+
     def compiled(self) -> "Objective":
         """This objective with `torch.compile` of its training loss (forward, head and loss in one graph)."""
         return replace(self, train_loss=torch.compile(self.train_loss), compiles_train_loss=True)
