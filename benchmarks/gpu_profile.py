@@ -165,7 +165,8 @@ def attention_part() -> dict:
             name = f"{backend or 'default'} {gqa}"
 
             def step():
-                kk, vv = (k, v) if gqa == "enable_gqa" else (k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1))
+                expand = gqa != "enable_gqa"
+                kk, vv = (t.repeat_interleave(H // G, 1) if expand else t for t in (k, v))
                 y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa == "enable_gqa")
                 y.backward(torch.ones_like(y))
             try:
@@ -237,7 +238,8 @@ def head_part() -> dict:
     results = {}
 
     def run(chunk, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16), compiled_chunk_losses() if compiled else contextlib.nullcontext():
+        chunks = compiled_chunk_losses() if compiled else contextlib.nullcontext()
+        with torch.autocast("cuda", dtype=torch.bfloat16), chunks:
             if chunk == "whole":
                 loss = F.cross_entropy(F.linear(hidden, weight).float(), labels)
             else:

@@ -118,7 +118,8 @@ RUNS = (
             flags(method="full", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
                   fsdp=flags(sharding_strategy="FULL_SHARD", cpu_offload=True), precision="bf16-true", devices=8,
                   accumulate_gradients=False),
-            differs="token embedding and output head sharded as FSDP units of their own (custom_sharded_layers)"),
+            differs="the output head sharded as an FSDP unit of its own (custom_sharded_layers; litgpt does so "
+                    "with the embedding only)"),
     # Published as "44.8 GB" (the other rows say GiB): taken as decimal GB, as printed. The config's loss was then
     # torch.nn.CrossEntropyLoss on whole float32 logits: one chunk of all 4,096 positions. At 2 x 2048 the 1/8 NF4
     # shard (25.2 GiB) and the 126 checkpointed block inputs (15.8 GiB) alone reach the figure: the config's own

@@ -495,7 +495,6 @@ def test_each_rank_holds_half_of_a_fully_sharded_model(inputs, tmp_path):
         # sharded checkpoints: a full one would gather the whole model and optimizer state on rank 0 to write it
         result = litgpt(*args, "--devices", "2", "--fsdp.sharding_strategy", strategy, "--fsdp.state_dict_type",
                         "sharded", env=env)
-        import time as _t; print("DONE", strategy, _t.time()); print(result.stdout, result.stderr)
         assert result.returncode == 0, result.stderr
         peaks[strategy] = json.loads((out_dir / "metrics.json").read_text())["peak_memory_mb_per_rank"]
     # fp32 weights, gradients and two AdamW moments: 16 bytes per parameter, half of it on each of two ranks.

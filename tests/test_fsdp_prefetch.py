@@ -86,8 +86,9 @@ def prefetch_lists(model) -> tuple[list, list]:
             [[index[id(s)] for s in state._states_to_backward_prefetch] for state in states])
 
 
-def sharded_tiny_gpt(strategy: str, forward: int, backward: int, checkpointing: str = "false"):
-    """The tiny GPT (seed 0) sharded over the 2 ranks by `shard_model`, as the recipes shard."""
+def sharded_tiny_gpt(strategy: str, forward: int, backward: int, checkpointing: str = "false", **changes):
+    """The tiny GPT (seed 0; `changes` to its config) sharded over the 2 ranks by `shard_model`, as the recipes
+    shard."""
     from litgpt.config import Config
     from litgpt.distributed.fsdp import shard_model
     from litgpt.distributed.parallelize import apply_activation_checkpointing
@@ -96,7 +97,7 @@ def sharded_tiny_gpt(strategy: str, forward: int, backward: int, checkpointing: 
     from litgpt.precision import Precision
 
     torch.manual_seed(0)
-    model = GPT(Config(**TINY))
+    model = GPT(Config(**{**TINY, **changes}))
     model.init_weights()
     apply_activation_checkpointing(model, checkpointing)
     fsdp = FSDPArgs(sharding_strategy=strategy, forward_prefetch=forward, backward_prefetch=backward)
@@ -110,6 +111,22 @@ def full_gradients(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def gathered_through_a_step(strategy: str, tied: bool) -> dict[str, list]:
+    """Which of the embedding's and the head's weights are gathered (a plain tensor, not the rank's DTensor shard)
+    after the forward pass (the chunked loss' kind: final hidden states, the head read by the loss), and which FSDP
+    units hold them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = sharded_tiny_gpt(strategy, 0, 0, tie_embeddings=tied)
+    gathered = lambda: [not isinstance(p, torch.distributed.tensor.DTensor)  # noqa: E731
+                        for p in (model.transformer.wte.weight, model.lm_head.weight)]
+    model(torch.zeros(2, 8, dtype=torch.long), return_hidden=True).sum().backward()
+    after_one_step = gathered()
+    model(torch.zeros(2, 8, dtype=torch.long), return_hidden=True)
+    return {"units": [isinstance(model.transformer.wte, FSDPModule), isinstance(model.lm_head, FSDPModule)],
+            "after the forward pass": gathered(), "after a step": after_one_step}
 
 
 def prefetch_worker(rank: int, port: int, out: str) -> None:
@@ -130,8 +147,10 @@ def prefetch_worker(rank: int, port: int, out: str) -> None:
                 ahead = full_gradients(sharded_tiny_gpt(strategy, 2, 2, checkpointing), tokens)
                 difference = max((plain[k] - ahead[k]).abs().max().item() for k in plain)
                 differences[f"{strategy} {checkpointing}"] = difference
+        units = {f"{strategy} {'tied' if tied else 'untied'}": gathered_through_a_step(strategy, tied)
+                 for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for tied in (False, True)}
         if rank == 0:
-            Path(out).write_text(json.dumps({"lists": lists, "differences": differences}))
+            Path(out).write_text(json.dumps({"lists": lists, "differences": differences, "units": units}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -173,6 +192,20 @@ def test_prefetching_leaves_the_gradients_as_they_are(two_rank_results):
         "FULL_SHARD false": 0.0, "FULL_SHARD full": 0.0, "SHARD_GRAD_OP false": 0.0, "SHARD_GRAD_OP full": 0.0,
     }
 
+
+
+@pytest.mark.slow
+def test_the_embedding_is_a_unit_of_its_own_gathered_only_around_its_use(two_rank_results):
+    """Untied, the embedding is an FSDP unit of its own: after the forward pass its weight is back to the rank's shard
+    (FULL_SHARD) while the root keeps the head gathered for the loss; SHARD_GRAD_OP keeps both until the backward
+    pass. After a step both are sharded. Tied, the one weight stays in the root, gathered for the loss."""
+    units = two_rank_results["units"]
+    expected_after_forward = {"FULL_SHARD": [False, True], "SHARD_GRAD_OP": [True, True]}
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        assert units[f"{strategy} untied"] == {"units": [True, False], "after a step": [False, False],
+                                               "after the forward pass": expected_after_forward[strategy]}
+        assert units[f"{strategy} tied"] == {"units": [False, False], "after a step": [False, False],
+                                             "after the forward pass": [True, True]}
 
 
 # ---- training with prefetching, 2 real processes through the CLI ----------------------------------------------------

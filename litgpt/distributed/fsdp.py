@@ -151,7 +151,8 @@ def is_sharded(module: nn.Module) -> bool:
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
                 prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None,
                 pipeline_stage: bool = False) -> None:
-    """FSDP2 over each transformer Block (the wrap unit), then the root: embeddings, final norm and head.
+    """FSDP2 over each transformer Block (the wrap unit), the token embedding (`embedding_unit`), then the root:
+    the final norm and head (with a tied embedding; a pipeline stage's ends).
 
     `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
     there), so a rank holds the whole of at most one block's weights that exist before sharding. Under expert
@@ -176,10 +177,22 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
                                                    offload_policy=offload))
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
                     ignored_params=frozen_unshardable(block, mesh))
-    # The root's parameters (embeddings, final norm, head) stay gathered: the backward pass begins with the head.
+    embedding = None if pipeline_stage else embedding_unit(model)
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    # The root's parameters (final norm, head, a tied embedding) stay gathered: the backward pass begins with the head.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
     if mesh.shape[-1] > 1:  # a shard group of one device gathers nothing: nothing to issue ahead
         set_prefetching(list(model.transformer.h), fsdp.forward_prefetch, fsdp.backward_prefetch)
+
+
+def embedding_unit(model: nn.Module) -> Optional[nn.Module]:
+    """The token embedding as an FSDP unit of its own, as torchtune and torchtitan shard it: gathered for its forward
+    and, where it trains, again at the end of the backward pass, and its gradient reduce-scattered there, where in
+    the root it would stay gathered through the step. None where it is the head's weight too (tied), which the root
+    keeps gathered for the loss. (The final norm and the head stay in the root: the chunked loss reads the head's
+    weight without calling it, so no forward of theirs would gather a unit of theirs.)"""
+    return None if model.lm_head.weight is model.transformer.wte.weight else model.transformer.wte
 
 
 def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:

@@ -21,10 +21,11 @@ What is counted, per device:
   its gradient is ready and the gradient freed: the largest one parameter's gradient on one device, one unit's sharded
   gradients under FSDP (they share the reduce-scatter's output until the unit's last parameter is stepped).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
-- gathered parameters: FSDP2 (`fully_shard` per Block, then the root) all-gathers a unit's parameters in the
-  compute dtype (NF4 weights in their 4-bit layout) before it runs: two blocks at a time (one running, one
-  prefetched) and, in the backward pass, the root (embedding, final norm, head) throughout; with SHARD_GRAD_OP
-  every unit stays gathered from its forward until its backward. The shard group comes from
+- gathered parameters: FSDP2 (`fully_shard` per Block, the embedding unless tied to the head, then the root)
+  all-gathers a unit's parameters in the compute dtype (NF4 weights in their 4-bit layout) before it runs: two
+  blocks at a time (one running, one prefetched), the embedding for its forward and at the end of the backward
+  pass, and the root (final norm, head) throughout the backward pass; with SHARD_GRAD_OP every unit stays gathered
+  from its forward until its backward. The shard group comes from
   `litgpt.distributed.topology.Topology`, as in training.
   On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
   autocast's 16-bit copies of the weights (recognized as casts of a parameter) that autograd saves take this row
@@ -350,7 +351,7 @@ def _frozen_note(recipe: "Recipe", name: str, config: Config, params: int, nbyte
                if recipe.frozen_outputs_reach_the_loss else "its forward pass keeps nothing for the backward pass")
     return (
         f"{kind}: the frozen {name} ({config.name or f'{name}_config'}, {count(params)} parameters) in the "
-        f"compute dtype, sharded like the model, its root (embeddings, head) kept gathered: {fmt(nbytes)}; {outputs}."
+        f"compute dtype, sharded like the model, its final norm and head kept gathered: {fmt(nbytes)}; {outputs}."
     )
 
 
@@ -631,17 +632,22 @@ def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict
     """FSDP's gathered units, or on one device autocast's 16-bit weight copies, at each moment of the step."""
     unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     block_bytes = sorted(sum(_gathered_bytes(run, p) for p in ps) for ps in layout.blocks)
-    root_bytes = unsharded(layout.root) * run.compute
+    embedding, root = _root_units(run, layout, run.config.tie_embeddings)
+    root_bytes = unsharded(root) * run.compute
     gathered = dict(root=root_bytes if run.fsdp else 0, forward_end=0)
     if run.fsdp:
-        # `shard_model` keeps the root (embeddings, final norm, head) gathered from its forward to its backward, which
-        # starts with the head. A block is gathered for its forward and again for its backward, the next one
-        # prefetched (a shard group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
+        # `shard_model` keeps the root (final norm, head) gathered from its forward to its backward, which starts
+        # with the head; the embedding, a unit of its own unless tied, for its forward and at the end of the backward
+        # pass. A block is gathered for its forward and again for its backward, the next one prefetched (a shard
+        # group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
         # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
         ahead = max(1, run.backward_prefetch) if run.shard > 1 else 0
         gathered["backward"] = root_bytes + sum(block_bytes[-(1 + ahead):])
         if run.sharding_strategy == "SHARD_GRAD_OP" and run.shard > 1:
-            gathered.update(start=root_bytes + sum(block_bytes), detail="every block + root, from forward to backward")
+            embedding_bytes = unsharded(embedding) * run.compute
+            gathered["backward"] += embedding_bytes
+            gathered.update(start=root_bytes + embedding_bytes + sum(block_bytes),
+                            detail="every block + root, from forward to backward")
         else:
             gathered.update(start=root_bytes, detail=f"root + {1 + max(1, run.backward_prefetch)} blocks at a time, "
                                                      "compute dtype")
@@ -650,6 +656,16 @@ def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict
     else:
         gathered.update(start=0, backward=0, detail="none on a single device")
     return gathered
+
+
+def _root_units(run: _Run, layout: Layout, tied: bool) -> tuple[list[Param], list[Param]]:
+    """The parameters of the embedding's unit and of the root's (final norm, head), as
+    `litgpt.distributed.fsdp.embedding_unit` makes them under FSDP: no embedding unit on one device, for an embedding
+    `tied` to the head, or in a pipeline stage's layout."""
+    if not run.fsdp or tied or not layout.embedding:
+        return [], layout.root
+    apart = {id(p) for p in layout.embedding}
+    return layout.embedding, [p for p in layout.root if id(p) not in apart]
 
 
 def _autocast_copies(run: _Run, saved: SavedActivations) -> dict:
@@ -704,9 +720,10 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     dequantized = 0
     if run.quantize:
         dequantized = dequantize_bytes(largest_quantized, run.stored_quantize, run.compute, run.param_compute)
-    root_trainable = unsharded([p for p in layout.root if p.trainable])
+    root_trainable = unsharded([p for p in _root_units(run, layout, run.config.tie_embeddings)[1] if p.trainable])
     if run.fsdp:
-        root_grads = root_trainable * run.compute  # the root reduces its gradients after the whole backward
+        # the root reduces its gradients after the whole backward (the embedding's unit its own, made last)
+        root_grads = root_trainable * run.compute
     else:  # with the optimizer in the backward pass the head's gradient is gone before the blocks' backward
         root_grads = 0 if run.accumulate_gradients or run.optimizer_in_backward else root_trainable * run.master
     return dict(
@@ -834,8 +851,8 @@ def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: d
     its weights' bytes on the device. A reference (`outputs_reach_the_loss` False) reduces its outputs to
     log-probabilities in its own forward pass: only its weights and that pass count.
 
-    Its weights are in the compute dtype, sharded like the model's; its root (embeddings, final norm, head) stays
-    gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
+    Its weights are in the compute dtype, sharded like the model's; its final norm and head (and a tied embedding)
+    stay gathered after its first forward pass, beside its shard. Its final hidden states live from its forward pass to
     the end of the model's backward pass, and one chunk of the loss holds, beside the model's logits, the teacher's
     (their 16-bit product and float32 copy) and at most three more float32 (positions, vocab) buffers of the KD loss
     (the student's softened log-probabilities and two temporaries: `litgpt.train.loss.distillation_chunk`). Its
@@ -844,7 +861,8 @@ def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: d
     numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     if run.fsdp:
         shards = sum(_shard_numel(p.shape, run.shard) for p in layout.params) * run.compute
-        resident = (0 if run.cpu_offload else shards) + numel(layout.root) * run.compute
+        embedding, _ = _root_units(run, layout, frozen.tie_embeddings)  # resharded after each forward pass
+        resident = (0 if run.cpu_offload else shards) + (numel(layout.root) - numel(embedding)) * run.compute
     else:
         resident = layout.total_params * run.compute
     hidden = run.tokens * frozen.n_embd * run.compute

@@ -27,9 +27,10 @@ class Param:
 
 @dataclass
 class Layout:
-    root: list[Param]  # the embedding, the final norm and the head: FSDP's root unit
+    root: list[Param]  # the embedding, the final norm and the head
     blocks: list[list[Param]]  # one FSDP unit per block
     quantized_numel: list[int]
+    embedding: list[Param] = dataclasses.field(default_factory=list)  # the token embedding's, of `root`
 
     @property
     def params(self) -> list[Param]:
@@ -121,6 +122,7 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
             held: "set[int] | None" = None) -> Layout:
     """`model`'s parameters by FSDP unit; only those in `held` (their ids) where given."""
     root: list[Param] = []
+    embedding: list[Param] = []
     blocks: list[list[Param]] = [[] for _ in range(n_layer)]
     quantized_numel = []
     experts_held = model.config.n_expert // expert  # the first rank's: every rank holds as many of the same shapes
@@ -135,4 +137,6 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
             blocks[int(name.split(".")[2])].append(entry)
         else:
             root.append(entry)
-    return Layout(root, blocks, quantized_numel)
+            if name.startswith("transformer.wte."):
+                embedding.append(entry)
+    return Layout(root, blocks, quantized_numel, embedding)

@@ -249,10 +249,10 @@ class Recipe:
         its weights copied in shard by shard from `weights`, in eval mode. It never reaches the optimizer or the
         checkpoints.
 
-        Sharded, every block frees its gathered weights after its forward (no backward will come to do it, whatever
-        the sharding strategy); the root (embeddings, final norm, head) stays gathered after the first forward, as
-        the trained model's does from forward to backward, so a loss reads its head without another gather (and
-        with --fsdp.cpu_offload, from the device)."""
+        Sharded, every block and the embedding free their gathered weights after their forward (no backward will
+        come to do it, whatever the sharding strategy); the root (final norm, head) stays gathered after the first
+        forward, as the trained model's does from forward to backward, so a loss reads its head without another
+        gather (and with --fsdp.cpu_offload, from the device)."""
         from litgpt.distributed.expert_parallel import held_elsewhere
         from litgpt.distributed.fsdp import is_sharded
         from litgpt.distributed.parallelize import parallelize
@@ -263,8 +263,9 @@ class Recipe:
                             activation_checkpointing=False, compile_blocks=compile_blocks,
                             dtype=precision.compute_dtype, pipelined=False)
         if is_sharded(model):
-            for block in model.transformer.h:
-                block.set_reshard_after_forward(True)
+            for unit in (*model.transformer.h, model.transformer.wte):
+                if is_sharded(unit):  # the embedding is a unit of its own unless tied to the head
+                    unit.set_reshard_after_forward(True)
         copy_weights(model, read_model_weights(weights), str(weights), subject=subject, row_orders=row_orders(model),
                      held_elsewhere=held_elsewhere(model))
         return model.eval()
