@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 # Kernel kinds, by name, in the order they are tried.
 KINDS = [
@@ -267,6 +266,7 @@ def main() -> None:
     parser.add_argument("--precision", nargs="*", default=["bf16-mixed", "fp8-mixed"])
     parser.add_argument("--compiler", default="torch")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO))  # litgpt from this checkout, as the subprocesses import it
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     parts = {"step": lambda: [profile_step(p, args.work, args.compiler) for p in args.precision],

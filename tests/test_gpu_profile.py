@@ -3,14 +3,25 @@ kernels summed by kind, the matmuls by shape with their rate, idle time, against
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_profile import kind_of, matmul_flops, summarize_trace  # noqa: E402
+
+def load_gpu_profile():
+    """benchmarks/gpu_profile.py as a module, without putting benchmarks/ on sys.path (its thunder.py would then
+    shadow the thunder package for every later test in the process)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
+    spec = importlib.util.spec_from_file_location("gpu_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_profile = load_gpu_profile()
+kind_of, matmul_flops, summarize_trace = gpu_profile.kind_of, gpu_profile.matmul_flops, gpu_profile.summarize_trace
 
 
 def op(ext_id, name, dims, ts):
