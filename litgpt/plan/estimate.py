@@ -557,7 +557,10 @@ def _resident_state(run: _Run, layout: Layout) -> dict:
 def _gradients_in_flight(run: _Run, layout: Layout) -> int:
     """With --train.optimizer_in_backward, the most gradient bytes that exist at once after autograd (or FSDP's
     reduce-scatter) made them: one parameter's on one device, one FSDP unit's shards."""
-    units = [layout.root, *layout.blocks] if run.fsdp else [[p] for p in layout.params]
+    if run.fsdp:  # the embedding's unit (unless tied), the root's and each block's
+        units = [*_root_units(run, layout, run.config.tie_embeddings), *layout.blocks]
+    else:
+        units = [[p] for p in layout.params]
     shards = [sum(_shard_numel(p.shape, _shard_of(run, p)) for p in unit if p.trainable) for unit in units]
     return max(shards) * run.master
 
