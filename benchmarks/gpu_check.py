@@ -1,4 +1,5 @@
-"""The GPU path in one short run (under 8 minutes on one H100/H200): what a lent GPU machine must show.
+"""The GPU path in one run on one H100/H200 (every stage: about 11 minutes on an H200, most of it the 1B runs'
+start-up and final checkpoints; `--budget` stops starting stages after 8 minutes): what a lent GPU machine must show.
 
     bash benchmarks/gpu_check.sh                 # all stages, results under benchmarks/results/gpu-check-<date>/
     python benchmarks/gpu_check.py --only qlora generation --out /tmp/check
