@@ -329,6 +329,38 @@ def test_rollouts_are_the_models_own_continuations_from_its_current_weights():
     assert together[0] == alone[0]
 
 
+def test_rollouts_under_autocast_cache_in_its_dtype_and_sample_what_generate_does(monkeypatch):
+    """A -mixed run samples under autocast: the rollouts' KV cache holds keys and values in bf16 (what the layers
+    make under autocast), not in the float32 of the master weights, and the greedy continuations are still those of
+    `litgpt generate` under the same autocast (its cache in float32)."""
+    import litgpt.serving.engine as engine
+    from litgpt.generate import generate
+    from litgpt.train.rollout import sample_completions
+
+    torch.manual_seed(1)
+    model = GPT(Config(**SMALL))
+    model.init_weights()
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    cache_dtypes = []
+    real_attach = engine.attach_paged_cache
+
+    def recording(model, plan, device, dtype):  # the real cache, its dtype noted
+        cache_dtypes.append(dtype)
+        return real_attach(model, plan, device, dtype)
+
+    monkeypatch.setattr(engine, "attach_paged_cache", recording)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        sampled = sample_completions(model, prompts, list(range(3)), 5, 1.0, 1, 1.0, [], 32, 3)
+        expected = []
+        for prompt in prompts:
+            expected.append(list(generate(model, torch.tensor(prompt), 5, temperature=0.0)))
+            model.clear_kv_cache()
+    assert cache_dtypes == [torch.bfloat16]
+    assert sampled == expected
+    sample_completions(model, prompts, list(range(3)), 5, 1.0, 1, 1.0, [], 32, 3)
+    assert cache_dtypes[-1] == torch.float32  # no autocast: the weights' dtype
+
+
 def test_dapo_refills_the_groups_whose_rewards_agree_with_other_prompts(base):
     """Dynamic sampling: a flat prompt's group (its rewards all 0) gives its place to the group of a prompt drawn from
     the data; what is still flat after the last round is left out of the loss. With no round, every flat group is."""

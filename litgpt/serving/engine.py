@@ -67,6 +67,16 @@ class Sequence:
         return self.prompt_ids[start:stop] + self.tokens[max(0, start - prompt): max(0, stop - prompt)]
 
 
+def activation_dtype(model) -> torch.dtype:
+    """The dtype the model's keys and values come in, which its KV cache stores: autocast's where it is on (GRPO's
+    rollouts in a -mixed run, where the float32 master weights' dtype would double the cache for the same values),
+    else the embedding's (a quantized head's weight is not the activations' dtype)."""
+    device = model.transformer.wte.weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return model.transformer.wte.weight.dtype
+
+
 class BatchingEngine:
     """Owns the model and its paged KV cache; `submit` sequences from any thread, `start` the worker."""
 
@@ -77,9 +87,8 @@ class BatchingEngine:
         self.page_size = plan.page_size
         self.max_seq_length = plan.max_seq_length
         self.prefill_tokens = prefill_tokens
-        embedding = model.transformer.wte.weight  # the activations' dtype (a quantized head's weight is not)
-        self.device = embedding.device
-        self.batch = attach_paged_cache(model, plan, self.device, embedding.dtype)
+        self.device = model.transformer.wte.weight.device
+        self.batch = attach_paged_cache(model, plan, self.device, activation_dtype(model))
         self.pool = BlockPool(plan.num_blocks)
         self.arrivals: "queue.Queue[Sequence]" = queue.Queue()
         self.waiting: collections.deque[Sequence] = collections.deque()  # arrived, not admitted (preempted first)

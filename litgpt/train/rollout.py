@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from litgpt.model import GPT
-from litgpt.serving.engine import BatchingEngine, Sequence
+from litgpt.serving.engine import BatchingEngine, Sequence, activation_dtype
 from litgpt.serving.paged_cache import NULL_BLOCK, CachePlan, CacheShape, plan_cache
 
 PAGE_SIZE = 16
@@ -90,7 +90,7 @@ def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], m
     """Each prompt's sampled completion, its stop token included where one ended it (cut at `max_new_tokens`, or
     where the context reaches `max_seq_length`), generated together in batches of up to `max_batch_size`. A sharded
     model samples in lockstep with the other ranks (`LockstepEngine`; `any_rank`: whether a flag is set on any)."""
-    dtype = model.transformer.wte.weight.dtype
+    dtype = activation_dtype(model)
     max_seq_length = min(max_seq_length, model.config.block_size)
     shape = CacheShape.of(model, dtype)
     # (a rank with no prompts of its own still joins its sharded peers' passes)
