@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import subprocess
@@ -169,21 +170,13 @@ def attention_part() -> dict:
                 y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa == "enable_gqa")
                 y.backward(torch.ones_like(y))
             try:
-                with sdpa_kernel(getattr(SDPBackend, backend)) if backend else _nothing():
+                with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
                     ms = cuda_milliseconds(step)
                 results[name] = {"ms": ms, "tflops": round(flops / ms / 1e9, 1)}
             except RuntimeError as e:
                 results[name] = {"error": str(e).splitlines()[0][:160]}
             print(f"   attention {name}: {results[name]}", flush=True)
     return results
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def float8_part() -> dict:
@@ -223,8 +216,6 @@ def float8_part() -> dict:
 
 
 def head_part() -> dict:
-    import contextlib
-
     import torch
     import torch.nn.functional as F
 

@@ -239,24 +239,31 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, 
     return total.view(hidden.shape[:-1]) if per_position else total
 
 
-class _BackwardInParts(threading.local):
+class _ThreadFlag(threading.local):
+    """A setting of the thread that builds the losses, on within `_raised`."""
+
     active = False
 
 
-_BACKWARD_IN_PARTS = _BackwardInParts()
-
-
 @contextlib.contextmanager
+def _raised(flag: _ThreadFlag):
+    flag.active = True
+    try:
+        yield
+    finally:
+        flag.active = False
+
+
+_BACKWARD_IN_PARTS = _ThreadFlag()
+_COMPILED_CHUNKS = _ThreadFlag()
+
+
 def backward_in_parts():
     """Within it, the losses built will be differentiated in more than one backward pass (a zero-bubble pipeline
     schedule takes the inputs' gradients first and the weights' later, each through the whole graph): the chunked
     head keeps its inputs and makes each chunk's logits again in the backward pass, instead of taking its gradients
     in the forward pass, which one backward pass uses up."""
-    _BACKWARD_IN_PARTS.active = True
-    try:
-        yield
-    finally:
-        _BACKWARD_IN_PARTS.active = False
+    return _raised(_BACKWARD_IN_PARTS)
 
 
 
@@ -420,25 +427,13 @@ def _loss_of_chunk(product: torch.Tensor, targets: Targets, chunk_loss: ChunkLos
     return values, grad.to(dtype)
 
 
-class _CompiledChunks(threading.local):
-    active = False
-
-
-_COMPILED_CHUNKS = _CompiledChunks()
-
-
-@contextlib.contextmanager
 def compiled_chunk_losses():
     """Within it, the chunked head runs each chunk's loss and gradient (`_loss_of_chunk`: the float32 logits, the
     softmax, the gradient in the head's dtype) as one compiled function, where the chunk loss is a plain function
     (`cross_entropy_chunk`, `nll_chunk`; not one split over ranks, nor distillation's, which keeps sums): eager,
     its passes over the chunk's float32 logits took a third of the head's time on a GPU
     (benchmarks/gpu_profile.py)."""
-    _COMPILED_CHUNKS.active = True
-    try:
-        yield
-    finally:
-        _COMPILED_CHUNKS.active = False
+    return _raised(_COMPILED_CHUNKS)
 
 
 def _loss_of_chunk_function(chunk_loss: ChunkLoss) -> Callable:
