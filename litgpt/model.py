@@ -656,7 +656,7 @@ class HeadwiseLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x, (self.head_size,), eps=self.eps)
-        return normed * self.weight.view(self.n_heads, 1, self.head_size)
+        return normed * self.weight.view(-1, 1, self.head_size)  # x's heads: the weight holds as many
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

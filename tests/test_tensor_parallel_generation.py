@@ -16,7 +16,7 @@ from test_distributed import child_environment, litgpt
 from test_generate import tiny_config, tiny_model
 from test_serve import MAX_NEW_TOKENS, start_server, stop, write_checkpoint
 from test_serve import reference  # noqa: F401 (the fixture: `generate` alone on this module's `checkpoint`)
-from test_tensor_parallel import gloo_rank, run_spawned_ranks
+from test_tensor_parallel import FAMILIES, gloo_rank, run_spawned_ranks
 from tokenizer_helpers import make_tokenizer_folder
 
 from litgpt.args import ParallelArgs
@@ -51,13 +51,21 @@ SPLIT_CASES = {
     # biases everywhere (the fused qkv's permuted with its rows), a parallel residual, the head tied to the embedding
     "neox": dict(n_query_groups=4, bias=True, parallel_residual=True, tie_embeddings=True,
                  final_logit_softcapping=8.0),
+    # Training's families (test_tensor_parallel.FAMILIES) on this vocabulary: query/key norms of the three kinds,
+    # sinks with sliding windows and biased experts, mixtures of experts with and without a shared expert and a dense
+    # first layer, latent attention (its latent KV cache whole on each rank, a decoded token attending to it folded).
+    **{name: {key: value for key, value in FAMILIES[name].items()
+              if key not in ("name", "vocab_size", "padded_vocab_size", "block_size")}
+       for name in ("qwen3", "stablelm-2", "olmo-2", "gpt-oss", "qwen3-moe", "deepseek-v3")},
 }
+# DeepSeek-V2-Lite's latent attention: one q_proj instead of the query's low-rank pair.
+SPLIT_CASES["deepseek-v2-lite"] = {**SPLIT_CASES["deepseek-v3"], "q_lora_rank": None}
 
 
 def split_logits_match_whole(root: Path, rank: int, world: int, port: int, failures) -> None:
-    """On each rank: the share `load_split_model` reads from a checkpoint holds 1/world of the heads, the vocabulary
-    and the KV cache's key-value groups, and gives the whole model's logits within 1e-5, without and with the cache
-    (a prompt, then one token at a time)."""
+    """On each rank: the share `load_split_model` reads from a checkpoint holds 1/world of the heads, every expert's
+    width, the vocabulary and the KV cache's key-value groups (latent attention: the whole latent), and gives the whole
+    model's logits within 1e-5, without and with the cache (a prompt, then one token at a time)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from litgpt.config import Config
@@ -72,8 +80,12 @@ def split_logits_match_whole(root: Path, rank: int, world: int, port: int, failu
             whole = GPT(config).eval()
             whole.load_state_dict(load_state_dict(folder / "lit_model.pth"))
             split = load_split_model(folder, torch.float32, mesh, torch.device("cpu"))
-            qkv = split.transformer.h[0].attn.qkv.weight
-            assert qkv.to_local().shape[0] == whole.transformer.h[0].attn.qkv.weight.shape[0] // world, name
+            by_heads = "kv_b_proj" if config.kv_lora_rank else "qkv"  # the last block's: DeepSeek's first is dense
+            rows = getattr(split.transformer.h[-1].attn, by_heads).weight.to_local().shape[0]
+            assert rows == getattr(whole.transformer.h[-1].attn, by_heads).weight.shape[0] // world, name
+            if config.mlp_class_name == "LLaMAMoE":
+                expert = split.transformer.h[-1].mlp.experts[0].fc_1.weight
+                assert expert.to_local().shape[0] == config.moe_intermediate_size // world, name
             assert split.lm_head.weight.to_local().shape[0] == config.padded_vocab_size // world, name
             idx = torch.randint(0, LLAMA_VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
             with torch.inference_mode():
@@ -81,7 +93,7 @@ def split_logits_match_whole(root: Path, rank: int, world: int, port: int, failu
                 for model in (whole, split):
                     model.set_kv_cache(batch_size=1, max_seq_length=24)
                 groups = split.transformer.h[0].attn.kv_cache.k.shape[1]
-                assert groups == config.n_query_groups // world, name
+                assert groups == (1 if config.kv_lora_rank else config.n_query_groups // world), name
                 tokens, positions = idx[:1, :7], torch.arange(7)
                 for _ in range(6):
                     expected = whole(tokens, input_pos=positions)
@@ -117,6 +129,15 @@ def test_generate_on_two_processes_prints_what_one_process_prints(split_checkpoi
     assert one.stdout.startswith("Once upon a") and len(one.stdout) > len("Once upon a") + 10
     assert two.stdout == one.stdout
     assert "over 2 devices" in two.stderr and "Traceback" not in two.stderr
+
+
+@pytest.mark.slow  # 2 processes
+def test_a_split_mixture_of_experts_with_latent_attention_generates_what_one_process_does(tmp_path):
+    folder = write_split_checkpoint(tmp_path / "deepseek", **SPLIT_CASES["deepseek-v3"])
+    args = ["generate", folder, "--prompt", "Once upon a", "--max_new_tokens", "16", "--temperature", "0", *FLOAT32]
+    one, two = litgpt(*args), litgpt(*args, *TP2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert len(one.stdout) > len("Once upon a") + 5 and two.stdout == one.stdout
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +187,7 @@ TENSOR_2 = dict(parallel=ParallelArgs(tensor=2))
         ("generate", {"padded_vocab_size": 589}, TENSOR_2,
          "does not divide the 589 vocabulary rows (padded_vocab_size)"),
         ("generate", {"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2,
-                      "moe_intermediate_size": 32}, TENSOR_2, "generating with a split model with mixture-of-experts"),
-        ("generate", {"norm_qk": True}, TENSOR_2, "generating with a split model with query/key norms"),
+                      "moe_intermediate_size": 33}, TENSOR_2, "does not divide the 33 experts' width"),
         ("generate", {}, dict(**TENSOR_2, compile=True), "--compile with --parallel.tensor 2 is not supported yet"),
         ("generate", {}, dict(**TENSOR_2, device="cuda:1"), "--device cuda:1 with --parallel.tensor 2"),
         ("generate", {}, dict(**TENSOR_2, devices=1),
@@ -178,7 +198,7 @@ TENSOR_2 = dict(parallel=ParallelArgs(tensor=2))
         ("serve", {"n_query_groups": 1}, TENSOR_2, "does not divide the 1 key-value groups (n_query_groups)"),
         ("serve", {}, dict(**TENSOR_2, devices=4), "--devices 4 with --parallel.tensor 2"),
     ],
-    ids=["heads", "groups", "vocabulary", "moe", "qk-norms", "compile", "one-device", "too-few-devices", "expert", "machine",
+    ids=["heads", "groups", "vocabulary", "experts-width", "compile", "one-device", "too-few-devices", "expert", "machine",
          "serve-groups", "serve-devices"],
 )
 def test_what_split_generation_refuses(command, changes, options, message, tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from litgpt.args import FSDPArgs, ParallelArgs
 from litgpt.config import Config
-from litgpt.distributed.plans import check_tensor_parallel_generation
+from litgpt.distributed.plans import check_tensor_parallel
 from litgpt.errors import UserError
 
 # The -true precision of each dtype generation stores its weights in.
@@ -60,7 +60,7 @@ def check_split_generation(config: Config, tensor: int, device: str, quantize: O
         kind = "GPUs" if on_gpu else "CPU cores"
         raise UserError(f"--parallel.tensor {tensor} needs {tensor} devices, and this machine has {available} {kind}: "
                         "use at most that many.")
-    check_tensor_parallel_generation(config, tensor)
+    check_tensor_parallel(config, tensor)
 
 
 def split_fabric(tensor: int, device: str, dtype: torch.dtype):

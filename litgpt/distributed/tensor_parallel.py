@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from litgpt.distributed.plans import check_tensor_parallel, check_tensor_parallel_generation
+from litgpt.distributed.plans import check_tensor_parallel
 from litgpt.distributed.plans.dense import (
-    INFERENCE_BLOCK_PLAN, INFERENCE_MODEL_PLAN, MODEL_PLAN, block_plan, qkv_row_order,
+    INFERENCE_MODEL_PLAN, MODEL_PLAN, block_plan, inference_block_plan, qkv_row_order,
 )
 from litgpt.model import CausalSelfAttention
 from litgpt.moe import LLaMAMoE
@@ -27,17 +27,17 @@ from litgpt.moe import LLaMAMoE
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True) -> None:
     """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place.
 
-    `sequence_parallel` False: generation's plan (`INFERENCE_BLOCK_PLAN`, dense models), whose activations are whole
+    `sequence_parallel` False: generation's plan (`inference_block_plan`), whose activations are whole
     on every rank between the layers, so that a single decoding position runs; its norms stay plain tensors, the
     same on each rank.
     """
     config, degree = model.config, mesh.size()
-    (check_tensor_parallel if sequence_parallel else check_tensor_parallel_generation)(config, degree)
+    check_tensor_parallel(config, degree)
     # PyTorch's SequenceParallel registers the norms' weights anew, trainable: a frozen base (LoRA, a teacher) keeps
     # its own setting.
     trains = {name: param.requires_grad for name, param in model.named_parameters()}
     for block in model.transformer.h:
-        plan = block_plan(config, isinstance(block.mlp, LLaMAMoE)) if sequence_parallel else INFERENCE_BLOCK_PLAN
+        plan = (block_plan if sequence_parallel else inference_block_plan)(config, isinstance(block.mlp, LLaMAMoE))
         for name, style in plan:
             if placeable(block, name):
                 parallelize_module(block, mesh, {name: style})

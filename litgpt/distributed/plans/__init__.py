@@ -36,25 +36,6 @@ def check_tensor_parallel(config: Config, degree: int, quantized: bool = False) 
                             "of it.")
 
 
-def check_tensor_parallel_generation(config: Config, degree: int) -> None:
-    """UserError unless generation's plan (`INFERENCE_BLOCK_PLAN`: no sequence parallelism, for single decoding
-    positions) covers `config`, beside training's checks: fused q/k/v attention and dense MLPs only."""
-    check_tensor_parallel(config, degree)
-    if degree == 1:
-        return
-    unsupported = {
-        "mixture-of-experts layers": config.mlp_class_name == "LLaMAMoE",
-        "latent attention": config.kv_lora_rank is not None,
-        "attention sinks": bool(config.attention_sinks),
-        "query/key norms": bool(config.norm_qk),
-    }
-    for feature, present in unsupported.items():
-        if present:
-            raise UserError(f"--parallel.tensor {degree}: generating with a split model with {feature} "
-                            f"({config.name or 'this model'}) is not supported yet (training splits it); use "
-                            "--parallel.tensor 1.")
-
-
 def check_expert_parallel(config: Config, degree: int) -> None:
     """UserError unless `degree`-way expert parallelism covers `config`: a mixture-of-experts model whose experts
     split evenly over the degree."""

@@ -1,6 +1,6 @@
 """The tensor-parallel plans of the blocks (fused q/k/v and latent attention, dense MLPs and mixtures of experts) and
 of the model around them, as data: module names -> PyTorch's parallel styles, Megatron's layout: with sequence
-parallelism for training, without it for generation (`INFERENCE_BLOCK_PLAN`, `INFERENCE_MODEL_PLAN`: dense models).
+parallelism for training, without it for generation (`inference_block_plan`, `INFERENCE_MODEL_PLAN`).
 
 Between the layers the residual stream is split over the sequence (Shard(1)): the norms run on their rank's positions
 (`SequenceParallel`); attention and the MLP gather the sequence at their input (`PrepareModuleInput`), split their
@@ -73,7 +73,7 @@ FUSED_ATTENTION = (
 # head_size) for OLMo 2's norms over the whole projection; the rank holds its heads.
 HEAD_NORMS = {
     "per head": SequenceParallel(sequence_dim=1, use_local_output=True),  # one weight every head shares
-    "a weight per head": ShardedInput(dim=1, placements={"weight": Shard(0)}),  # StableLM 2: split with the heads
+    "a weight per head": LocalParameters({"weight": Shard(0)}),  # StableLM 2: split with the heads
     "over all heads": ShardedInput(dim=2, placements={"weight": Shard(0), "bias": Shard(0)}),  # OLMo 2
 }
 ATTENTION_SINKS = (("attn", LocalParameters({"sinks": Shard(0)})),)  # one per head: split with the heads
@@ -110,17 +110,21 @@ MIXTURE_OF_EXPERTS = (
 def block_plan(config: Config, moe: bool) -> tuple:
     """The plan of a block of `config` (`moe`: its MLP is a mixture of experts), in the order it is applied (a module
     may take several styles; names the block lacks, such as identity norms, are skipped)."""
-    if config.kv_lora_rank is not None:
-        attention = LATENT_ATTENTION
-    else:
-        attention = FUSED_ATTENTION
-        if config.norm_qk:
-            attention += tuple((f"attn.{name}", HEAD_NORMS[query_key_norms(config)]) for name in ("norm_q", "norm_k"))
-        if config.attention_sinks:
-            attention += ATTENTION_SINKS
+    attention = LATENT_ATTENTION if config.kv_lora_rank is not None else FUSED_ATTENTION + per_head_parts(config)
     mlp = MIXTURE_OF_EXPERTS if moe else DENSE_MLP
     return (("norm_1", _NORM), *attention, ("post_attention_norm", _NORM), ("norm_2", _NORM), *mlp,
             ("post_mlp_norm", _NORM))
+
+
+def per_head_parts(config: Config) -> tuple:
+    """The plan of fused q/k/v attention's per-head parts, the same with and without sequence parallelism: its
+    query/key norms and its sinks."""
+    parts = ()
+    if config.norm_qk:
+        parts += tuple((f"attn.{name}", HEAD_NORMS[query_key_norms(config)]) for name in ("norm_q", "norm_k"))
+    if config.attention_sinks:
+        parts += ATTENTION_SINKS
+    return parts
 
 
 def query_key_norms(config: Config) -> str:
@@ -147,14 +151,46 @@ MODEL_PLAN = (
 # attention and the MLP split their first matmuls by output rows, and their output projections' partial sums are
 # all-reduced. Each rank's KV cache holds its own key-value groups.
 _ROWS_TO_ALL = Rowwise(output_layouts=Replicate())
-INFERENCE_BLOCK_PLAN = (
+INFERENCE_FUSED_ATTENTION = (
     ("attn.qkv", _COLUMNS),  # rows permuted first: `qkv_row_order`
     ("attn.proj", _ROWS_TO_ALL),
+)
+# The down-projections and their norms stay plain, whole on every rank, and so does each rank's latent KV cache (the
+# latent is every head's); a decoding step folds kv_b_proj's key rows of the rank's heads into their queries.
+INFERENCE_LATENT_ATTENTION = (
+    ("attn.q_proj", _COLUMNS),
+    ("attn.q_b_proj", _COLUMNS),
+    ("attn.kv_b_proj", _COLUMNS),
+    ("attn", LocalParameters({"kv_b_proj.weight": None}, method="attend_latent")),
+    ("attn.proj", _ROWS_TO_ALL),
+)
+INFERENCE_DENSE_MLP = (
     ("mlp.fc", _COLUMNS),
     ("mlp.fc_1", _COLUMNS),
     ("mlp.fc_2", _COLUMNS),
     ("mlp.proj", _ROWS_TO_ALL),
 )
+# The router (plain, whole) routes every token on every rank; the routed experts' and the shared experts' partial
+# sums are added, then all-reduced.
+INFERENCE_MIXTURE_OF_EXPERTS = (
+    ("mlp", ExpertsTensorParallel(colwise=("fc_1", "fc_2"), rowwise=("proj",))),
+    ("mlp", PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate(), use_local_output=True)),
+    ("mlp.shared_experts.fc_1", _COLUMNS),
+    ("mlp.shared_experts.fc_2", _COLUMNS),
+    ("mlp.shared_experts.proj", _ROWS_PARTIAL),
+)
+
+
+def inference_block_plan(config: Config, moe: bool) -> tuple:
+    """Generation's plan of a block of `config` (`moe`: its MLP is a mixture of experts): `block_plan`'s splits of
+    the heads, the MLP widths and every expert's width, without sequence parallelism (the norms run whole)."""
+    if config.kv_lora_rank is not None:
+        attention = INFERENCE_LATENT_ATTENTION
+    else:
+        attention = INFERENCE_FUSED_ATTENTION + per_head_parts(config)
+    return (*attention, *(INFERENCE_MIXTURE_OF_EXPERTS if moe else INFERENCE_DENSE_MLP))
+
+
 INFERENCE_MODEL_PLAN = (
     ("transformer.wte", RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
     ("lm_head", Colwise(output_layouts=Replicate())),  # the logits gathered whole: rank 0 samples from them

@@ -1,10 +1,11 @@
 """PyTorch's colwise and rowwise parallel styles, extended to place LoRA factors (`litgpt.lora.LoRALinear`) as well:
 the placements of each kind of parameter are data (`COLWISE`, `ROWWISE`), the styles read them; and the styles of
 what the model computes on local tensors beside them: a module computed whole on every rank (`Replicated`), a
-module computed on its input's shard (`ShardedInput`: norms over the rank's heads), a module's own parameters split
-by heads and read as this rank's piece (`LocalParameters`: attention sinks), a gradient summed over the ranks where
-each rank's readers give their share (`SummedGradientOf`: latent attention's rotary key), a mixture-of-experts layer
-whose every expert is split by its width (`ExpertsTensorParallel`).
+module computed on its input's shard (`ShardedInput`: norms over the rank's heads), parameters read as this rank's
+pieces where the module computes on local tensors (`LocalParameters`: attention sinks, split by heads; latent
+attention's decoding step), a gradient summed over the ranks where each rank's readers give their share
+(`SummedGradientOf`: latent attention's rotary key), a mixture-of-experts layer whose every expert is split by its
+width (`ExpertsTensorParallel`).
 
 Next to a colwise base (split by output rows) A is whole on every rank and B split by output rows like the base: each
 rank adds the update of its own rows. Next to a rowwise base (split by input columns) A is split by input columns like
@@ -19,7 +20,7 @@ plainly, so rank r's piece of each B is that part's rows of rank r's heads, and 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -180,25 +181,32 @@ def local_views(views: list[tuple[nn.Module, str, Callable[[DTensor], torch.Tens
 
 
 class LocalParameters(ParallelStyle):
-    """A module's own parameters (not its submodules') placed by `placements` (name -> placement) and read as this
-    rank's piece while it runs: attention sinks, one per head, split with the heads (Shard(0))."""
+    """Parameters of the module or of its submodules (dotted names) read as this rank's pieces while the module's
+    `method` runs: attention sinks, one per head, placed here split with the heads (Shard(0)), in its forward; latent
+    attention's kv_b_proj weight, placed by its own colwise style (placement None: left as it is), in the decoding
+    step that folds the rank's heads' rows of it into their queries (`attend_latent`)."""
 
-    def __init__(self, placements: dict[str, Placement]) -> None:
+    def __init__(self, placements: dict[str, Optional[Placement]], method: str = "forward") -> None:
         super().__init__()
-        self.placements = placements
+        self.placements, self.method = placements, method
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        views = []
         for name, placement in self.placements.items():
-            param = module._parameters[name]
-            placed = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-        forward = module.forward
+            path, _, param_name = name.rpartition(".")
+            owner = module.get_submodule(path)
+            if placement is not None:
+                param = owner._parameters[param_name]
+                placed = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+                owner.register_parameter(param_name, nn.Parameter(placed, requires_grad=param.requires_grad))
+            views.append((owner, param_name, DTensor.to_local))
+        method = getattr(module, self.method)
 
-        def forward_on_local_pieces(*args, **kwargs):
-            with local_views([(module, name, DTensor.to_local) for name in self.placements]):
-                return forward(*args, **kwargs)
+        def on_local_pieces(*args, **kwargs):
+            with local_views(views):
+                return method(*args, **kwargs)
 
-        module.forward = forward_on_local_pieces
+        setattr(module, self.method, on_local_pieces)
         return module
 
 
