@@ -86,7 +86,10 @@ def parallelize_part(fabric, model: nn.Module, precision: Precision,
     strategy = fabric.strategy
     tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
     if tensor_mesh is not None:
-        apply_tensor_parallel(model, tensor_mesh)
+        stage = isinstance(model, StageModule)
+        apply_tensor_parallel(model, tensor_mesh, pad_sequences=not stage)
+        if stage:  # between its blocks, and to the next stage, the residual stream is split over the sequence
+            model.sequence_shards = tensor_mesh.size()
     context = strategy.context_parallel if isinstance(strategy, FSDPStrategy) else None
     if context is not None:
         apply_context_parallel(model, context)

@@ -127,6 +127,9 @@ class StageModule(nn.Module):
         self.config, self.index = gpt.config, index
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.boundary_dtype = boundary_dtype
+        # Under tensor parallelism's sequence parallelism each rank's residual stream (what the stages exchange) holds
+        # 1/sequence_shards of the positions.
+        self.sequence_shards = 1
         parts: dict[str, nn.Module] = {"wte": gpt.transformer.wte} if self.is_first else {}
         parts["h"] = StageBlocks({i: gpt.transformer.h[i] for i in layers})
         if self.is_last:
@@ -136,9 +139,10 @@ class StageModule(nn.Module):
         object.__setattr__(self, "gpt", gpt)  # not a submodule: its rotary tables and masks, never its weights
 
     def forward(self, x: torch.Tensor, sample_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        positions = x.size(1) if self.is_first else x.size(1) * self.sequence_shards
         if self.is_first:
             x = self.gpt.embed(x)
-        layer_inputs = self.gpt.layer_inputs(x, x.size(1), x.size(1), sample_positions=sample_positions)
+        layer_inputs = self.gpt.layer_inputs(x, positions, positions, sample_positions=sample_positions)
         for name, block in self.transformer.h.named_children():
             x = block(x, *layer_inputs[int(name)])
         if self.is_last:
@@ -168,6 +172,16 @@ class PipelineModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("A pipeline rank's model runs through its schedule (litgpt.distributed.pipeline), not whole.")
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces the positions of the residual stream between stages are split in (tensor parallelism's
+        sequence parallelism): a micro-batch's positions must be a multiple of it."""
+        return self.stages[0].sequence_shards
+
+    def boundary_shape(self, batch: int, positions: int) -> tuple[int, int, int]:
+        """The shape of the residual stream a stage sends the next for a micro-batch of (batch, positions)."""
+        return batch, positions // self.sequence_shards, self.config.n_embd
 
     def in_one_process_order(self, state: dict) -> dict:
         """`state` (keyed by state-dict name) in the order of the whole model's state dict."""
@@ -246,7 +260,7 @@ def build_schedule(model: PipelineModel, microbatches: int, microbatch_shape: tu
     pipeline = model.pipeline
     batch, positions = microbatch_shape
     # The residual stream between stages, with a gradient to send back.
-    hidden = torch.empty(batch, positions, model.config.n_embd, device="meta", dtype=model.stages[0].boundary_dtype,
+    hidden = torch.empty(model.boundary_shape(batch, positions), device="meta", dtype=model.stages[0].boundary_dtype,
                          requires_grad=True)
     stages = [
         pipelining.PipelineStage(
@@ -264,10 +278,11 @@ def build_schedule(model: PipelineModel, microbatches: int, microbatch_shape: tu
 
 def forward(model: PipelineModel, input_ids: torch.Tensor, **kwargs) -> Optional[torch.Tensor]:
     """The last stage's output for `input_ids` (B, T), run forward stage by stage (validation: no schedule, any
-    shape), on the rank that runs the last stage; None on the others. `kwargs` go to every stage."""
+    shape whose T is a multiple of `sequence_shards`), on the rank that runs the last stage; None on the others.
+    `kwargs` go to every stage."""
     pipeline, x = model.pipeline, None
     stages = {stage.index: stage for stage in model.stages}
-    shape = (*input_ids.shape, model.config.n_embd)
+    shape = model.boundary_shape(*input_ids.shape)
     for index in range(pipeline.n_stages):
         owner, previous = pipeline.stage_rank(index), pipeline.stage_rank(index - 1) if index else None
         if index and owner != previous and pipeline.rank == previous:

@@ -24,8 +24,10 @@ from litgpt.model import CausalSelfAttention
 from litgpt.moe import LLaMAMoE
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True) -> None:
-    """Split `model` (a `GPT` on the meta device) over the 1-D `mesh` of its tensor-parallel group, in place.
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True, pad_sequences: bool = True) -> None:
+    """Split `model` (a `GPT` on the meta device, or a pipeline stage of one: the embedding, final norm and head where
+    it holds them) over the 1-D `mesh` of its tensor-parallel group, in place. `pad_sequences`: its forward pads the
+    sequences to a multiple of the degree (`padded_to_multiple`); a pipeline stage's batches come padded.
 
     `sequence_parallel` False: generation's plan (`inference_block_plan`), whose activations are whole
     on every rank between the layers, so that a single decoding position runs; its norms stay plain tensors, the
@@ -45,14 +47,16 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True
         if isinstance(block.attn, CausalSelfAttention):
             block.attn.n_query_groups = config.n_query_groups // degree
     for name, style in MODEL_PLAN if sequence_parallel else INFERENCE_MODEL_PLAN:
-        parallelize_module(model, mesh, {name: style})
+        if placeable(model, name):
+            parallelize_module(model, mesh, {name: style})
     if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
     for name, param in model.named_parameters():
         param.requires_grad_(trains[name])
     if not sequence_parallel:
         return
-    model.forward = padded_to_multiple(model, model.forward, degree)
+    if pad_sequences:
+        model.forward = padded_to_multiple(model, model.forward, degree)
     left = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if left:  # every parameter must live on the tensor mesh: the gradient norm adds them up together
         raise RuntimeError(f"The tensor-parallel plan leaves {left[0]} (and {len(left) - 1} more) unplaced.")
@@ -86,10 +90,11 @@ def padded_to_multiple(model: nn.Module, forward: Callable, degree: int) -> Call
     return padded_forward
 
 
-def placeable(block: nn.Module, name: str) -> bool:
-    """Whether the block has a module `name` that the plan should place: identity norms have nothing to split."""
+def placeable(parent: nn.Module, name: str) -> bool:
+    """Whether `parent` has a module `name` that the plan should place: identity norms have nothing to split, a
+    pipeline stage holds the model's ends or not."""
     try:
-        module = block.get_submodule(name)
+        module = parent.get_submodule(name)
     except AttributeError:
         return False
     return not isinstance(module, nn.Identity)

@@ -449,7 +449,8 @@ def _check_pipeline(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs, 
     if recipe.frozen_configs() or recipe.sequences_per_sample > 1 or recipe.name in ("dpo", "grpo"):
         raise UserError(f"litgpt plan --parallel.pipeline {degree}: plans of {recipe.name} (frozen models, preference "
                         "pairs, sampled groups) under pipeline parallelism are not supported yet.")
-    microbatches = train.gradient_accumulation_iters(world // degree)
+    # The data-parallel devices: the world over the pipeline, tensor and context-parallel groups.
+    microbatches = train.gradient_accumulation_iters(world // (degree * parallel.tensor * parallel.context))
     check_microbatches(parallel.pipeline_schedule, parallel.pipeline_stages, degree, microbatches)
     return microbatches
 
@@ -806,7 +807,8 @@ def _pipeline_rank(run: _Run, saved: SavedActivations, rank: int, actions: list[
     stages = device_stages(rank, run.pipeline, run.stages_per_rank, run.pipeline_schedule, run.config.n_layer)
     layout = stage_layout(run.rank_recipe, stages)
     state, backward = _resident_state(run, layout), _block_backward(run, layout)
-    hidden = run.tokens * run.config.n_embd * run.compute  # what travels between stages, in the compute dtype
+    # What travels between stages, in the compute dtype: under tensor parallelism the device's share of the positions.
+    hidden = -(-run.tokens // run.tensor) * run.config.n_embd * run.compute
     ends = sum(math.prod(p.shape) for p in layout.root if p.trainable)  # the embedding's or the head's
     per_stage, blocks = {}, iter(layout.blocks)
     for stage in stages:

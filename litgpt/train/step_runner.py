@@ -87,17 +87,19 @@ class LastStageOutput:
 
 class PipelineSteps:
     """A step's micro-batches through this rank's stages by the pipeline schedule (`n_microbatches` of them, each
-    right-padded to `seq_length` positions: the stages exchange tensors of one declared shape). Each micro-batch's
+    right-padded to `seq_length` positions, rounded up to split over a tensor-parallel group's sequence parallelism:
+    the stages exchange tensors of one declared shape). Each micro-batch's
     tensors travel to the last stage as the schedule's target (stacked along a new dimension 1), where the recipe's
     loss reads them back as a batch."""
 
     def __init__(self, fabric, model: nn.Module, objective: Objective, n_microbatches: int, micro_batch_size: int,
                  seq_length: int) -> None:
-        self.fabric, self.objective, self.seq_length = fabric, objective, seq_length
+        self.fabric, self.objective = fabric, objective
         self.model = unwrap(model)
         self.pipeline = self.model.pipeline
+        self.seq_length = seq_length + -seq_length % self.model.sequence_shards
         self.last_stage = next((stage for stage in self.model.stages if stage.is_last), None)
-        self.schedule = pipelining.build_schedule(self.model, n_microbatches, (micro_batch_size, seq_length),
+        self.schedule = pipelining.build_schedule(self.model, n_microbatches, (micro_batch_size, self.seq_length),
                                                   self.loss)
         self.names: list[str] = []  # the batch's tensors, in their order along the target's dimension 1
         self.recorded: list[Losses] = []  # this step's losses of each micro-batch, on the last stage
@@ -128,6 +130,8 @@ class PipelineSteps:
     def validation_losses(self, batch: Batch) -> Losses:
         losses: Optional[Losses] = None
         with self.fabric.autocast():
+            length = batch["input_ids"].size(1)
+            batch = pad_batch(batch, length + -length % self.model.sequence_shards)
             hidden = pipelining.forward(self.model, batch["input_ids"], **packed(batch.get("positions")))
             if hidden is not None:
                 losses = self.objective.validation_loss(LastStageOutput(self.last_stage, hidden), batch)
