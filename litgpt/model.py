@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from litgpt.config import Config
 from litgpt.mlp import GemmaMLP, GptNeoxMLP, LLaMAMLP
-from litgpt.moe import LLaMAMoE, Router
+from litgpt.moe import LLaMAMoE, Router, load_balancing_loss
 from litgpt.precision import compute_dtype, cpu_has_fast_bf16
 from litgpt.rope import apply_rope, apply_rope_interleaved, build_rope_cache
 
@@ -176,24 +176,16 @@ class GPT(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def router_aux_loss(self) -> Optional[torch.Tensor]:
-        """The load-balancing loss of the latest forward pass, times `config.router_aux_loss_coef`, in the autograd
-        graph; None without MoE layers or with a coefficient of 0.
-
-        Switch Transformer's loss as Mixtral and Qwen3-MoE define it (transformers' `load_balancing_loss_func`):
-        n_expert * sum_e f_e * P_e, where f_e is the fraction of top-k assignments that went to expert e and P_e the
-        mean router probability of e, both taken over every token of every MoE layer together.
+        """The load-balancing loss of the latest forward pass over every MoE layer together
+        (`litgpt.moe.load_balancing_loss`), in the autograd graph; None without MoE layers or with a coefficient of 0.
         """
-        coef = self.config.router_aux_loss_coef
         layers = [block.mlp for block in self.transformer.h if isinstance(block.mlp, LLaMAMoE)]
-        if not layers or not coef:
+        if not layers or not self.config.router_aux_loss_coef:
             return None
         stats = [layer.router_stats for layer in layers]
         if any(s is None for s in stats):
             raise RuntimeError("router_aux_loss() reads the routing of a forward pass: call the model first.")
-        rows = sum(s.rows for s in stats)
-        fraction = torch.stack([s.counts for s in stats]).sum(dim=0) / rows
-        probability = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
-        return coef * self.config.n_expert * (fraction * probability).sum()
+        return load_balancing_loss(self.config, stats)
 
     # ---- initialization -------------------------------------------------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True) -> "GPT":

@@ -4,7 +4,7 @@ every expert's linear layer as one multiplication (with LoRA adapters on the exp
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -261,12 +261,24 @@ class Router(nn.Linear):
 
 
 class RouterStats(NamedTuple):
-    """One MoE layer's routing in one forward pass: top-k assignments per expert (float, no gradient), the router
-    probabilities summed over the tokens per expert (in the autograd graph), and the number of tokens."""
+    """One MoE layer's routing in one forward pass (or several layers' summed): top-k assignments per expert (float,
+    no gradient), the router probabilities summed over the tokens per expert (in the autograd graph), and the number
+    of tokens."""
 
     counts: torch.Tensor
     prob_sum: torch.Tensor
-    rows: int
+    rows: Union[int, torch.Tensor]
+
+
+def load_balancing_loss(config: Config, stats: Sequence[RouterStats]) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss as Mixtral and Qwen3-MoE define it (transformers'
+    `load_balancing_loss_func`), times `config.router_aux_loss_coef`: n_expert * sum_e f_e * P_e, where f_e is the
+    fraction of top-k assignments that went to expert e and P_e the mean router probability of e, both taken over
+    every token of every layer of `stats` together."""
+    rows = sum(s.rows for s in stats)
+    fraction = torch.stack([s.counts for s in stats]).sum(dim=0) / rows
+    probability = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
+    return config.router_aux_loss_coef * config.n_expert * (fraction * probability).sum()
 
 
 class Routing:

@@ -8,6 +8,7 @@ The model has 4 layers, so 2 devices run 4 stages under the interleaved schedule
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -177,6 +178,39 @@ def test_a_pipeline_times_tensor_parallel_checkpoint_resumes_in_one_process(inpu
     assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
 
 
+# ---- mixtures of experts -------------------------------------------------------------------------------------------
+# Routers with a load-balancing loss, a dense first layer (DeepSeek's): the loss over every layer's routing together.
+MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
+           router_aux_loss_coef=0.05, moe_first_dense_layers=1)
+
+
+def moe_aux_losses(run_dir: Path) -> list[float]:
+    """The load-balancing loss a run logged at each step."""
+    (log,) = run_dir.rglob("metrics.csv")
+    with open(log) as f:
+        return [float(row["aux_loss"]) for row in csv.DictReader(f) if row.get("aux_loss")]
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_pipeline_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """The routing statistics of every stage's MoE layers travel beside the residual stream, so the last stage's
+    load-balancing loss is the whole model's and its gradient reaches every router: PP2 with 1F1B and PP2 x TP2 with
+    Interleaved1F1B (4 stages) equal one process, losses, load-balancing losses and final weights."""
+    runs = {}
+    for name, flags in {"one": ["--devices", "1", *FLOAT32], "pp2": PP2}.items():
+        args = pretrain_args(inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "moe.yaml", n_layer=LAYERS, **MOE)
+        run(args, *flags)
+        runs[name] = args
+    run_four([tmp_path / "pp2-tp2" if arg == tmp_path / "one" else arg for arg in runs["one"]], "--parallel.tensor",
+             "2", "--parallel.pipeline_schedule", "Interleaved1F1B")
+    reference = moe_aux_losses(tmp_path / "one")
+    assert len(reference) == 4 and min(reference) > 0
+    for name in ("pp2", "pp2-tp2"):
+        assert_close_runs(tmp_path / name, tmp_path / "one", "lit_model.pth")
+        assert moe_aux_losses(tmp_path / name) == pytest.approx(reference, abs=1e-6)
+
+
 # ---- LoRA ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_one_process(inputs) -> Path:  # noqa: F811
@@ -278,8 +312,6 @@ def test_stages_per_rank_default_to_the_schedule():
          "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
         ({}, [*PP2, "--parallel.context", "2"], "--parallel.pipeline 2 with --parallel.context 2 is not supported yet"),
         ({"tie_embeddings": True}, PP2, "with tied input and output embeddings"),
-        ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}, PP2,
-         "with mixture-of-experts layers is not supported yet"),
         ({}, [*PP2, "--compiler", "torch", "--parallel.pipeline_schedule", "ZBVZeroBubble"],
          "ZBVZeroBubble splits each backward pass in two, which runs eager only"),
     ],

@@ -13,7 +13,7 @@ through `torch.distributed.pipelining`'s schedule (`build_schedule`); validation
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from litgpt.errors import UserError
 from litgpt.model import GPT
+from litgpt.moe import LLaMAMoE
 
 Losses = dict[str, torch.Tensor]
 
@@ -120,7 +121,12 @@ class StageModule(nn.Module):
     stage and the final norm and output head on the last, all the GPT's own modules under their names. Its forward
     takes token ids (first stage) or the previous stage's residual stream and returns the residual stream in
     `boundary_dtype` (what travels to the next stage), or on the last stage the final norm's output, which the loss
-    turns into logits chunk by chunk as it does for the whole model."""
+    turns into logits chunk by chunk as it does for the whole model.
+
+    With mixture-of-experts layers whose routers have a load-balancing loss (`carries_router_stats`), the routing
+    statistics of every layer so far travel beside the residual stream (`router_stats_so_far`): the last stage's
+    loss takes the whole model's load-balancing loss from them, and its gradient flows back to each stage's routers
+    through the probabilities' sums, as one process's does."""
 
     def __init__(self, gpt: GPT, index: int, n_stages: int, layers: range, boundary_dtype: torch.dtype) -> None:
         super().__init__()
@@ -130,6 +136,9 @@ class StageModule(nn.Module):
         # Under tensor parallelism's sequence parallelism each rank's residual stream (what the stages exchange) holds
         # 1/sequence_shards of the positions.
         self.sequence_shards = 1
+        self.carries_router_stats = carries_router_stats(gpt.config)
+        # Not submodules (the blocks hold them): the MoE layers whose routing this stage adds up.
+        self.moe_layers = [gpt.transformer.h[i].mlp for i in layers if isinstance(gpt.transformer.h[i].mlp, LLaMAMoE)]
         parts: dict[str, nn.Module] = {"wte": gpt.transformer.wte} if self.is_first else {}
         parts["h"] = StageBlocks({i: gpt.transformer.h[i] for i in layers})
         if self.is_last:
@@ -138,16 +147,37 @@ class StageModule(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         object.__setattr__(self, "gpt", gpt)  # not a submodule: its rotary tables and masks, never its weights
 
-    def forward(self, x: torch.Tensor, sample_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *router_stats: torch.Tensor,
+                sample_positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         positions = x.size(1) if self.is_first else x.size(1) * self.sequence_shards
+        device = x.device
         if self.is_first:
             x = self.gpt.embed(x)
+        for layer in self.moe_layers:
+            layer.router_stats = None  # each MoE layer records this pass' routing
         layer_inputs = self.gpt.layer_inputs(x, positions, positions, sample_positions=sample_positions)
         for name, block in self.transformer.h.named_children():
             x = block(x, *layer_inputs[int(name)])
-        if self.is_last:
-            return self.transformer.ln_f(x)
-        return x.to(self.boundary_dtype)
+        x = self.transformer.ln_f(x) if self.is_last else x.to(self.boundary_dtype)
+        if not self.carries_router_stats:
+            return x
+        return x, *self.router_stats_so_far(router_stats, device)
+
+    def router_stats_so_far(self, received: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router probabilities summed per expert, [assignments per expert | tokens]) over every MoE layer up to
+        this stage's last, in float32: the previous stages' (`received`; zeros on the first stage) plus this stage's
+        layers'. The sums always take a gradient (a leaf on the first stage), so every stage sends one back."""
+        n_expert = self.config.n_expert
+        if received:
+            probability, counts = received
+        else:
+            probability = torch.zeros(n_expert, device=device, requires_grad=True)
+            counts = torch.zeros(n_expert + 1, device=device)
+        stats = [layer.router_stats for layer in self.moe_layers]
+        probability = probability + sum((s.prob_sum.float() for s in stats), torch.zeros_like(counts[:-1]))
+        for s in stats:
+            counts = counts + torch.cat((s.counts.float(), counts.new_tensor([s.rows])))
+        return probability, counts
 
 
 class PipelineModel(nn.Module):
@@ -179,9 +209,18 @@ class PipelineModel(nn.Module):
         sequence parallelism): a micro-batch's positions must be a multiple of it."""
         return self.stages[0].sequence_shards
 
-    def boundary_shape(self, batch: int, positions: int) -> tuple[int, int, int]:
-        """The shape of the residual stream a stage sends the next for a micro-batch of (batch, positions)."""
-        return batch, positions // self.sequence_shards, self.config.n_embd
+    def boundary(self, batch: int, positions: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Empty tensors like what a stage sends the next for a micro-batch of (batch, positions), those that take a
+        gradient marked so: the residual stream (in its dtype, its positions split by `sequence_shards`), and with
+        `carries_router_stats` the routing statistics so far (`StageModule.router_stats_so_far`)."""
+        stage = self.stages[0]
+        hidden = torch.empty(batch, positions // self.sequence_shards, self.config.n_embd, device=device,
+                             dtype=stage.boundary_dtype, requires_grad=True)
+        if not stage.carries_router_stats:
+            return (hidden,)
+        n_expert = self.config.n_expert
+        return (hidden, torch.empty(n_expert, device=device, requires_grad=True),
+                torch.empty(n_expert + 1, device=device))
 
     def in_one_process_order(self, state: dict) -> dict:
         """`state` (keyed by state-dict name) in the order of the whole model's state dict."""
@@ -205,6 +244,12 @@ class PipelineModel(nn.Module):
             for index, group in enumerate(pieces[0]["param_groups"])]
         merged = {name: value for piece in pieces for name, value in piece["state"].items()}
         return {"state": self.in_one_process_order(merged), "param_groups": groups}
+
+
+def carries_router_stats(config) -> bool:
+    """Whether the stages of a model of `config` pass routing statistics along: mixture-of-experts layers with a
+    load-balancing loss (a coefficient above 0)."""
+    return config.mlp_class_name == "LLaMAMoE" and bool(config.router_aux_loss_coef)
 
 
 def split_into_stages(gpt: GPT, pipeline: Pipeline, boundary_dtype: torch.dtype) -> list[StageModule]:
@@ -259,14 +304,13 @@ def build_schedule(model: PipelineModel, microbatches: int, microbatch_shape: tu
 
     pipeline = model.pipeline
     batch, positions = microbatch_shape
-    # The residual stream between stages, with a gradient to send back.
-    hidden = torch.empty(model.boundary_shape(batch, positions), device="meta", dtype=model.stages[0].boundary_dtype,
-                         requires_grad=True)
+    # What travels between stages, with the gradients to send back.
+    boundary = model.boundary(batch, positions, torch.device("meta"))
+    tokens = (torch.empty(batch, positions, dtype=torch.long, device="meta"),)
     stages = [
         pipelining.PipelineStage(
             stage, stage.index, pipeline.n_stages, pipeline.device, group=pipeline.group,
-            input_args=torch.empty(batch, positions, dtype=torch.long, device="meta") if stage.is_first else hidden,
-            output_args=hidden,
+            input_args=tokens if stage.is_first else boundary, output_args=boundary,
         )
         for stage in model.stages
     ]
@@ -276,20 +320,25 @@ def build_schedule(model: PipelineModel, microbatches: int, microbatch_shape: tu
     return schedule_class(stages, microbatches, loss_fn=loss, scale_grads=True)
 
 
-def forward(model: PipelineModel, input_ids: torch.Tensor, **kwargs) -> Optional[torch.Tensor]:
+def forward(model: PipelineModel, input_ids: torch.Tensor,
+            **kwargs) -> Optional[Union[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """The last stage's output for `input_ids` (B, T), run forward stage by stage (validation: no schedule, any
     shape whose T is a multiple of `sequence_shards`), on the rank that runs the last stage; None on the others.
     `kwargs` go to every stage."""
     pipeline, x = model.pipeline, None
     stages = {stage.index: stage for stage in model.stages}
-    shape = model.boundary_shape(*input_ids.shape)
     for index in range(pipeline.n_stages):
         owner, previous = pipeline.stage_rank(index), pipeline.stage_rank(index - 1) if index else None
         if index and owner != previous and pipeline.rank == previous:
-            dist.send(x.contiguous(), dst=pipeline.global_rank(owner), group=pipeline.group)
+            for tensor in x:
+                dist.send(tensor.contiguous(), dst=pipeline.global_rank(owner), group=pipeline.group)
         elif index and owner != previous and pipeline.rank == owner:
-            x = torch.empty(shape, dtype=model.stages[0].boundary_dtype, device=input_ids.device)
-            dist.recv(x, src=pipeline.global_rank(previous), group=pipeline.group)
+            x = tuple(tensor.detach() for tensor in model.boundary(*input_ids.shape, input_ids.device))
+            for tensor in x:
+                dist.recv(tensor, src=pipeline.global_rank(previous), group=pipeline.group)
         if owner == pipeline.rank:
-            x = stages[index](input_ids if index == 0 else x, **kwargs)
-    return x if pipeline.stage_rank(pipeline.n_stages - 1) == pipeline.rank else None
+            x = stages[index](*((input_ids,) if index == 0 else x), **kwargs)
+            x = x if isinstance(x, tuple) else (x,)
+    if pipeline.stage_rank(pipeline.n_stages - 1) != pipeline.rank:
+        return None
+    return x if len(x) > 1 else x[0]

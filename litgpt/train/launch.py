@@ -100,8 +100,8 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs) -> None:
 
 def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs) -> None:
     """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
-    (tied embeddings, mixture-of-experts layers, a quantized base), an optimizer stepped in the backward pass (the
-    schedule scales the gradients after it). `litgpt plan` checks its plans with it too."""
+    (tied embeddings, a quantized base), an optimizer stepped in the backward pass (the schedule scales the gradients
+    after it). `litgpt plan` checks its plans with it too."""
     degree, stages, config = parallel.pipeline, parallel.pipeline_stages, recipe.config
     option = f"--parallel.pipeline {degree}"
     if config.n_layer < stages:
@@ -110,7 +110,6 @@ def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelA
                         "layer).")
     unsupported = [what for what, present in (
         ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
-        ("mixture-of-experts layers", config.mlp_class_name == "LLaMAMoE"),
         ("a quantized base (QLoRA)", recipe.quantize is not None),
         ("--train.optimizer_in_backward", train.optimizer_in_backward)) if present]
     if unsupported:

@@ -11,7 +11,7 @@ the pipeline group; the recipe's loss runs on the last stage, and the losses rea
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from litgpt.checkpoint.manager import unwrap
 from litgpt.data.base import pad_batch
 from litgpt.distributed import pipeline as pipelining
+from litgpt.moe import RouterStats, load_balancing_loss
 from litgpt.train.loss import backward_in_parts, packed
 from litgpt.train.objective import Batch, Losses, Objective
 
@@ -72,11 +73,21 @@ class MicroBatchLoop:
 
 class LastStageOutput:
     """The last pipeline stage as the recipe's loss sees a model: called on a batch's tokens for its final hidden
-    states it gives the stage's output, and it has the model's output head and config. So every recipe's loss (the
-    chunked head, a LoRA head, a teacher run on the batch's tokens) runs on the last stage unchanged."""
+    states it gives the stage's output, it has the model's output head and config, and its routers' load-balancing
+    loss comes from the routing statistics the stages passed along (`StageModule.router_stats_so_far`). So every
+    recipe's loss (the chunked head, a LoRA head, a teacher run on the batch's tokens) runs on the last stage
+    unchanged."""
 
-    def __init__(self, stage: nn.Module, hidden: torch.Tensor) -> None:
-        self.lm_head, self.config, self.hidden = stage.lm_head, stage.config, hidden
+    def __init__(self, stage: nn.Module, output: Union[torch.Tensor, tuple[torch.Tensor, ...]]) -> None:
+        self.lm_head, self.config = stage.lm_head, stage.config
+        self.hidden, *self.router_stats = output if isinstance(output, tuple) else (output,)
+
+    def router_aux_loss(self) -> Optional[torch.Tensor]:
+        """Every MoE layer's load-balancing loss together, as `GPT.router_aux_loss` gives it; None without one."""
+        if not self.router_stats:
+            return None
+        probability, counts = self.router_stats
+        return load_balancing_loss(self.config, [RouterStats(counts[:-1], probability, counts[-1])])
 
     def __call__(self, input_ids: torch.Tensor, return_hidden: bool = False, **kwargs) -> torch.Tensor:
         if not return_hidden:
