@@ -17,7 +17,7 @@ import torch
 from checkpoint_helpers import write_random_checkpoint
 from test_distributed import inputs  # noqa: F401 (the module-scoped fixture, shared)
 from test_distributed import SMALL, assert_close_runs, assert_same_final, child_environment, command_args, litgpt
-from test_distributed import losses, torchrun_nodes, write_config
+from test_distributed import assert_resumed_where_it_stopped, losses, torchrun_nodes, write_config
 from test_tensor_parallel import assert_refused_before_writing
 
 from litgpt.args import ParallelArgs
@@ -194,21 +194,29 @@ def moe_aux_losses(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 def test_a_mixture_of_experts_pipeline_equals_one_process(inputs, tmp_path):  # noqa: F811
     """The routing statistics of every stage's MoE layers travel beside the residual stream, so the last stage's
-    load-balancing loss is the whole model's and its gradient reaches every router: PP2 with 1F1B and PP2 x TP2 with
-    Interleaved1F1B (4 stages) equal one process, losses, load-balancing losses and final weights."""
+    load-balancing loss is the whole model's and its gradient reaches every router: PP2 with 1F1B, PP2 x TP2 with
+    Interleaved1F1B (4 stages) and PP2 x EP2 (each stage's experts split over the 2 data-parallel devices of its
+    pipeline rank, which read different batches) equal one process: losses, load-balancing losses and final
+    weights; the PP2 x EP2 run's checkpoint resumes in one process."""
     runs = {}
     for name, flags in {"one": ["--devices", "1", *FLOAT32], "pp2": PP2}.items():
         args = pretrain_args(inputs, tmp_path / name)
         args[args.index("--config") + 1] = write_config(tmp_path / "moe.yaml", n_layer=LAYERS, **MOE)
         run(args, *flags)
         runs[name] = args
-    run_four([tmp_path / "pp2-tp2" if arg == tmp_path / "one" else arg for arg in runs["one"]], "--parallel.tensor",
-             "2", "--parallel.pipeline_schedule", "Interleaved1F1B")
+    four = {"pp2-tp2": ["--parallel.tensor", "2", "--parallel.pipeline_schedule", "Interleaved1F1B"],
+            "pp2-ep2": ["--parallel.expert", "2"]}
+    for name, flags in four.items():
+        run_four([tmp_path / name if arg == tmp_path / "one" else arg for arg in runs["one"]], *flags)
     reference = moe_aux_losses(tmp_path / "one")
     assert len(reference) == 4 and min(reference) > 0
-    for name in ("pp2", "pp2-tp2"):
+    for name in ("pp2", *four):
         assert_close_runs(tmp_path / name, tmp_path / "one", "lit_model.pth")
         assert moe_aux_losses(tmp_path / name) == pytest.approx(reference, abs=1e-6)
+    # The PP2 x EP2 checkpoint (every stage's experts and their optimizer state gathered) resumes in one process.
+    resumed = [tmp_path / "resumed" if arg == tmp_path / "one" else arg for arg in runs["one"]]
+    run(resumed, "--devices", "1", *FLOAT32, "--resume", tmp_path / "pp2-ep2" / "step-000002")
+    assert_resumed_where_it_stopped(tmp_path / "resumed", tmp_path / "one")
 
 
 # ---- LoRA ----------------------------------------------------------------------------------------------------------

@@ -69,8 +69,9 @@ class FSDPCheckpointIO:
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
         peers = expert_peers(unwrap(model))
-        if pipeline_of(unwrap(model)) is not None:
-            return unwrap(model).gather_optimizer_state(gather_optimizer_state_by_tensor(model, optimizer, {}, None))
+        if pipeline_of(unwrap(model)) is not None:  # this pipeline rank's (its experts gathered), then every stage's
+            state = gather_optimizer_state_by_tensor(model, optimizer, peers, expert_group(unwrap(model)))
+            return unwrap(model).gather_optimizer_state(state)
         if peers:
             return gather_optimizer_state_by_tensor(model, optimizer, peers, expert_group(unwrap(model)))
 

@@ -248,20 +248,9 @@ def gather_across_experts(key: str, full: torch.Tensor, peers: dict[str, list[st
     return dict(zip(peers[key], pieces))
 
 
-def clip_gradients_with_experts(model: nn.Module, expert_mesh, max_norm: float, norm_type: float = 2.0):
-    """Clip the gradients by their norm over the whole model (`gradient_norm_with_experts`); returns that norm."""
-    total, groups = _norm_and_gradients(model, expert_mesh, norm_type)
-    clip_to_norm([grad for grads in groups.values() for grad in grads], total, max_norm)
-    return total
-
-
 def gradient_norm_with_experts(model: nn.Module, expert_mesh, norm_type: float = 2.0) -> torch.Tensor:
     """The gradients' norm over the whole model: the experts' squared norms summed over the expert group (each rank
     holds others), everyone else's as FSDP's DTensors give it (the two live on different meshes)."""
-    return _norm_and_gradients(model, expert_mesh, norm_type)[0]
-
-
-def _norm_and_gradients(model: nn.Module, expert_mesh, norm_type: float):
     groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     experts = {id(p) for _, layer in moe_layers(model) for p in getattr(layer, SPLIT).parameters()}
     for param in model.parameters():
@@ -275,4 +264,4 @@ def _norm_and_gradients(model: nn.Module, expert_mesh, norm_type: float):
         if is_expert:
             dist.all_reduce(power, group=expert_mesh.get_group())
         powers.append(power)
-    return sum(powers) ** (1.0 / norm_type), groups
+    return sum(powers) ** (1.0 / norm_type)

@@ -108,28 +108,24 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def clip_gradients_norm(self, module: nn.Module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
-        if self.pipeline is not None:  # each rank holds its stages' parameters: the norm sums over the group
-            self.precision.unscale_gradients(optimizer)
-            norm = self.gradient_norm(module, norm_type)
-            clip_to_norm([p.grad for p in module.parameters() if p.grad is not None], norm, max_norm)
-            return norm
-        if self._expert_mesh is None:
+        if self.pipeline is None and self._expert_mesh is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        from litgpt.distributed.expert_parallel import clip_gradients_with_experts
-
         self.precision.unscale_gradients(optimizer)
-        return clip_gradients_with_experts(module, self._expert_mesh["expert"], max_norm, norm_type)
+        norm = self.gradient_norm(module, norm_type)
+        clip_to_norm([p.grad for p in module.parameters() if p.grad is not None], norm, max_norm)
+        return norm
 
     def gradient_norm(self, module: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of `module`'s gradients over all ranks, without clipping them."""
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if self.pipeline is not None:
-            return self.pipeline.gradient_norm(grads, norm_type)
+        """The norm of `module`'s gradients over all ranks, without clipping them: with expert parallelism the
+        experts' summed over their group (`gradient_norm_with_experts`); with pipeline parallelism each rank holds
+        its stages' parameters, so the norm sums over the pipeline group."""
         if self._expert_mesh is None:
-            return torch.nn.utils.get_total_norm(grads, norm_type)
-        from litgpt.distributed.expert_parallel import gradient_norm_with_experts
+            norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None], norm_type)
+        else:
+            from litgpt.distributed.expert_parallel import gradient_norm_with_experts
 
-        return gradient_norm_with_experts(module, self._expert_mesh["expert"], norm_type)
+            norm = gradient_norm_with_experts(module, self._expert_mesh["expert"], norm_type)
+        return norm if self.pipeline is None else self.pipeline.summed_norm(norm, norm_type)
 
     def _parallelize(self, module: nn.Module, mesh) -> nn.Module:
         # One road to FSDP: `litgpt.distributed.parallelize` shards (with the run's precision) before materializing;

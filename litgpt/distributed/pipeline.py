@@ -54,10 +54,9 @@ class Pipeline:
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
 
-    def gradient_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of every stage's gradients: this rank's (whole over FSDP's mesh), raised to `norm_type`, summed
-        over the pipeline group."""
-        norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
+    def summed_norm(self, norm: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of every stage's gradients from this rank's stages' `norm` (a DTensor over FSDP's mesh, or whole):
+        raised to `norm_type`, summed over the pipeline group."""
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         power = norm.float().to(self.device) ** norm_type
         dist.all_reduce(power, group=self.group)
@@ -223,8 +222,13 @@ class PipelineModel(nn.Module):
                 torch.empty(n_expert + 1, device=device))
 
     def in_one_process_order(self, state: dict) -> dict:
-        """`state` (keyed by state-dict name) in the order of the whole model's state dict."""
-        return {key: state[key] for key in self.gpt.state_dict(keep_vars=True) if key in state}
+        """`state` (keyed by state-dict name) in the order of the whole model's state dict, every expert of the MoE
+        layers listed (under expert parallelism this rank's stages hold some)."""
+        from litgpt.distributed.expert_parallel import whole_experts  # it reads this module's stage layout
+
+        with whole_experts(self.gpt):
+            keys = list(self.gpt.state_dict(keep_vars=True))
+        return {key: state[key] for key in keys if key in state}
 
     def gather_weights(self, weights: dict) -> dict:
         """Every stage's full `weights` (on each pipeline rank's collecting rank, `Pipeline.collects`) in one
