@@ -246,15 +246,26 @@ def test_pipeline_times_fsdp_lora_equals_one_process(inputs, lora_one_process): 
 
 
 @pytest.mark.slow
-def test_pipeline_times_tensor_parallel_lora_equals_one_process(inputs, tmp_path):  # noqa: F811
+def test_pipeline_times_context_parallelism_equals_one_process(inputs, one_process, tmp_path):  # noqa: F811
+    """PP2 x CP2: each stage's 2 devices run half of every sequence's positions, attention gathering every position
+    of half of the heads; the loss on the last stage's slices, summed over its group."""
+    run_four(pretrain_args(inputs, tmp_path / "out"), "--parallel.context", "2")
+    assert_close_runs(tmp_path / "out", one_process, "lit_model.pth")
+    assert_same_validation(tmp_path / "out", one_process)
+
+
+@pytest.mark.slow
+def test_pipeline_times_tensor_or_context_parallel_lora_equals_one_process(inputs, tmp_path):  # noqa: F811
     """Finetuning's batches of varying lengths, cut at 63 positions, padded to one shape of 64 positions, which split
-    over the tensor-parallel group; validation's batches padded the same way."""
+    over the tensor-parallel group (PP2 x TP2) or the context-parallel one (PP2 x CP2); validation's batches padded the
+    same way."""
     args = lora_args(inputs, tmp_path / "one")
     args[args.index("--train.max_seq_length") + 1] = "63"
     run(args, "--devices", "1", *FLOAT32)
-    run_four([tmp_path / "two" if arg == tmp_path / "one" else arg for arg in args], "--parallel.tensor", "2")
-    assert_close_runs(tmp_path / "two", tmp_path / "one", "lit_model.pth.lora")
-    assert_same_final(tmp_path / "two", tmp_path / "one", "lit_model.pth", atol=1e-4)
+    for degree in ("tensor", "context"):
+        run_four([tmp_path / degree if arg == tmp_path / "one" else arg for arg in args], f"--parallel.{degree}", "2")
+        assert_close_runs(tmp_path / degree, tmp_path / "one", "lit_model.pth.lora")
+        assert_same_final(tmp_path / degree, tmp_path / "one", "lit_model.pth", atol=1e-4)
 
 
 # ---- the layout (no processes) ---------------------------------------------------------------------------------------
@@ -318,7 +329,6 @@ def test_stages_per_rank_default_to_the_schedule():
          "makes 4 pipeline stages, more than the model's 2 layers"),
         ({}, [*PP2, "--train.global_batch_size", "1"],
          "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
-        ({}, [*PP2, "--parallel.context", "2"], "--parallel.pipeline 2 with --parallel.context 2 is not supported yet"),
         ({"tie_embeddings": True}, PP2, "with tied input and output embeddings"),
         ({}, [*PP2, "--compiler", "torch", "--parallel.pipeline_schedule", "ZBVZeroBubble"],
          "ZBVZeroBubble splits each backward pass in two, which runs eager only"),
@@ -329,6 +339,13 @@ def test_what_pipeline_parallelism_refuses(changes, flags, message, inputs, tmp_
     args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **{"n_layer": LAYERS, **changes})
     result = litgpt(*args, *flags, env=child_environment())
     assert_refused_before_writing(result, message, tmp_path / "out")
+
+
+def test_pipeline_and_context_parallelism_refuse_packed_samples(inputs, tmp_path):  # noqa: F811
+    result = litgpt(*lora_args(inputs, tmp_path / "out"), "--data.packing", "true", "--devices", "2", "--num_nodes",
+                    "2", "--parallel.pipeline", "2", "--parallel.context", "2", env=child_environment())
+    assert_refused_before_writing(result, "--parallel.pipeline 2 with --parallel.context 2 and --data.packing is not "
+                                          "supported yet", tmp_path / "out")
 
 
 def test_preference_and_rl_training_refuse_pipeline_parallelism(inputs, tmp_path):  # noqa: F811

@@ -89,13 +89,10 @@ class Topology:
 
     def check_pipeline(self) -> None:
         """UserError unless the pipeline groups fit: the degree divides the world and the nodes (or one node holds
-        whole pipeline groups), not mixed with context parallelism (not yet)."""
+        whole pipeline groups)."""
         if self.world_size % self.pipeline:
             raise UserError(f"--parallel.pipeline {self.pipeline} does not divide the {self.world_size} devices "
                             "(--devices x --num_nodes): use a divisor of them.")
-        if self.context > 1:
-            raise UserError(f"--parallel.pipeline {self.pipeline} with --parallel.context {self.context} is not "
-                            "supported yet: use pipeline parallelism with tensor, expert and data parallelism (FSDP).")
         if self.sharding_strategy == "HYBRID_SHARD" and self.num_nodes > 1 and self.num_nodes % self.pipeline:
             raise UserError(f"--parallel.pipeline {self.pipeline} does not divide the {self.num_nodes} nodes, which "
                             "HYBRID_SHARD replicates over: use a divisor of them, or --fsdp.sharding_strategy "

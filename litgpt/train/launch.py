@@ -65,6 +65,10 @@ def check_parallel(job: "Job", parallel: ParallelArgs, compiler) -> None:
                         "extension compiler runs and splits the model its own way.")
     if parallel.pipeline > 1:
         check_pipeline_model(job.recipe, job.train, parallel)
+        if parallel.context > 1 and getattr(job.data, "packing", False):
+            raise UserError(f"--parallel.pipeline {parallel.pipeline} with --parallel.context {parallel.context} and "
+                            "--data.packing is not supported yet (each packed micro-batch has its own attention mask "
+                            "over the whole sequence): drop one of the three.")
     if parallel.expert > 1:
         check_expert_parallelism(job, parallel.expert)
     if parallel.context > 1:

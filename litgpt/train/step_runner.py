@@ -108,10 +108,13 @@ class PipelineSteps:
         self.fabric, self.objective = fabric, objective
         self.model = unwrap(model)
         self.pipeline = self.model.pipeline
-        self.seq_length = seq_length + -seq_length % self.model.sequence_shards
+        self.context = getattr(fabric.strategy, "context_parallel", None)
+        self.context_size = 1 if self.context is None else self.context.size
+        multiple = self.model.sequence_shards * self.context_size
+        self.seq_length = seq_length + -seq_length % multiple
         self.last_stage = next((stage for stage in self.model.stages if stage.is_last), None)
-        self.schedule = pipelining.build_schedule(self.model, n_microbatches, (micro_batch_size, self.seq_length),
-                                                  self.loss)
+        self.schedule = pipelining.build_schedule(
+            self.model, n_microbatches, (micro_batch_size, self.seq_length // self.context_size), self.loss)
         self.names: list[str] = []  # the batch's tensors, in their order along the target's dimension 1
         self.recorded: list[Losses] = []  # this step's losses of each micro-batch, on the last stage
 
@@ -131,7 +134,8 @@ class PipelineSteps:
         target = torch.stack([whole[name] for name in self.names], dim=1)
         self.recorded = []
         with self.fabric.autocast():
-            self.schedule.step(whole["input_ids"], target=target, **packed(whole.get("positions")))
+            input_ids, positions = self.stage_inputs(whole)
+            self.schedule.step(input_ids, target=target, **packed(positions))
         means = None
         if self.last_stage is not None:
             means = {name: torch.stack([losses[name] for losses in self.recorded]).mean()
@@ -142,11 +146,21 @@ class PipelineSteps:
         losses: Optional[Losses] = None
         with self.fabric.autocast():
             length = batch["input_ids"].size(1)
-            batch = pad_batch(batch, length + -length % self.model.sequence_shards)
-            hidden = pipelining.forward(self.model, batch["input_ids"], **packed(batch.get("positions")))
+            batch = pad_batch(batch, length + -length % (self.model.sequence_shards * self.context_size))
+            input_ids, positions = self.stage_inputs(batch)
+            hidden = pipelining.forward(self.model, input_ids, **packed(positions))
             if hidden is not None:
                 losses = self.objective.validation_loss(LastStageOutput(self.last_stage, hidden), batch)
         return self.pipeline.from_last_stage(losses, "validation")
+
+    def stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The token ids and packed positions the first stage reads: under context parallelism this rank's slice of
+        the positions (`ContextParallel.local_batch`). The loss still reads the whole batch (the schedule's target):
+        the context-parallel objective slices its labels the same way."""
+        if self.context is None:
+            return batch["input_ids"], batch.get("positions")
+        input_ids, _, positions = self.context.local_batch(batch["input_ids"], batch["labels"], batch.get("positions"))
+        return input_ids, positions
 
     def parameter_counts(self) -> tuple[int, int]:
         """Every stage's: this rank's stages' counts summed over the pipeline group."""
