@@ -242,6 +242,29 @@ def test_a_sharded_checkpoint_of_context_and_tensor_parallelism_loads_in_one_pro
 
 
 # ---- the mesh and the refusals ------------------------------------------------------------------------------------
+# Routers with a load-balancing loss: its statistics are the whole sequence's, summed over the group.
+MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
+           router_aux_loss_coef=0.05)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_mixture_of_experts_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """Sequences of 63 positions: the last rank's slice ends with one position of padding, which the routing
+    statistics leave out; losses, load-balancing losses and final weights equal one process's."""
+    from test_pipeline_parallel import moe_aux_losses
+
+    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
+        args = command_args("pretrain", inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "moe.yaml", **MOE)
+        args[args.index("--train.max_seq_length") + 1] = "63"
+        result = litgpt(*args, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
+    reference = moe_aux_losses(tmp_path / "one")
+    assert len(reference) == 4 and min(reference) > 0
+    assert moe_aux_losses(tmp_path / "cp2") == pytest.approx(reference, abs=1e-6)
+
+
 @pytest.mark.parametrize(
     "strategy, devices, nodes, tensor, shape, data_ranks",
     [("FULL_SHARD", 4, 1, 1, (1, 2), [0, 0, 1, 1]), ("HYBRID_SHARD", 4, 2, 2, (2, 1), [0, 0, 0, 0, 1, 1, 1, 1]),

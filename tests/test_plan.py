@@ -875,7 +875,8 @@ def test_zero_bubble_keeps_a_micro_batch_until_its_weight_pass():
     (dict(devices=2, parallel=ParallelArgs(pipeline=2, pipeline_schedule="Interleaved1F1B")),
      "makes 4 pipeline stages, more than the model's 2 layers"),
     (dict(devices=2, parallel=ParallelArgs(pipeline=2), teacher_config=Config(**TINY)), "not supported yet"),
-    (dict(devices=4, parallel=ParallelArgs(pipeline=2, context=2)), "--parallel.pipeline 2 with --parallel.context 2"),
+    (dict(devices=4, parallel=ParallelArgs(pipeline=2, tensor=2), train=train_args(32, global_batch_size=1)),
+     "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
 ])
 def test_what_the_pipeline_parallel_plan_refuses(kwargs, message):
     kwargs = {"train": train_args(32), **kwargs}
@@ -890,7 +891,8 @@ def test_what_the_pipeline_parallel_plan_refuses(kwargs, message):
     (dict(devices=3, parallel=ParallelArgs(expert=3)), "--parallel.expert 3 does not divide the 4 experts"),
     (dict(devices=1, parallel=ParallelArgs(expert=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(expert=2, tensor=2)), "plan for at least 4 devices (--devices)"),
-    (dict(devices=2, parallel=ParallelArgs(context=2)), "mixture-of-experts layers"),
+    (dict(devices=4, parallel=ParallelArgs(context=2, expert=2)),
+     "--parallel.context 2 with --parallel.expert 2 is not supported yet"),
 ])
 def test_what_the_expert_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -5,7 +5,9 @@ sequence's positions (a contiguous slice) through the whole model, and each atte
 Norms, MLPs, embeddings and the loss see only the rank's positions; rotary embeddings rotate by the positions of the
 whole sequence (the model's `sample_positions`: each token's position within its sample). The loss's sums and its
 count of labelled positions add up over the group (`ContextParallel.group_losses`), so every rank reports one
-process's loss. The model file knows nothing of this: `apply_context_parallel` wraps each attention's `attend`.
+process's loss, and so do a mixture-of-experts layer's routing statistics (`summed_router_stats`: its load-balancing
+loss is the whole sequence's, the padding that splits the sequence evenly left out of it). The model file knows
+nothing of this: `apply_context_parallel` wraps each attention's `attend` and each MoE layer's statistics.
 
 PyTorch's ring attention for CUDA (`torch.distributed.tensor.experimental.context_parallel`) would be a second
 `attend` wrapper chosen in `apply_context_parallel`; the batch split and the loss stay as they are.
@@ -23,6 +25,7 @@ from torch import nn
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.distributed.expert_parallel import AllToAllRows
 from litgpt.model import CausalSelfAttention, attention_mask
+from litgpt.moe import LLaMAMoE, RouterStats
 
 Losses = dict[str, torch.Tensor]
 
@@ -37,6 +40,7 @@ class ContextParallel:
         self.rank = mesh.get_local_rank()
         self.tensor = tensor  # each rank's slice is split again by sequence parallelism: a multiple of it
         self.mask: Optional[torch.Tensor] = None
+        self.moe_layers: list[LLaMAMoE] = []  # the run's models' MoE layers (`apply_context_parallel`)
 
     def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor]):
         """This rank's slice of the micro-batch's (input_ids, labels, sample positions), padded at their end to a
@@ -53,7 +57,18 @@ class ContextParallel:
             self.mask = attention_mask(T + pad, T + pad, None, None, input_ids.device, positions)
         input_ids, labels = F.pad(input_ids, (0, pad)), F.pad(labels, (0, pad), value=IGNORE_INDEX)
         local = slice(self.rank * (T + pad) // self.size, (self.rank + 1) * (T + pad) // self.size)
+        counted = self.counted_positions(T)
+        for layer in self.moe_layers:  # the routing statistics leave the padding out
+            layer.counted_positions = counted
         return input_ids[:, local], labels[:, local], positions[:, local]
+
+    def counted_positions(self, length: int, padded: Optional[int] = None) -> Optional[int]:
+        """How many of this rank's positions are real ones, of sequences of `length` padded at their end to `padded`
+        (default: a multiple of the group x the tensor degree) and split over the group; None where all are."""
+        padded = padded or length + -length % (self.size * self.tensor)
+        per_rank = padded // self.size
+        counted = min(max(length - self.rank * per_rank, 0), per_rank)
+        return None if counted == per_rank else counted
 
     def group_losses(self, losses: Losses, labels: torch.Tensor) -> Losses:
         """The group's losses from this rank's: each a mean over its labelled positions becomes a sum, the sums and
@@ -86,11 +101,28 @@ class SumOverGroup(torch.autograd.Function):
 
 
 def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
-    """Every attention layer of `model` (a `GPT`) attends over the whole sequence of its share of heads."""
+    """Every attention layer of `model` (a `GPT`) attends over the whole sequence of its share of heads; every
+    mixture-of-experts layer records its routing over the whole sequence (`summed_router_stats`)."""
     for block in model.transformer.h:
         if not isinstance(block.attn, CausalSelfAttention):
             raise RuntimeError(f"Context parallelism covers the fused-qkv attention, not {type(block.attn).__name__}.")
         block.attn.attend = head_scattered(block.attn.attend, context)
+        if isinstance(block.mlp, LLaMAMoE):
+            block.mlp._router_stats = summed_router_stats(block.mlp._router_stats, context)
+            context.moe_layers.append(block.mlp)
+
+
+def summed_router_stats(router_stats: Callable[..., RouterStats], context: ContextParallel) -> Callable:
+    """A MoE layer's `_router_stats` summed over the group: every rank's layer then holds the whole sequence's
+    assignments, probability sums (their gradient reaching every rank's router) and token count, as one process's."""
+
+    def over_the_group(*args) -> RouterStats:
+        stats = router_stats(*args)
+        counts = torch.cat((stats.counts.float(), stats.counts.new_tensor([stats.rows], dtype=torch.float32)))
+        dist.all_reduce(counts, group=context.group)
+        return RouterStats(counts[:-1], SumOverGroup.apply(stats.prob_sum, context.group), counts[-1])
+
+    return over_the_group
 
 
 def head_scattered(attend: Callable, context: ContextParallel) -> Callable:

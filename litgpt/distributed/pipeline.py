@@ -146,14 +146,19 @@ class StageModule(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         object.__setattr__(self, "gpt", gpt)  # not a submodule: its rotary tables and masks, never its weights
 
-    def forward(self, x: torch.Tensor, *router_stats: torch.Tensor,
-                sample_positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward(self, x: torch.Tensor, *router_stats: torch.Tensor, sample_positions: Optional[torch.Tensor] = None,
+                counted_positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`counted_positions` (one per row, the same in a micro-batch): how many of the positions are the batch's
+        own, the rest padding that the routing statistics leave out."""
         positions = x.size(1) if self.is_first else x.size(1) * self.sequence_shards
         device = x.device
         if self.is_first:
             x = self.gpt.embed(x)
+        counted = None if counted_positions is None else int(counted_positions[0])
         for layer in self.moe_layers:
             layer.router_stats = None  # each MoE layer records this pass' routing
+            if counted is not None:
+                layer.counted_positions = None if counted == positions else counted
         layer_inputs = self.gpt.layer_inputs(x, positions, positions, sample_positions=sample_positions)
         for name, block in self.transformer.h.named_children():
             x = block(x, *layer_inputs[int(name)])

@@ -128,6 +128,7 @@ class PipelineSteps:
         return losses["loss"]
 
     def train_step(self, batches: list[Batch]) -> Losses:
+        counted = self.counted_positions([batch["input_ids"].shape for batch in batches], self.seq_length)
         batches = [pad_batch(batch, self.seq_length) for batch in batches]
         self.names = list(batches[0])
         whole = {name: torch.cat([batch[name] for batch in batches]) for name in self.names}
@@ -135,7 +136,7 @@ class PipelineSteps:
         self.recorded = []
         with self.fabric.autocast():
             input_ids, positions = self.stage_inputs(whole)
-            self.schedule.step(input_ids, target=target, **packed(positions))
+            self.schedule.step(input_ids, target=target, **packed(positions), **counted)
         means = None
         if self.last_stage is not None:
             means = {name: torch.stack([losses[name] for losses in self.recorded]).mean()
@@ -146,12 +147,27 @@ class PipelineSteps:
         losses: Optional[Losses] = None
         with self.fabric.autocast():
             length = batch["input_ids"].size(1)
-            batch = pad_batch(batch, length + -length % (self.model.sequence_shards * self.context_size))
+            padded = length + -length % (self.model.sequence_shards * self.context_size)
+            counted = self.counted_positions([batch["input_ids"].shape], padded)
+            batch = pad_batch(batch, padded)
             input_ids, positions = self.stage_inputs(batch)
-            hidden = pipelining.forward(self.model, input_ids, **packed(positions))
+            hidden = pipelining.forward(self.model, input_ids, **packed(positions), **counted)
             if hidden is not None:
                 losses = self.objective.validation_loss(LastStageOutput(self.last_stage, hidden), batch)
         return self.pipeline.from_last_stage(losses, "validation")
+
+    def counted_positions(self, shapes: list[torch.Size], padded: int) -> dict[str, torch.Tensor]:
+        """The stages' `counted_positions` for micro-batches of `shapes` (rows, positions) before their padding to
+        `padded` positions, where the routers' load-balancing loss reads the routing (one process pads a batch to its
+        longest sample only); {} elsewhere."""
+        if not self.model.stages[0].carries_router_stats:
+            return {}
+        local = padded // self.context_size
+        counts = []
+        for rows, length in shapes:
+            counted = length if self.context is None else self.context.counted_positions(length, padded)
+            counts += [local if counted is None else counted] * rows
+        return {"counted_positions": torch.tensor(counts, device=self.pipeline.device)}
 
     def stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The token ids and packed positions the first stage reads: under context parallelism this rank's slice of

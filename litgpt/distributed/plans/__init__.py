@@ -57,7 +57,6 @@ def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None
         return
     name = config.name or "this model"
     unsupported = {
-        "mixture-of-experts layers": config.mlp_class_name == "LLaMAMoE",  # the router's balance is the batch's
         "latent attention": config.kv_lora_rank is not None,
         "attention sinks": bool(config.attention_sinks),
         "sliding windows": config.sliding_window_size is not None,
