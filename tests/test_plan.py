@@ -21,6 +21,7 @@ from litgpt.config import Config
 from litgpt.errors import UserError
 from litgpt.lora import LoRASettings
 from litgpt.plan import GiB, format_plan, main, plan_for, recipe_for, saved_activation_bytes
+from litgpt.distributed.pipeline import stage_layers
 from litgpt.plan.pipeline import device_stages, held_at_each_action, most_in_flight, schedule_actions
 from litgpt.plan.quantized import bnb_bytes
 from litgpt.precision import Precision
@@ -842,6 +843,25 @@ def test_pipeline_stages_and_their_parameters_by_hand():
     # 2 blocks' adapters of the query and the value: A (8 x 64) each, B (64 x 8) and (2 groups x 16 x 8)
     assert lora.trainable_params == 2 * (2 * 8 * 64 + 64 * 8 + 32 * 8)
     assert plan.gradients == plan.parameters  # every trainable weight's gradient, accumulated unsharded
+
+
+@pytest.mark.parametrize("architecture, quantize, expert", [("llama", "bnb.nf4", 1), ("qwen3-moe", None, 2)])
+def test_a_pipeline_stage_holding_every_block_has_the_whole_layout(architecture, quantize, expert):
+    """A stage's layout keeps what the whole model's says: the blocks' NF4 weights under --quantize, one device's
+    share of the experts under --parallel.expert; and two stages split them."""
+    from litgpt.plan.layout import parameter_layout, stage_layout
+    from litgpt.plan.pipeline import Stage
+
+    config = ARCHITECTURES[architecture]
+    recipe = recipe_for(config, "lora" if quantize else "full", LoRASettings() if quantize else None, quantize)
+    whole = parameter_layout(recipe, expert)
+    one_stage = stage_layout(recipe, [Stage(0, 1, range(config.n_layer))], expert)
+    assert one_stage.params == whole.params and one_stage.quantized_numel == whole.quantized_numel
+    assert len(whole.quantized_numel) == (5 * config.n_layer if quantize else 0)  # qkv, proj and the MLP's three
+    halves = [stage_layout(recipe, [Stage(index, 2, layers)], expert)
+              for index, layers in enumerate(stage_layers(config.n_layer, 2))]
+    assert sorted(halves[0].quantized_numel + halves[1].quantized_numel) == sorted(whole.quantized_numel)
+    assert sum(map(len, (halves[0].params, halves[1].params))) == len(whole.params)
 
 
 @pytest.mark.parametrize("schedule, degree, stages_per_rank, in_flight", [

@@ -805,7 +805,7 @@ def _pipeline_rank(run: _Run, saved: SavedActivations, rank: int, actions: list[
     from litgpt.plan.pipeline import BACKWARD_WEIGHT, FORWARD, device_stages, held_at_each_action
 
     stages = device_stages(rank, run.pipeline, run.stages_per_rank, run.pipeline_schedule, run.config.n_layer)
-    layout = stage_layout(run.rank_recipe, stages)
+    layout = stage_layout(run.rank_recipe, stages, run.expert)
     state, backward = _resident_state(run, layout), _block_backward(run, layout)
     # What travels between stages, in the compute dtype: under tensor parallelism the device's share of the positions.
     hidden = -(-run.tokens // run.tensor) * run.config.n_embd * run.compute

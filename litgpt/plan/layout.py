@@ -54,17 +54,14 @@ def parameter_layout(recipe: "Recipe", expert: int = 1) -> Layout:
     the blocks' linear weights marked quantized under `recipe.quantize`. Under `expert`-way expert parallelism one
     rank's: n_expert / expert routed experts of every MoE layer (with their adapters), marked `expert` (FSDP shards
     them over the ranks holding the same experts); the router and the shared experts whole."""
-    from litgpt.quantize import quantize_targets
-
     model = recipe.build_model()
-    quantized = {id(layer.weight) for _, _, layer in quantize_targets(model)} if recipe.quantize else set()
-    return _layout(model, recipe.config.n_layer, quantized, expert)
+    return _layout(model, recipe.config.n_layer, quantized_weights(recipe, model), expert)
 
 
-def stage_layout(recipe: "Recipe", stages: "list[Stage]") -> Layout:
-    """The parameters a pipeline rank holds: those of its `stages` (`litgpt.plan.pipeline.Stage`) as
-    `litgpt.distributed.pipeline.StageModule` cuts the recipe's model: their blocks (`Layout.blocks`, in order), the
-    embedding on the first stage, the final norm and the head on the last."""
+def stage_layout(recipe: "Recipe", stages: "list[Stage]", expert: int = 1) -> Layout:
+    """`parameter_layout` of what a pipeline rank holds: the parameters of its `stages`
+    (`litgpt.plan.pipeline.Stage`) as `litgpt.distributed.pipeline.StageModule` cuts the recipe's model: their blocks
+    (`Layout.blocks`, in order), the embedding on the first stage, the final norm and the head on the last."""
     import torch
 
     from litgpt.distributed.pipeline import StageModule
@@ -72,8 +69,16 @@ def stage_layout(recipe: "Recipe", stages: "list[Stage]") -> Layout:
     model = recipe.build_model()
     held = {id(param) for stage in stages
             for param in StageModule(model, stage.index, stage.n_stages, stage.layers, torch.float32).parameters()}
-    layout = _layout(model, recipe.config.n_layer, set(), held=held)
-    return Layout(layout.root, [layout.blocks[index] for stage in stages for index in stage.layers], [])
+    layout = _layout(model, recipe.config.n_layer, quantized_weights(recipe, model), expert, held=held)
+    return Layout(layout.root, [layout.blocks[index] for stage in stages for index in stage.layers],
+                  layout.quantized_numel)
+
+
+def quantized_weights(recipe: "Recipe", model: nn.Module) -> set[int]:
+    """The ids of the weights `recipe.quantize` quantizes: the blocks' linear layers' (none without it)."""
+    from litgpt.quantize import quantize_targets
+
+    return {id(layer.weight) for _, _, layer in quantize_targets(model)} if recipe.quantize else set()
 
 
 def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":

@@ -104,8 +104,8 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs) -> None:
 
 def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs) -> None:
     """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
-    (tied embeddings, a quantized base), an optimizer stepped in the backward pass (the schedule scales the gradients
-    after it). `litgpt plan` checks its plans with it too."""
+    (tied embeddings), an optimizer stepped in the backward pass (the schedule scales the gradients after it).
+    `litgpt plan` checks its plans with it too."""
     degree, stages, config = parallel.pipeline, parallel.pipeline_stages, recipe.config
     option = f"--parallel.pipeline {degree}"
     if config.n_layer < stages:
@@ -114,7 +114,6 @@ def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelA
                         "layer).")
     unsupported = [what for what, present in (
         ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
-        ("a quantized base (QLoRA)", recipe.quantize is not None),
         ("--train.optimizer_in_backward", train.optimizer_in_backward)) if present]
     if unsupported:
         raise UserError(f"{option} with {unsupported[0]} is not supported yet: leave pipeline parallelism out.")

@@ -197,6 +197,7 @@ class Recipe:
         weight; never the model. With `cpu_offload` the shards go to CPU memory as each block is sharded.
         """
         from litgpt.checkpoint.model_files import check_weights_match
+        from litgpt.distributed.expert_parallel import held_elsewhere
         from litgpt.distributed.parallelize import parallelize
         from litgpt.quantize import block_targets, store_nf4
 
@@ -218,7 +219,10 @@ class Recipe:
         model = parallelize(fabric, model, precision, self.initialize, activation_checkpointing, compile_blocks,
                             prepare_block=quantize_block, offload=offload_activations)
         rest = {key: value for key, value in state_dict.items() if key not in quantized}
-        copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized)
+        # A pipeline rank's model holds its stages: the rest of the file is other stages' (quantized there).
+        elsewhere = {key: shape for key, shape in held_elsewhere(model).items() if key in rest}
+        copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized,
+                     held_elsewhere=elsewhere)
         return model
 
     def materialize_frozen(self, fabric, precision: Precision, compile_blocks: bool) -> dict[str, nn.Module]:
