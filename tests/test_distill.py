@@ -297,6 +297,16 @@ def test_two_fully_sharded_processes_equal_one(world, distilled):
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_student_and_teacher_distill_as_one_process(world, distilled):
+    """Both models split over 2 processes (--parallel.tensor 2): the loss runs on each rank's vocabulary rows of both
+    heads, with the losses (both parts) and weights of one process."""
+    out_dir = world["root"] / "tp2"
+    p = litgpt(*distill_args(world, out_dir), "--devices", 2, "--parallel.tensor", 2)
+    assert p.returncode == 0, p.stderr
+    assert_same_run(out_dir, distilled, loss_atol=1e-5, weight_atol=1e-4)
+
+
+@pytest.mark.slow
 def test_a_pipelined_student_distills_as_one_process(world):
     """--parallel.pipeline 2 cuts a 2-layer student into 2 stages; the teacher runs whole where the last stage's loss
     reads it: the losses (both parts) and weights of one process."""
@@ -515,7 +525,7 @@ def test_the_plan_counts_the_teacher():
     the final norm and head gathered (the embedding, a unit of its own, is resharded after each forward pass), its
     final hidden states, and its chunk of logits with the KD buffers."""
     from litgpt.checkpoint.model_files import meta_device
-    from litgpt.args import FSDPArgs, TrainArgs
+    from litgpt.args import FSDPArgs, ParallelArgs, TrainArgs
     from litgpt.plan import format_plan, plan_for
 
     settings = dict(precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=2,
@@ -536,3 +546,12 @@ def test_the_plan_counts_the_teacher():
     assert at_peak["logits_loss"] == 128 * 4096 * (2 + 4 + 3 * 4)  # one chunk of all 128 positions
     text = format_plan(distilling)
     assert "distilled from a frozen 598.34 K-parameter teacher" in text and "Distillation: the frozen teacher" in text
+    # Under --parallel.tensor 2 the teacher is split as the student is: half of its parameters (each layer's heads,
+    # MLP columns and vocabulary rows; the norms whole) and its chunk of logits over half of the vocabulary.
+    split = plan_for(Config(**STUDENT), **{**settings, "fsdp": FSDPArgs(sharding_strategy="NO_SHARD")},
+                     teacher_config=Config(**TEACHER), parallel=ParallelArgs(tensor=2))
+    norms = sum(p.numel() for p in teacher.parameters() if p.dim() == 1)  # the norms (no biases)
+    assert split.teacher_params == (598_336 - norms) // 2 + norms
+    alone_split = plan_for(Config(**STUDENT), **{**settings, "fsdp": FSDPArgs(sharding_strategy="NO_SHARD")},
+                           parallel=ParallelArgs(tensor=2))
+    assert split.at_peak["logits_loss"] - alone_split.at_peak["logits_loss"] == 128 * 4096 // 2 * (2 + 4 + 3 * 4)

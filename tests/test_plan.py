@@ -813,7 +813,8 @@ def test_tensor_times_expert_parallel_parameters_of_a_mixture_of_experts_by_hand
 @pytest.mark.parametrize("kwargs, message", [
     (dict(devices=6, parallel=ParallelArgs(tensor=3)), "does not divide the 4 heads"),
     (dict(devices=1, parallel=ParallelArgs(tensor=2)), "plan for at least that many (--devices)"),
-    (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**TINY)), "with frozen models"),
+    (dict(devices=2, parallel=ParallelArgs(tensor=2), teacher_config=Config(**{**TINY, "n_query_groups": 1})),
+     "does not divide the 1 key-value groups"),  # a teacher is split as the student is
     (dict(devices=2, parallel=ParallelArgs(expert=2)), "--parallel.expert 2: this model is a dense model"),
     (dict(devices=1, parallel=ParallelArgs(context=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(context=2), teacher_config=Config(**TINY)), "with frozen models"),

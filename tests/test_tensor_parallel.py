@@ -431,9 +431,9 @@ class LocalShapes(TorchDispatchMode):
 
 def vocabulary_parallel_loss_matches(rank: int, world: int, port: int, failures) -> None:
     """The chunked losses on each rank's vocabulary rows (16 positions a chunk): the cross-entropy (gradients taken
-    in its forward pass) and the per-position negative log-likelihood of preference optimization (recomputed in its
-    backward pass) equal one process's, and no rank makes a tensor as wide as the whole vocabulary (the chunks'
-    logits are (16, vocabulary / 2))."""
+    in its forward pass), the per-position negative log-likelihood of preference optimization (recomputed in its
+    backward pass) and distillation's (`distillation_matches`) equal one process's, and no rank makes a tensor as
+    wide as the whole vocabulary (the chunks' logits are (16, vocabulary / 2))."""
     from litgpt.train.loss import loss_function
     from litgpt.train.preference_loss import token_nll
 
@@ -457,6 +457,33 @@ def vocabulary_parallel_loss_matches(rank: int, world: int, port: int, failures)
         weights = torch.rand(2, 63, generator=torch.Generator().manual_seed(3))
         assert_same_loss_and_gradients(
             whole, split, orders, lambda model, idx, labels: (token_nll(model, idx, labels, 16) * weights).sum())
+        distillation_matches(whole, split, orders, world)
+
+
+def distillation_matches(whole, split, orders: dict, world: int) -> None:
+    """Distillation's loss on each rank's vocabulary rows of the student and of a teacher split alike (every
+    divergence, a temperature, the cross-entropy mixed in, both heads soft-capped) equals one process's, and no rank
+    makes a tensor as wide as the whole vocabulary."""
+    from litgpt.args import KDArgs
+    from litgpt.train.loss import distillation_loss
+
+    teacher = whole_model({**SMALL, "n_layer": 1, "final_logit_softcapping": 20.0}).requires_grad_(False)
+    split_teacher, _ = split_copy(teacher, world)
+    vocabulary = whole.config.padded_vocab_size
+    for kd in (KDArgs("forward_kl", 2.0, 0.7), KDArgs("reverse_kl", 1.0, 1.0), KDArgs("js", 1.5, 0.5)):
+        whole.zero_grad(set_to_none=True)
+        split.zero_grad(set_to_none=True)
+        shapes = LocalShapes()
+
+        def distill(model, idx, labels):
+            if model is not split:
+                return distillation_loss(model, teacher, idx, labels, kd, chunk_size=16)["loss"]
+            with shapes:
+                return distillation_loss(model, split_teacher, idx, labels, kd, chunk_size=16)["loss"]
+
+        assert_same_loss_and_gradients(whole, split, orders, distill)
+        assert (16, vocabulary // world) in shapes.shapes, kd
+        assert not [shape for shape in shapes.shapes if vocabulary in shape], (kd, shapes.shapes)
 
 
 @pytest.mark.slow  # spawns 2 processes

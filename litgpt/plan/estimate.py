@@ -94,7 +94,7 @@ import torch
 from litgpt.args import ActivationCheckpointing, FSDPArgs, ParallelArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
-from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_recipe
+from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_config, rank_recipe
 from litgpt.plan.measure import SavedActivations, math_attention, matmul_attention, saved_activation_bytes
 from litgpt.plan.quantized import dequantize_bytes, nf4_bytes, quantize_work_bytes, stored_bytes
 from litgpt.plan.report import GiB, ROWS, count, fmt
@@ -300,7 +300,9 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
         backward = _block_backward(run, layout)
         moments = _moments(run, state, activations, gathered, backward)
     host_activations = activations["host"] + gathered.get("host", 0)  # offloaded: what the blocks saved
-    frozen = {name: (config, frozen_layout(config)) for name, config in recipe.frozen_configs().items()}
+    # A frozen model is split by tensor parallelism as the trained one is: the rank's piece.
+    pieces = {name: rank_config(config, run.tensor) for name, config in recipe.frozen_configs().items()}
+    frozen = {name: (piece, frozen_layout(piece)) for name, piece in pieces.items()}
     frozen_bytes = {name: _add_frozen(run, name, *frozen[name], moments, recipe.frozen_outputs_reach_the_loss)
                     for name in frozen}
     peak_phase, peak_rows = max(moments.items(), key=lambda item: sum(item[1].values()))
@@ -465,9 +467,8 @@ def _check_tensor_parallel(recipe: "Recipe", tensor: int, world: int) -> None:
         raise UserError(f"--parallel.tensor {tensor} splits each layer over {tensor} devices: plan for at least that "
                         "many (--devices).")
     check_tensor_parallel(recipe.config, tensor, quantized=recipe.quantize is not None)
-    if recipe.frozen_configs():
-        raise UserError(f"litgpt plan --parallel.tensor {tensor}: plans with frozen models (a teacher, a reference) "
-                        "under tensor parallelism are not supported yet.")
+    for config in recipe.frozen_configs().values():  # split as the trained model is (`rank_config`)
+        check_tensor_parallel(config, tensor)
 
 
 def _check_expert_and_context_parallel(recipe: "Recipe", expert: int, context: int, tensor: int, world: int) -> None:

@@ -88,13 +88,18 @@ def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
     experts' width (the router whole) and vocabulary rows, and LoRA factors split as their layers are
     (`plans.styles`); a model of those sizes has the rank's parameter shapes and runs its attention and MLP as the
     rank does."""
+    return recipe if tensor == 1 else dataclasses.replace(recipe, config=rank_config(recipe.config, tensor))
+
+
+def rank_config(config: Config, tensor: int) -> Config:
+    """The config of one rank's piece of a model of `config` under `tensor`-way tensor parallelism (`rank_recipe`):
+    the trained model's, or a frozen one's (a teacher is split alike)."""
     if tensor == 1:
-        return recipe
-    config = recipe.config
+        return config
     vocab_rows = config.padded_vocab_size // tensor
     heads = config.n_head // tensor
     experts, shared = config.moe_intermediate_size, config.moe_shared_intermediate_size  # None: a dense model
-    piece = dataclasses.replace(
+    return dataclasses.replace(
         config, n_head=heads, head_size=config.head_size, intermediate_size=config.intermediate_size // tensor,
         # latent attention has no key-value groups: every head expands the latent
         n_query_groups=heads if config.kv_lora_rank is not None else config.n_query_groups // tensor,
@@ -102,7 +107,6 @@ def rank_recipe(recipe: "Recipe", tensor: int) -> "Recipe":
         moe_shared_intermediate_size=None if shared is None else shared // tensor,
         padded_vocab_size=vocab_rows, vocab_size=min(config.vocab_size, vocab_rows),
     )
-    return dataclasses.replace(recipe, config=piece)
 
 
 def frozen_layout(config: Config) -> Layout:

@@ -459,7 +459,8 @@ def _target_rows(targets, rows: slice, as_tuple: bool) -> Targets:
 
 # ---- distillation: a teacher's chunk of logits beside the student's --------------------------------------------------
 def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, kd: KDArgs,
-                       need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                       need_grad: bool, shard: Optional[VocabularyShard] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The KD and cross-entropy sums of one chunk's labelled positions, and the gradient of
     alpha x KD + (1 - alpha) x CE with respect to the student's logits (zero rows where there is no label).
 
@@ -467,14 +468,19 @@ def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: tor
     reference to `teacher`, whose buffer becomes the teacher's log-probabilities). KD is the divergence `kd.loss`
     between softmax(logits / T) of the two, times T^2; its gradient with respect to the logits is then T times its
     gradient with respect to logits / T (the closed forms of `KD_TERMS`). At most five float32 (positions, vocab)
-    buffers are alive at once."""
+    buffers are alive at once. With a `shard` (tensor parallelism) both models' logits are this rank's vocabulary rows'
+    and so is the gradient; each position's normalizers and sums are taken over the group, so the values are the
+    whole vocabulary's."""
     labelled = labels != IGNORE_INDEX
     t = kd.temperature
-    log_q = torch.log_softmax(student / t, dim=1)  # the student's softened distribution
+    softened = student / t
+    # the student's softened distribution
+    log_q = torch.log_softmax(softened, dim=1) if shard is None else softened.sub_(log_sum_exp(softened, shard))
     teacher = teacher.div_(t)
-    log_p = teacher.sub_(teacher.logsumexp(dim=1, keepdim=True))  # the teacher's, in place
-    ce_sum, ce_grad = cross_entropy_chunk(student, labels, need_grad and kd.alpha < 1)  # over `student`, in place
-    kd_rows, kd_grad = KD_TERMS[kd.loss](log_q, log_p, need_grad and kd.alpha > 0)
+    log_p = teacher.sub_(log_sum_exp(teacher, shard))  # the teacher's, in place
+    # over `student`, in place
+    ce_sum, ce_grad = cross_entropy_chunk(student, labels, need_grad and kd.alpha < 1, shard)
+    kd_rows, kd_grad = KD_TERMS[kd.loss](log_q, log_p, need_grad and kd.alpha > 0, shard)
     kd_sum = torch.where(labelled, kd_rows, 0.0).sum() * (t * t)
     if not need_grad:
         return kd_sum, ce_sum, None
@@ -486,39 +492,57 @@ def distillation_chunk(student: torch.Tensor, teacher: torch.Tensor, labels: tor
     return kd_sum, ce_sum, grad
 
 
+def log_sum_exp(logits: torch.Tensor, shard: Optional[VocabularyShard] = None) -> torch.Tensor:
+    """Each position's log-sum-exp of `logits` (positions, vocab), as a column; over the group's vocabulary rows
+    with a `shard` (its maximum and its sum of exponentials all-reduced)."""
+    if shard is None:
+        return logits.logsumexp(dim=1, keepdim=True)
+    import torch.distributed as dist
+
+    maxes = shard.all_reduce(logits.amax(dim=1, keepdim=True), dist.ReduceOp.MAX)
+    sums = shard.all_reduce(torch.exp(logits - maxes).sum(dim=1, keepdim=True))
+    return maxes + sums.log()
+
+
+def row_sums(x: torch.Tensor, shard: Optional[VocabularyShard] = None) -> torch.Tensor:
+    """Each position's sum of `x` (positions, vocab); over the group's vocabulary rows with a `shard`."""
+    sums = x.sum(1)
+    return sums if shard is None else shard.all_reduce(sums)
+
+
 # The divergences between the student's softened distribution q and the teacher's p, from their log-probabilities,
 # which they overwrite: per position, and with `need_grad` the gradient with respect to the student's softened logits
 # u (q = softmax(u)). Through the softmax, d/du_j of D(q) is q_j (g_j - <q, g>) with g = dD/dq.
-def forward_kl(log_q: torch.Tensor, log_p: torch.Tensor,
-               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def forward_kl(log_q: torch.Tensor, log_p: torch.Tensor, need_grad: bool,
+               shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """KL(p || q) = sum p (log p - log q); its gradient q - p."""
     log_p_over_q = log_p - log_q
     p = log_p.exp_()
-    rows = log_p_over_q.mul_(p).sum(1)
+    rows = row_sums(log_p_over_q.mul_(p), shard)
     return rows, log_q.exp_().sub_(p) if need_grad else None
 
 
-def reverse_kl(log_q: torch.Tensor, log_p: torch.Tensor,
-               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def reverse_kl(log_q: torch.Tensor, log_p: torch.Tensor, need_grad: bool,
+               shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """KL(q || p) = sum q g with g = log q - log p; its gradient q (g - KL)."""
     qg = torch.sub(log_q, log_p)
     q = log_q.exp_()
-    rows = qg.mul_(q).sum(1)
+    rows = row_sums(qg.mul_(q), shard)
     return rows, qg.addcmul_(q, rows.unsqueeze(1), value=-1) if need_grad else None
 
 
-def jensen_shannon(log_q: torch.Tensor, log_p: torch.Tensor,
-                   need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def jensen_shannon(log_q: torch.Tensor, log_p: torch.Tensor, need_grad: bool,
+                   shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """JS = (KL(q || m) + KL(p || m)) / 2 with m = (q + p) / 2; its gradient q (g - <q, g>) with
     g = (log q - log m) / 2, so <q, g> = KL(q || m) / 2."""
     log_m = torch.logaddexp(log_q, log_p).sub_(math.log(2.0))
     p = log_p.exp()
-    kl_p = log_p.sub_(log_m).mul_(p).sum(1)
+    kl_p = row_sums(log_p.sub_(log_m).mul_(p), shard)
     del p
     q = log_q.exp()
     q_log_q_over_m = log_q.sub_(log_m).mul_(q)
     del log_m
-    kl_q = q_log_q_over_m.sum(1)
+    kl_q = row_sums(q_log_q_over_m, shard)
     rows = (kl_q + kl_p) / 2
     if not need_grad:
         return rows, None
@@ -541,10 +565,11 @@ class DistillationChunkLoss:
         self.kd, self.teacher_head = kd, teacher_head
         self.kd_sum = self.ce_sum = 0.0
 
-    def __call__(self, logits: torch.Tensor, targets: Targets,
-                 need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def __call__(self, logits: torch.Tensor, targets: Targets, need_grad: bool,
+                 shard: Optional[VocabularyShard] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         labels, teacher = targets
-        kd_sum, ce_sum, grad = distillation_chunk(logits, self.teacher_logits(teacher), labels, self.kd, need_grad)
+        kd_sum, ce_sum, grad = distillation_chunk(logits, self.teacher_logits(teacher), labels, self.kd, need_grad,
+                                                  shard)
         self.kd_sum, self.ce_sum = self.kd_sum + kd_sum.detach(), self.ce_sum + ce_sum.detach()
         return self.kd.alpha * kd_sum + (1 - self.kd.alpha) * ce_sum, grad
 
@@ -576,32 +601,44 @@ class _OnWholeLogits(torch.autograd.Function):
         return grad.mul_(grad_total).view_as(logits).to(logits.dtype), None, *(None,) * len(targets)
 
 
-def teacher_head(teacher: nn.Module, hidden: torch.Tensor) -> _HeadInDtype:
+def teacher_head(teacher: nn.Module, hidden: torch.Tensor, split: bool = False) -> _HeadInDtype:
     """The teacher's output head as whole tensors in `compute_dtype(hidden)`, after the teacher's forward: a sharded
     teacher's root keeps them gathered (`Recipe.frozen_model`); one still sharded is gathered here (a
-    collective) for this micro-batch's loss."""
+    collective) for this micro-batch's loss. `split`: this rank's vocabulary rows of a head split by tensor
+    parallelism (`shared_vocabulary_shard`)."""
     from litgpt.distributed.dtensor import gather_full
 
     head = teacher.lm_head
+    local = (lambda tensor: tensor.to_local()) if split else gather_full
     with torch.no_grad():
-        bias = None if head.bias is None else gather_full(head.bias)
-        return _HeadInDtype(gather_full(head.weight), bias, None, None, teacher.config.final_logit_softcapping,
+        bias = None if head.bias is None else local(head.bias)
+        return _HeadInDtype(local(head.weight), bias, None, None, teacher.config.final_logit_softcapping,
                             compute_dtype(hidden))
+
+
+def shared_vocabulary_shard(student_head: nn.Module, teacher_head: nn.Module) -> bool:
+    """Whether the student's and the teacher's heads are split alike by vocabulary rows (tensor parallelism of both):
+    then each rank's distillation loss runs on its rows of both (`distillation_chunk` with the shard)."""
+    shard = VocabularyShard.of(student_head.weight)
+    return (shard is not None and shard == VocabularyShard.of(teacher_head.weight)
+            and student_head.weight.shape == teacher_head.weight.shape)
 
 
 def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                       kd: KDArgs, chunk_size: Optional[int] = None, positions: Optional[torch.Tensor] = None) -> Losses:
     """alpha x KD + (1 - alpha) x CE of the student `model` (a `GPT` or Fabric's wrapper of one) against the frozen
     `teacher`, means over the labelled positions, chunk by chunk: the teacher's forward gives its final hidden states
-    once (no gradient) and each chunk builds both models' logits of its positions only."""
+    once (no gradient) and each chunk builds both models' logits of its positions only (under tensor parallelism of
+    both, of this rank's vocabulary rows only)."""
     from litgpt.checkpoint.manager import unwrap
 
     with torch.no_grad():
         teacher_hidden = teacher(input_ids, return_hidden=True, **packed(positions))
-    chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden))
     gpt = unwrap(model)
+    split = shared_vocabulary_shard(gpt.lm_head, teacher.lm_head)
+    chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden, split))
     hidden = model(input_ids, return_hidden=True, **packed(positions))
-    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping, split=False)
+    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping, split=split)
     total = chunked_head_loss(hidden, head, (labels, teacher_hidden), chunk_loss, chunk_size)
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
