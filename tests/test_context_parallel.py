@@ -242,6 +242,20 @@ def test_a_sharded_checkpoint_of_context_and_tensor_parallelism_loads_in_one_pro
 
 
 # ---- the mesh and the refusals ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_context_parallel_sliding_windows_equal_one_process(inputs, tmp_path):  # noqa: F811
+    """Every other layer attends to a window of 16 positions (of 64), Gemma 2's way with soft-capped scores and a
+    rotary base of its own: each rank's heads attend over the whole sequence with the window's mask."""
+    config = dict(sliding_window_size=16, sliding_window_pattern=2, attention_logit_softcapping=50.0,
+                  rope_local_base=1000.0)
+    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
+        args = command_args("pretrain", inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "windows.yaml", **config)
+        result = litgpt(*args, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
+
+
 # Routers with a load-balancing loss: its statistics are the whole sequence's, summed over the group.
 MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
            router_aux_loss_coef=0.05)
@@ -288,7 +302,6 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
         ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],
          "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
-        ({"sliding_window_size": 16}, CP2, "sliding windows (dist-llama) is not supported yet"),
         ({"attention_sinks": True}, CP2, "attention sinks (dist-llama) is not supported yet"),
         ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
           "qk_nope_head_dim": 8, "v_head_dim": 16},

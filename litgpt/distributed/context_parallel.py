@@ -24,23 +24,26 @@ from torch import nn
 
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.distributed.expert_parallel import AllToAllRows
-from litgpt.model import CausalSelfAttention, attention_mask
+from litgpt.model import CausalSelfAttention, attention_mask, numbered_blocks
 from litgpt.moe import LLaMAMoE, RouterStats
 
 Losses = dict[str, torch.Tensor]
 
 
 class ContextParallel:
-    """This rank's context-parallel group (the 1-D `mesh`) and the micro-batch it is running: its attention mask of
-    the whole sequence (None: plain causal), which every attention layer of the run's models reads."""
+    """This rank's context-parallel group (the 1-D `mesh`) and the micro-batch it is running: the attention masks of
+    its whole sequence (`mask_for`), which every attention layer of the run's models reads."""
 
     def __init__(self, mesh, tensor: int = 1) -> None:
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.tensor = tensor  # each rank's slice is split again by sequence parallelism: a multiple of it
-        self.mask: Optional[torch.Tensor] = None
         self.moe_layers: list[LLaMAMoE] = []  # the run's models' MoE layers (`apply_context_parallel`)
+        # The micro-batch's whole sequence: its length, its packed samples' positions (None: not packed), its device,
+        # and the attention masks built for it, by sliding window (None: none).
+        self.length, self.sample_positions, self.device = 0, None, torch.device("cpu")
+        self.masks: dict[Optional[int], Optional[torch.Tensor]] = {}
 
     def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor]):
         """This rank's slice of the micro-batch's (input_ids, labels, sample positions), padded at their end to a
@@ -48,19 +51,28 @@ class ContextParallel:
         and it has no labels. The positions are always given, so rotary embeddings rotate by whole-sequence ones."""
         B, T = input_ids.shape
         pad = -T % (self.size * self.tensor)
+        self.length, self.device, self.masks = T + pad, input_ids.device, {}
         if positions is None:
             positions = torch.arange(T + pad, device=input_ids.device).expand(B, T + pad)
-            self.mask = None
+            self.sample_positions = None
         else:
             steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
             positions = torch.cat((positions, positions[:, -1:] + steps), dim=1)  # the padding joins the last sample
-            self.mask = attention_mask(T + pad, T + pad, None, None, input_ids.device, positions)
+            self.sample_positions = positions
         input_ids, labels = F.pad(input_ids, (0, pad)), F.pad(labels, (0, pad), value=IGNORE_INDEX)
         local = slice(self.rank * (T + pad) // self.size, (self.rank + 1) * (T + pad) // self.size)
         counted = self.counted_positions(T)
         for layer in self.moe_layers:  # the routing statistics leave the padding out
             layer.counted_positions = counted
         return input_ids[:, local], labels[:, local], positions[:, local]
+
+    def mask_for(self, window: Optional[int]) -> Optional[torch.Tensor]:
+        """The attention mask of the micro-batch's whole sequence for layers of sliding `window` (None: every earlier
+        position), packed samples kept apart; None for plain causal attention. Built once per micro-batch."""
+        if window not in self.masks:
+            self.masks[window] = attention_mask(self.length, self.length, None, window, self.device,
+                                                self.sample_positions)
+        return self.masks[window]
 
     def counted_positions(self, length: int, padded: Optional[int] = None) -> Optional[int]:
         """How many of this rank's positions are real ones, of sequences of `length` padded at their end to `padded`
@@ -103,10 +115,12 @@ class SumOverGroup(torch.autograd.Function):
 def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
     """Every attention layer of `model` (a `GPT`) attends over the whole sequence of its share of heads; every
     mixture-of-experts layer records its routing over the whole sequence (`summed_router_stats`)."""
-    for block in model.transformer.h:
+    config = model.config
+    for index, block in numbered_blocks(model.transformer.h):
         if not isinstance(block.attn, CausalSelfAttention):
             raise RuntimeError(f"Context parallelism covers the fused-qkv attention, not {type(block.attn).__name__}.")
-        block.attn.attend = head_scattered(block.attn.attend, context)
+        window = config.sliding_window_size if config.is_sliding_layer(index) else None
+        block.attn.attend = head_scattered(block.attn.attend, context, window)
         if isinstance(block.mlp, LLaMAMoE):
             block.mlp._router_stats = summed_router_stats(block.mlp._router_stats, context)
             context.moe_layers.append(block.mlp)
@@ -125,16 +139,17 @@ def summed_router_stats(router_stats: Callable[..., RouterStats], context: Conte
     return over_the_group
 
 
-def head_scattered(attend: Callable, context: ContextParallel) -> Callable:
+def head_scattered(attend: Callable, context: ContextParallel, window: Optional[int]) -> Callable:
     """`attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of the heads.
     Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups. The mask the model
-    built for the local slice is replaced by the whole sequence's."""
+    built for the local slice is replaced by the whole sequence's (`ContextParallel.mask_for` the layer's sliding
+    `window`)."""
 
     def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         if q.size(-2) != k.size(-2):
             raise RuntimeError("Context parallelism runs training and scoring passes, not decoding with a KV cache.")
         q, k, v = (positions_to_heads(x, context) for x in (q, k, v))
-        return heads_to_positions(attend(q, k, v, context.mask), context)
+        return heads_to_positions(attend(q, k, v, context.mask_for(window)), context)
 
     return attend_whole_sequence
 
