@@ -31,6 +31,10 @@ from litgpt.distributed.topology import Topology
 FLOAT32 = ["--precision", "32-true"]
 CP2 = ["--devices", "2", "--parallel.context", "2", *FLOAT32]
 
+# Routers with a load-balancing loss: its statistics are the whole sequence's, summed over the group.
+MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
+           router_aux_loss_coef=0.05)
+
 
 @pytest.fixture(scope="module")
 def runs(inputs) -> dict:  # noqa: F811
@@ -114,41 +118,48 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
     """On each of 4 ranks, a (context 2, tensor 2) mesh: a model split by the tensor-parallel plan over the tensor
     dimension and by positions over the context dimension (each rank one slice of positions and half the heads of its
     tensor group's half) gives one process's loss, and its gradients, gathered over the tensor group and averaged over
-    the context group (as FSDP over the data x context ranks does), one process's."""
+    the context group (as FSDP over the data x context ranks does), one process's: a dense Llama, and gpt-oss's shape
+    (sinks split by heads twice, sliding windows, biased experts with a load-balancing loss)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from test_tensor_parallel import split_copy
+
+    with gloo_rank(rank, world, port, failures):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "tensor"))
+        gpt_oss = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
+                       router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
+        for changes in ({}, gpt_oss):  # one key-value group per rank of the 2 x 2 split
+            context_and_tensor_split_matches(mesh, {**SMALL, "n_query_groups": 4, **changes})
+
+
+def context_and_tensor_split_matches(mesh, changes: dict) -> None:
+    """`split_over_context_and_tensor_matches_whole` for the model of `changes`."""
+    from test_tensor_parallel import split_copy, whole_model
 
     from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
     from litgpt.distributed.dtensor import gather_full
-    from litgpt.model import GPT
     from litgpt.train.loss import loss_function
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    with gloo_rank(rank, world, port, failures):
-        torch.manual_seed(0)
-        whole = GPT(Config(**{**SMALL, "n_query_groups": 4}))  # one key-value group per rank of the 2 x 2 split
-        whole.init_weights()
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "tensor"))
-        split, orders = split_copy(whole, mesh["tensor"])
-        group = ContextParallel(mesh["context"], tensor=2)
-        apply_context_parallel(split, group)
-        generator = torch.Generator().manual_seed(1)
-        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
-        labels[0, :40] = -100  # the context ranks hold different numbers of labelled positions
-        batch = {"input_ids": idx, "labels": labels}
-        loss = batch_loss(loss_function("cross_entropy"))
-        expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)["loss"]
-        expected.backward()
-        actual.backward()
-        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
-        split_params = dict(split.named_parameters())
-        for key, param in whole.named_parameters():
-            if param.grad is None:
-                continue
-            grad = gather_full(split_params[key].grad, orders.get(key)).clone()
-            dist.all_reduce(grad, group=mesh["context"].get_group())
-            torch.testing.assert_close(grad / 2, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+    whole = whole_model(changes)
+    split, orders = split_copy(whole, mesh["tensor"])
+    group = ContextParallel(mesh["context"], tensor=2)
+    apply_context_parallel(split, group)
+    generator = torch.Generator().manual_seed(1)
+    idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+    labels[0, :40] = -100  # the context ranks hold different numbers of labelled positions
+    batch = {"input_ids": idx, "labels": labels}
+    loss = batch_loss(loss_function("cross_entropy"))
+    expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)["loss"]
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)  # float32: summed in other orders
+    split_params = dict(split.named_parameters())
+    for key, param in whole.named_parameters():
+        if param.grad is None:
+            continue
+        grad = gather_full(split_params[key].grad, orders.get(key)).clone()
+        dist.all_reduce(grad, group=mesh["context"].get_group())
+        torch.testing.assert_close(grad / 2, param.grad, rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow  # spawns 2 or 4 processes
@@ -256,11 +267,6 @@ def test_context_parallel_sliding_windows_equal_one_process(inputs, tmp_path):  
     assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
 
 
-# Routers with a load-balancing loss: its statistics are the whole sequence's, summed over the group.
-MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
-           router_aux_loss_coef=0.05)
-
-
 @pytest.mark.slow
 def test_a_context_parallel_mixture_of_experts_equals_one_process(inputs, tmp_path):  # noqa: F811
     """Sequences of 63 positions: the last rank's slice ends with one position of padding, which the routing
@@ -277,6 +283,21 @@ def test_a_context_parallel_mixture_of_experts_equals_one_process(inputs, tmp_pa
     reference = moe_aux_losses(tmp_path / "one")
     assert len(reference) == 4 and min(reference) > 0
     assert moe_aux_losses(tmp_path / "cp2") == pytest.approx(reference, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_gpt_oss_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts
+    with a load-balancing loss, the clamped SwiGLU; sequences of 63 positions (padded to 64 over the group)."""
+    config = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
+                  router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
+    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
+        args = command_args("pretrain", inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "gpt-oss.yaml", **config)
+        args[args.index("--train.max_seq_length") + 1] = "63"
+        result = litgpt(*args, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
 
 
 @pytest.mark.parametrize(
@@ -302,7 +323,6 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
         ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],
          "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
-        ({"attention_sinks": True}, CP2, "attention sinks (dist-llama) is not supported yet"),
         ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
           "qk_nope_head_dim": 8, "v_head_dim": 16},
          CP2, "latent attention (dist-llama) is not supported yet"),

@@ -24,6 +24,7 @@ from torch import nn
 
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.distributed.expert_parallel import AllToAllRows
+from litgpt.distributed.plans.styles import local_views
 from litgpt.model import CausalSelfAttention, attention_mask, numbered_blocks
 from litgpt.moe import LLaMAMoE, RouterStats
 
@@ -120,7 +121,7 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
         if not isinstance(block.attn, CausalSelfAttention):
             raise RuntimeError(f"Context parallelism covers the fused-qkv attention, not {type(block.attn).__name__}.")
         window = config.sliding_window_size if config.is_sliding_layer(index) else None
-        block.attn.attend = head_scattered(block.attn.attend, context, window)
+        block.attn.attend = head_scattered(block.attn, context, window)
         if isinstance(block.mlp, LLaMAMoE):
             block.mlp._router_stats = summed_router_stats(block.mlp._router_stats, context)
             context.moe_layers.append(block.mlp)
@@ -139,17 +140,24 @@ def summed_router_stats(router_stats: Callable[..., RouterStats], context: Conte
     return over_the_group
 
 
-def head_scattered(attend: Callable, context: ContextParallel, window: Optional[int]) -> Callable:
-    """`attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of the heads.
-    Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups. The mask the model
+def head_scattered(attention: CausalSelfAttention, context: ContextParallel, window: Optional[int]) -> Callable:
+    """`attention.attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of
+    the heads. Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups, and its
+    attention sinks are those heads' (the rest of the sinks' gradient comes from the other ranks). The mask the model
     built for the local slice is replaced by the whole sequence's (`ContextParallel.mask_for` the layer's sliding
     `window`)."""
+    attend = attention.attend
 
     def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         if q.size(-2) != k.size(-2):
             raise RuntimeError("Context parallelism runs training and scoring passes, not decoding with a KV cache.")
         q, k, v = (positions_to_heads(x, context) for x in (q, k, v))
-        return heads_to_positions(attend(q, k, v, context.mask_for(window)), context)
+        heads = q.size(1)
+        run = slice(context.rank * heads, (context.rank + 1) * heads)
+        sinks = [(attention, "sinks", lambda sinks: sinks[run])] if attention.config.attention_sinks else []
+        with local_views(sinks):
+            y = attend(q, k, v, context.mask_for(window))
+        return heads_to_positions(y, context)
 
     return attend_whole_sequence
 

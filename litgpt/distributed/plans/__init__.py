@@ -58,7 +58,6 @@ def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None
     name = config.name or "this model"
     unsupported = {
         "latent attention": config.kv_lora_rank is not None,
-        "attention sinks": bool(config.attention_sinks),
         # LongRoPE picks its factors by the longest position a pass holds: a slice's would differ from the whole's
         "LongRoPE scaling": (config.rope_scaling or {}).get("type") == "longrope",
     }
