@@ -507,9 +507,12 @@ class MultiheadLatentAttention(nn.Module):
         if cache is not None and not cache.latent:
             k, v = cache.update(input_pos, k, v)
 
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        y = self.attend(torch.cat((q_nope, q_rope), dim=-1), k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * c.v_head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every head's attention of q (B, nh, T, head_size) to its expanded keys and values (mask None: causal)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
 
     def attend_latent(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """Attention over the cached latents themselves, without expanding them (one decoded token): kv_b_proj's

@@ -23,7 +23,7 @@ from test_distributed import (
     litgpt,
     write_config,
 )
-from test_tensor_parallel import assert_refused_before_writing, gloo_rank, run_spawned_ranks
+from test_tensor_parallel import FAMILIES, assert_refused_before_writing, gloo_rank, run_spawned_ranks
 
 from litgpt.config import Config
 from litgpt.distributed.topology import Topology
@@ -34,6 +34,8 @@ CP2 = ["--devices", "2", "--parallel.context", "2", *FLOAT32]
 # Routers with a load-balancing loss: its statistics are the whole sequence's, summed over the group.
 MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
            router_aux_loss_coef=0.05)
+# DeepSeek-V3's shape (test_tensor_parallel.FAMILIES), with a load-balancing loss.
+DEEPSEEK_V3 = {**FAMILIES["deepseek-v3"], "router_aux_loss_coef": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +121,15 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
     dimension and by positions over the context dimension (each rank one slice of positions and half the heads of its
     tensor group's half) gives one process's loss, and its gradients, gathered over the tensor group and averaged over
     the context group (as FSDP over the data x context ranks does), one process's: a dense Llama, and gpt-oss's shape
-    (sinks split by heads twice, sliding windows, biased experts with a load-balancing loss)."""
+    (sinks split by heads twice, sliding windows, biased experts with a load-balancing loss), and DeepSeek-V3's
+    (latent attention, its keys and values expanded before the scatter; a dense first layer, a shared expert)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with gloo_rank(rank, world, port, failures):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "tensor"))
         gpt_oss = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
                        router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
-        for changes in ({}, gpt_oss):  # one key-value group per rank of the 2 x 2 split
+        for changes in ({}, gpt_oss, DEEPSEEK_V3):  # one key-value group per rank of the 2 x 2 split
             context_and_tensor_split_matches(mesh, {**SMALL, "n_query_groups": 4, **changes})
 
 
@@ -286,6 +289,20 @@ def test_a_context_parallel_mixture_of_experts_equals_one_process(inputs, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_context_parallel_deepseek_v3_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """DeepSeek-V3's shape: latent attention (each rank expands every head's keys and values from its positions'
+    latents, then attends with its run of heads over the whole sequence), a dense first layer, a shared expert,
+    sigmoid routing with a correction bias; sequences of 63 positions."""
+    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
+        args = command_args("pretrain", inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "deepseek.yaml", **DEEPSEEK_V3)
+        args[args.index("--train.max_seq_length") + 1] = "63"
+        result = litgpt(*args, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
+
+
+@pytest.mark.slow
 def test_a_context_parallel_gpt_oss_equals_one_process(inputs, tmp_path):  # noqa: F811
     """gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts
     with a load-balancing loss, the clamped SwiGLU; sequences of 63 positions (padded to 64 over the group)."""
@@ -323,9 +340,9 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
         ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],
          "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
-        ({"n_query_groups": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
-          "qk_nope_head_dim": 8, "v_head_dim": 16},
-         CP2, "latent attention (dist-llama) is not supported yet"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0, "original_max_position_embeddings": 32,
+                           "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}},
+         CP2, "LongRoPE scaling (dist-llama) is not supported yet"),
     ],
 )
 def test_what_context_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811

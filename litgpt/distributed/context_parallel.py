@@ -25,7 +25,7 @@ from torch import nn
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.distributed.expert_parallel import AllToAllRows
 from litgpt.distributed.plans.styles import local_views
-from litgpt.model import CausalSelfAttention, attention_mask, numbered_blocks
+from litgpt.model import CausalSelfAttention, MultiheadLatentAttention, attention_mask, numbered_blocks
 from litgpt.moe import LLaMAMoE, RouterStats
 
 Losses = dict[str, torch.Tensor]
@@ -118,8 +118,9 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
     mixture-of-experts layer records its routing over the whole sequence (`summed_router_stats`)."""
     config = model.config
     for index, block in numbered_blocks(model.transformer.h):
-        if not isinstance(block.attn, CausalSelfAttention):
-            raise RuntimeError(f"Context parallelism covers the fused-qkv attention, not {type(block.attn).__name__}.")
+        if not isinstance(block.attn, (CausalSelfAttention, MultiheadLatentAttention)):
+            raise RuntimeError(f"Context parallelism covers fused-qkv and latent attention, not "
+                               f"{type(block.attn).__name__}.")
         window = config.sliding_window_size if config.is_sliding_layer(index) else None
         block.attn.attend = head_scattered(block.attn, context, window)
         if isinstance(block.mlp, LLaMAMoE):
@@ -140,12 +141,12 @@ def summed_router_stats(router_stats: Callable[..., RouterStats], context: Conte
     return over_the_group
 
 
-def head_scattered(attention: CausalSelfAttention, context: ContextParallel, window: Optional[int]) -> Callable:
+def head_scattered(attention: nn.Module, context: ContextParallel, window: Optional[int]) -> Callable:
     """`attention.attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of
-    the heads. Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups, and its
-    attention sinks are those heads' (the rest of the sinks' gradient comes from the other ranks). The mask the model
-    built for the local slice is replaced by the whole sequence's (`ContextParallel.mask_for` the layer's sliding
-    `window`)."""
+    the heads (latent attention's keys and values expanded per head first). Heads are dealt in contiguous runs, so
+    each rank's query heads share its key-value groups, and its attention sinks are those heads' (the rest of the
+    sinks' gradient comes from the other ranks). The mask the model built for the local slice is replaced by the whole
+    sequence's (`ContextParallel.mask_for` the layer's sliding `window`)."""
     attend = attention.attend
 
     def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:

@@ -51,13 +51,12 @@ def check_expert_parallel(config: Config, degree: int) -> None:
 
 
 def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None:
-    """UserError unless `degree`-way context parallelism (the head scatter) covers `config`: plain causal attention
-    of the fused-qkv kind, whose heads and key-value groups left on each of `tensor` ranks split evenly."""
+    """UserError unless `degree`-way context parallelism (the head scatter) covers `config`: fused-qkv or latent
+    attention whose heads (and key-value groups) left on each of `tensor` ranks split evenly."""
     if degree == 1:
         return
     name = config.name or "this model"
     unsupported = {
-        "latent attention": config.kv_lora_rank is not None,
         # LongRoPE picks its factors by the longest position a pass holds: a slice's would differ from the whole's
         "LongRoPE scaling": (config.rope_scaling or {}).get("type") == "longrope",
     }
@@ -65,7 +64,9 @@ def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None
         if present:
             raise UserError(f"--parallel.context {degree}: context parallelism of models with {feature} ({name}) is "
                             "not supported yet; use --parallel.context 1.")
-    sizes = {"heads (n_head)": config.n_head, "key-value groups (n_query_groups)": config.n_query_groups}
+    sizes = {"heads (n_head)": config.n_head}
+    if config.kv_lora_rank is None:  # latent attention expands its keys and values for every head
+        sizes["key-value groups (n_query_groups)"] = config.n_query_groups
     for what, size in sizes.items():
         if size % (degree * tensor):
             per_rank = f" x --parallel.tensor {tensor}" if tensor > 1 else ""
