@@ -36,6 +36,9 @@ MOE = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_inte
            router_aux_loss_coef=0.05)
 # DeepSeek-V3's shape (test_tensor_parallel.FAMILIES), with a load-balancing loss.
 DEEPSEEK_V3 = {**FAMILIES["deepseek-v3"], "router_aux_loss_coef": 0.05}
+# gpt-oss's shape: a sink per head, every other layer sliding, biased experts, the clamped SwiGLU.
+GPT_OSS = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
+               router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +130,7 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
 
     with gloo_rank(rank, world, port, failures):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("context", "tensor"))
-        gpt_oss = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
-                       router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
-        for changes in ({}, gpt_oss, DEEPSEEK_V3):  # one key-value group per rank of the 2 x 2 split
+        for changes in ({}, GPT_OSS, DEEPSEEK_V3):  # one key-value group per rank of the 2 x 2 split
             context_and_tensor_split_matches(mesh, {**SMALL, "n_query_groups": 4, **changes})
 
 
@@ -255,19 +256,35 @@ def test_a_sharded_checkpoint_of_context_and_tensor_parallelism_loads_in_one_pro
                                        rtol=1e-4, atol=1e-7)
 
 
-# ---- the mesh and the refusals ------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_context_parallel_sliding_windows_equal_one_process(inputs, tmp_path):  # noqa: F811
-    """Every other layer attends to a window of 16 positions (of 64), Gemma 2's way with soft-capped scores and a
-    rotary base of its own: each rank's heads attend over the whole sequence with the window's mask."""
-    config = dict(sliding_window_size=16, sliding_window_pattern=2, attention_logit_softcapping=50.0,
-                  rope_local_base=1000.0)
+# ---- the families beyond dense attention ----------------------------------------------------------------------------
+def pretrain_one_and_cp2(inputs: dict, tmp_path, config: dict, seq_length: int) -> None:  # noqa: F811
+    """Pretraining of a model of `config` on sequences of `seq_length` positions in one process (tmp_path/one) and
+    over a CP2 group (tmp_path/cp2): the same losses and final weights."""
     for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
         args = command_args("pretrain", inputs, tmp_path / name)
-        args[args.index("--config") + 1] = write_config(tmp_path / "windows.yaml", **config)
+        args[args.index("--config") + 1] = write_config(tmp_path / "model.yaml", **config)
+        args[args.index("--train.max_seq_length") + 1] = str(seq_length)
         result = litgpt(*args, *flags)
         assert result.returncode == 0, result.stderr[-3000:]
     assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    # Every other layer attends to a window of 16 positions (of 64), Gemma 2's way with soft-capped scores and a rotary
+    # base of its own: each rank's heads attend over the whole sequence with the window's mask.
+    dict(sliding_window_size=16, sliding_window_pattern=2, attention_logit_softcapping=50.0, rope_local_base=1000.0),
+    # DeepSeek-V3's shape: latent attention (each rank expands every head's keys and values from its positions'
+    # latents, then attends with its run of heads over the whole sequence), a dense first layer, a shared expert,
+    # sigmoid routing with a correction bias.
+    DEEPSEEK_V3,
+    # gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts with
+    # a load-balancing loss, the clamped SwiGLU.
+    GPT_OSS,
+], ids=["sliding-windows", "deepseek-v3", "gpt-oss"])
+def test_context_parallel_families_equal_one_process(config, inputs, tmp_path):  # noqa: F811
+    """Sequences of 63 positions (padded to 64 over the group)."""
+    pretrain_one_and_cp2(inputs, tmp_path, config, 63)
 
 
 @pytest.mark.slow
@@ -276,47 +293,13 @@ def test_a_context_parallel_mixture_of_experts_equals_one_process(inputs, tmp_pa
     statistics leave out; losses, load-balancing losses and final weights equal one process's."""
     from test_pipeline_parallel import moe_aux_losses
 
-    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
-        args = command_args("pretrain", inputs, tmp_path / name)
-        args[args.index("--config") + 1] = write_config(tmp_path / "moe.yaml", **MOE)
-        args[args.index("--train.max_seq_length") + 1] = "63"
-        result = litgpt(*args, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
+    pretrain_one_and_cp2(inputs, tmp_path, MOE, 63)
     reference = moe_aux_losses(tmp_path / "one")
     assert len(reference) == 4 and min(reference) > 0
     assert moe_aux_losses(tmp_path / "cp2") == pytest.approx(reference, abs=1e-6)
 
 
-@pytest.mark.slow
-def test_a_context_parallel_deepseek_v3_equals_one_process(inputs, tmp_path):  # noqa: F811
-    """DeepSeek-V3's shape: latent attention (each rank expands every head's keys and values from its positions'
-    latents, then attends with its run of heads over the whole sequence), a dense first layer, a shared expert,
-    sigmoid routing with a correction bias; sequences of 63 positions."""
-    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
-        args = command_args("pretrain", inputs, tmp_path / name)
-        args[args.index("--config") + 1] = write_config(tmp_path / "deepseek.yaml", **DEEPSEEK_V3)
-        args[args.index("--train.max_seq_length") + 1] = "63"
-        result = litgpt(*args, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
-
-
-@pytest.mark.slow
-def test_a_context_parallel_gpt_oss_equals_one_process(inputs, tmp_path):  # noqa: F811
-    """gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts
-    with a load-balancing loss, the clamped SwiGLU; sequences of 63 positions (padded to 64 over the group)."""
-    config = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
-                  router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
-    for name, flags in (("one", ["--devices", "1", *FLOAT32]), ("cp2", CP2)):
-        args = command_args("pretrain", inputs, tmp_path / name)
-        args[args.index("--config") + 1] = write_config(tmp_path / "gpt-oss.yaml", **config)
-        args[args.index("--train.max_seq_length") + 1] = "63"
-        result = litgpt(*args, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(tmp_path / "cp2", tmp_path / "one", "lit_model.pth")
-
-
+# ---- the mesh and the refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "strategy, devices, nodes, tensor, shape, data_ranks",
     [("FULL_SHARD", 4, 1, 1, (1, 2), [0, 0, 1, 1]), ("HYBRID_SHARD", 4, 2, 2, (2, 1), [0, 0, 0, 0, 1, 1, 1, 1]),
