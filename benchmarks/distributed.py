@@ -69,6 +69,9 @@ PARALLEL_CASES = {
     "tp2-fsdp2": (4, ["--parallel.tensor", "2"], TINY_RECIPE),
     "pp2": (2, ["--parallel.pipeline", "2"], TINY_RECIPE),
     "pp2-fsdp2": (4, ["--parallel.pipeline", "2"], TINY_RECIPE),
+    "pp2-tp2": (4, ["--parallel.pipeline", "2", "--parallel.tensor", "2"], TINY_RECIPE),
+    "pp2-cp2": (4, ["--parallel.pipeline", "2", "--parallel.context", "2"], TINY_RECIPE),
+    "pp2-ep2": (4, ["--parallel.pipeline", "2", "--parallel.expert", "2"], MOE_RECIPE),
     "ep2": (2, ["--parallel.expert", "2"], MOE_RECIPE),
     "ep2-fsdp2": (4, ["--parallel.expert", "2"], MOE_RECIPE),
 }
