@@ -68,6 +68,7 @@ def parallelize(
         parts = [model]
     else:  # what travels between stages: the residual stream in FSDP's compute dtype
         parts = split_into_stages(model, pipeline, precision.sharded_compute_dtype or dtype)
+        one_process_keys = list(model.state_dict(keep_vars=True))  # before expert parallelism splits the experts
     for part in parts:
         parallelize_part(fabric, part, precision, activation_checkpointing, compile_blocks, prepare_block, offload)
     orders = row_orders(model)  # the permuted rows draw what one process draws, in their stored order
@@ -76,7 +77,7 @@ def parallelize(
     # The whole model in one process's order: another stage's weights, still on the meta device, are drawn and dropped.
     with torch.no_grad(), FullTensorInit(rows, fabric.device), whole_experts(model):
         initialize(model)
-    return model if pipeline is None else PipelineModel(model, parts, pipeline)
+    return model if pipeline is None else PipelineModel(model, parts, pipeline, one_process_keys)
 
 
 def parallelize_part(fabric, model: nn.Module, precision: Precision,

@@ -190,9 +190,13 @@ class PipelineModel(nn.Module):
     beside them (not registered). It is never called: its stages run through `build_schedule`'s schedule and
     `Pipeline.forward`."""
 
-    def __init__(self, gpt: GPT, stages: list[StageModule], pipeline: Pipeline) -> None:
+    def __init__(self, gpt: GPT, stages: list[StageModule], pipeline: Pipeline,
+                 one_process_keys: Optional[list[str]] = None) -> None:
         super().__init__()
         self.config, self.pipeline = gpt.config, pipeline
+        # The whole model's state-dict keys in order, every expert of the MoE layers listed: taken before expert
+        # parallelism leaves this rank's stages some of them (default: the model's keys now).
+        self.one_process_keys = one_process_keys or list(gpt.state_dict(keep_vars=True))
         if any(stage.is_last for stage in stages):
             self.lm_head = gpt.lm_head
         parts: dict[str, nn.Module] = {"wte": gpt.transformer.wte} if any(stage.is_first for stage in stages) else {}
@@ -227,13 +231,8 @@ class PipelineModel(nn.Module):
                 torch.empty(n_expert + 1, device=device))
 
     def in_one_process_order(self, state: dict) -> dict:
-        """`state` (keyed by state-dict name) in the order of the whole model's state dict, every expert of the MoE
-        layers listed (under expert parallelism this rank's stages hold some)."""
-        from litgpt.distributed.expert_parallel import whole_experts  # it reads this module's stage layout
-
-        with whole_experts(self.gpt):
-            keys = list(self.gpt.state_dict(keep_vars=True))
-        return {key: state[key] for key in keys if key in state}
+        """`state` (keyed by state-dict name) in the order of the whole model's state dict (`one_process_keys`)."""
+        return {key: state[key] for key in self.one_process_keys if key in state}
 
     def gather_weights(self, weights: dict) -> dict:
         """Every stage's full `weights` (on each pipeline rank's collecting rank, `Pipeline.collects`) in one
