@@ -98,10 +98,10 @@ class LastStageOutput:
 
 class PipelineSteps:
     """A step's micro-batches through this rank's stages by the pipeline schedule (`n_microbatches` of them, each
-    right-padded to `seq_length` positions, rounded up to split over a tensor-parallel group's sequence parallelism:
-    the stages exchange tensors of one declared shape). Each micro-batch's
-    tensors travel to the last stage as the schedule's target (stacked along a new dimension 1), where the recipe's
-    loss reads them back as a batch."""
+    right-padded to `seq_length` positions rounded up to a multiple of the tensor x context-parallel degrees: the
+    stages exchange tensors of one declared shape, split over the sequence by both). Each micro-batch's tensors travel
+    to the last stage as the schedule's target (stacked along a new dimension 1), where the recipe's loss reads them
+    back as a batch."""
 
     def __init__(self, fabric, model: nn.Module, objective: Objective, n_microbatches: int, micro_batch_size: int,
                  seq_length: int) -> None:
