@@ -68,12 +68,10 @@ class FSDPCheckpointIO:
         return in_one_process_order(gathered, unwrap(model))
 
     def gather_optimizer_state(self, model: nn.Module, optimizer) -> dict:
-        peers = expert_peers(unwrap(model))
-        if pipeline_of(unwrap(model)) is not None:  # this pipeline rank's (its experts gathered), then every stage's
+        peers, pipelined = expert_peers(unwrap(model)), pipeline_of(unwrap(model)) is not None
+        if peers or pipelined:  # tensor by tensor, experts from their owners; a pipeline's then from every stage
             state = gather_optimizer_state_by_tensor(model, optimizer, peers, expert_group(unwrap(model)))
-            return unwrap(model).gather_optimizer_state(state)
-        if peers:
-            return gather_optimizer_state_by_tensor(model, optimizer, peers, expert_group(unwrap(model)))
+            return unwrap(model).gather_optimizer_state(state) if pipelined else state
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(model, optimizer, options=options)

@@ -220,9 +220,8 @@ class Recipe:
                             prepare_block=quantize_block, offload=offload_activations)
         rest = {key: value for key, value in state_dict.items() if key not in quantized}
         # A pipeline rank's model holds its stages: the rest of the file is other stages' (quantized there).
-        elsewhere = {key: shape for key, shape in held_elsewhere(model).items() if key in rest}
         copy_weights(model, rest, str(path), lambda key: self.is_initial_key(key) and key not in quantized,
-                     held_elsewhere=elsewhere)
+                     held_elsewhere=held_elsewhere(model))
         return model
 
     def materialize_frozen(self, fabric, precision: Precision, compile_blocks: bool) -> dict[str, nn.Module]:
