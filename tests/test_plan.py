@@ -956,10 +956,10 @@ def published_plans() -> dict[str, object]:
       activation checkpointing (sequence length 8,192, torchtitan's llama3_70b.toml); it measured 71.9 GiB.
     - Llama 3.1 405B: docs/performance.md (the "Llama 3.1 performance numbers" of its earlier version): 128 H100s as
       FSDP 16 x TP 8, local batch 2, full activation checkpointing, sequence length 8,192 (llama3_405b.toml).
-    - DeepSeek-V3 671B: torchtitan's train_configs/deepseek_v3_671b.toml: sequences of 4,096, full activation
-      checkpointing, FSDP with TP 8 and a local batch of 4 per TP group, on 32 nodes of 8 GPUs. litgpt has no tensor
-      parallelism of latent attention and experts yet (nor pipeline parallelism): planned as EP 8 within each node
-      + FSDP over the 256 GPUs, one sequence per GPU (the tutorial's command)."""
+    - DeepSeek-V3 671B: torchtitan's train_configs/deepseek_v3_671b.toml as of July-August 2025 (commits d54d05a to
+      b5b7ffb): sequences of 4,096, full activation checkpointing, FSDP with TP 8 (latent attention and every expert
+      split along their width; expert_parallel_degree 1) and a local batch of 4 per TP group, on 32 nodes of 8
+      GPUs."""
     full = dict(method="full", precision="bf16-mixed", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), devices=8)
 
     def plan(name: str, nodes: int, parallel: ParallelArgs, seq_length: int, batch: int):
@@ -969,7 +969,7 @@ def published_plans() -> dict[str, object]:
     return {
         "Llama 3.1 70B": plan("Llama-3.1-70B", 32, ParallelArgs(tensor=8), 8192, 16),
         "Llama 3.1 405B": plan("Llama-3.1-405B", 16, ParallelArgs(tensor=8), 8192, 2),
-        "DeepSeek-V3": plan("DeepSeek-V3", 32, ParallelArgs(expert=8), 4096, 1),
+        "DeepSeek-V3": plan("DeepSeek-V3", 32, ParallelArgs(tensor=8), 4096, 4),
     }
 
 
