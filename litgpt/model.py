@@ -70,13 +70,19 @@ class GPT(nn.Module):
                 cos, sin = cos[int(T > original)], sin[int(T > original)]
             return cos[:T], sin[:T]
         if longrope:
-            which = (positions.amax(dim=-1, keepdim=True) >= original).long().expand_as(positions)
+            which = (self.longest_position(positions) >= original).long().expand_as(positions)
             cos, sin = cos[which, positions], sin[which, positions]
         else:
             cos, sin = cos[positions], sin[positions]
         if positions.dim() == 2:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return cos, sin
+
+    def longest_position(self, positions: torch.Tensor) -> torch.Tensor:
+        """The longest position of the pass (`positions` (T,)) or of each row ((B, T)), shaped (1,) or (B, 1): what
+        LongRoPE's choice of factors reads. A pass over a slice of each sequence (context parallelism) is told the
+        whole sequence's instead."""
+        return positions.amax(dim=-1, keepdim=True)
 
     # ---- KV cache -----------------------------------------------------------------------------------------------------
     def set_kv_cache(self, batch_size: int, max_seq_length: Optional[int] = None, device=None, dtype=None) -> None:

@@ -39,6 +39,11 @@ DEEPSEEK_V3 = {**FAMILIES["deepseek-v3"], "router_aux_loss_coef": 0.05}
 # gpt-oss's shape: a sink per head, every other layer sliding, biased experts, the clamped SwiGLU.
 GPT_OSS = dict(MOE, attention_sinks=True, sliding_window_size=16, sliding_window_pattern=2, bias=True,
                router_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
+# Phi-3's LongRoPE, with the switch to the long factors at position 32: a sequence of 63 positions rotates by the long
+# factors everywhere, also on the rank whose slice ends before position 32.
+LONGROPE = dict(rope_scaling={"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32,
+                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                              "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0]})
 
 
 @pytest.fixture(scope="module")
@@ -83,40 +88,51 @@ def test_a_sharded_context_parallel_checkpoint_resumes_in_one_process(inputs, ru
 
 # ---- the model and the loss split by positions ---------------------------------------------------------------------
 def split_by_positions_matches_whole(rank: int, world: int, port: int, failures) -> None:
-    """On each rank: a model whose attention gathers the positions, on its slice of a packed batch of an odd length
-    (padded), gives one process's loss, and its gradients averaged over the group (as FSDP does) one process's."""
+    """On each rank: a model whose attention gathers the positions, on its slice of a batch of an odd length
+    (padded), whole or packed, gives one process's loss, and its gradients averaged over the group (as FSDP does)
+    one process's; with LongRoPE too, whose packed rows here choose different factors (the first row's longest sample
+    reaches position 32, the second's stops at 31)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    with gloo_rank(rank, world, port, failures):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("context",))
+        for changes in ({}, LONGROPE):
+            split_by_positions_matches(mesh, {**SMALL, **changes})
+
+
+def split_by_positions_matches(mesh, config: dict) -> None:
+    """`split_by_positions_matches_whole` for the model of `config`."""
     from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
     from litgpt.model import GPT
     from litgpt.train.loss import loss_function
     from litgpt.train.objective import on_local_positions
     from litgpt.train.recipe import batch_loss
 
-    with gloo_rank(rank, world, port, failures):
-        torch.manual_seed(0)
-        whole = GPT(Config(**SMALL))
-        whole.init_weights()
-        split = GPT(Config(**SMALL))
-        split.load_state_dict(whole.state_dict())
-        group = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("context",)))
-        apply_context_parallel(split, group)
-        generator = torch.Generator().manual_seed(1)
-        idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
-        labels[0, :40] = -100  # the ranks hold different numbers of labelled positions
-        for positions in (None, torch.cat((torch.arange(30), torch.arange(33))).expand(2, 63)):
-            batch = {"input_ids": idx, "labels": labels, **({} if positions is None else {"positions": positions})}
-            loss = batch_loss(loss_function("cross_entropy"))
-            whole.zero_grad(), split.zero_grad()
-            expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)
-            expected.backward()
-            actual["loss"].backward()
-            torch.testing.assert_close(actual["loss"], expected, rtol=0, atol=1e-6)
-            split_params = dict(split.named_parameters())
-            for key, param in whole.named_parameters():
-                grad = split_params[key].grad.clone()
-                dist.all_reduce(grad)
-                torch.testing.assert_close(grad / world, param.grad, rtol=1e-5, atol=1e-6, msg=key)
+    torch.manual_seed(0)
+    whole = GPT(Config(**config))
+    whole.init_weights()
+    split = GPT(Config(**config))
+    split.load_state_dict(whole.state_dict())
+    group = ContextParallel(mesh)
+    apply_context_parallel(split, group)
+    generator = torch.Generator().manual_seed(1)
+    idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
+    labels[0, :40] = -100  # the ranks hold different numbers of labelled positions
+    packed = torch.stack([torch.cat((torch.arange(30), torch.arange(33))),
+                          torch.cat((torch.arange(31), torch.arange(32)))])
+    for positions in (None, packed):
+        batch = {"input_ids": idx, "labels": labels, **({} if positions is None else {"positions": positions})}
+        loss = batch_loss(loss_function("cross_entropy"))
+        whole.zero_grad(), split.zero_grad()
+        expected, actual = loss(whole, batch)["loss"], on_local_positions(loss, group)(split, batch)
+        expected.backward()
+        actual["loss"].backward()
+        torch.testing.assert_close(actual["loss"], expected, rtol=0, atol=1e-6)
+        split_params = dict(split.named_parameters())
+        for key, param in whole.named_parameters():
+            grad = split_params[key].grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad / mesh.size(), param.grad, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int, failures) -> None:
@@ -281,7 +297,9 @@ def pretrain_one_and_cp2(inputs: dict, tmp_path, config: dict, seq_length: int) 
     # gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts with
     # a load-balancing loss, the clamped SwiGLU.
     GPT_OSS,
-], ids=["sliding-windows", "deepseek-v3", "gpt-oss"])
+    # Phi-3's LongRoPE: every rank rotates by the long factors, which the whole sequence of 63 positions takes.
+    LONGROPE,
+], ids=["sliding-windows", "deepseek-v3", "gpt-oss", "longrope"])
 def test_context_parallel_families_equal_one_process(config, inputs, tmp_path):  # noqa: F811
     """Sequences of 63 positions (padded to 64 over the group)."""
     pretrain_one_and_cp2(inputs, tmp_path, config, 63)
@@ -323,9 +341,6 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
         ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],
          "--parallel.context 2 x --parallel.tensor 2 does not divide the 2 key-value groups"),
-        ({"rope_scaling": {"type": "longrope", "factor": 2.0, "original_max_position_embeddings": 32,
-                           "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}},
-         CP2, "LongRoPE scaling (dist-llama) is not supported yet"),
     ],
 )
 def test_what_context_parallelism_refuses(changes, flags, message, inputs, tmp_path):  # noqa: F811

@@ -44,6 +44,8 @@ class ContextParallel:
         # The micro-batch's whole sequence: its length, its packed samples' positions (None: not packed), its device,
         # and the attention masks built for it, by sliding window (None: none).
         self.length, self.sample_positions, self.device = 0, None, torch.device("cpu")
+        # The longest real position of each row of the micro-batch ((B, 1); (1, 1) where every row is alike).
+        self.longest = torch.zeros(1, 1, dtype=torch.long)
         self.masks: dict[Optional[int], Optional[torch.Tensor]] = {}
 
     def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor]):
@@ -55,8 +57,9 @@ class ContextParallel:
         self.length, self.device, self.masks = T + pad, input_ids.device, {}
         if positions is None:
             positions = torch.arange(T + pad, device=input_ids.device).expand(B, T + pad)
-            self.sample_positions = None
+            self.sample_positions, self.longest = None, positions[:1, T - 1:T]
         else:
+            self.longest = positions.amax(dim=-1, keepdim=True)
             steps = torch.arange(1, pad + 1, device=positions.device, dtype=positions.dtype)
             positions = torch.cat((positions, positions[:, -1:] + steps), dim=1)  # the padding joins the last sample
             self.sample_positions = positions
@@ -66,6 +69,10 @@ class ContextParallel:
         for layer in self.moe_layers:  # the routing statistics leave the padding out
             layer.counted_positions = counted
         return input_ids[:, local], labels[:, local], positions[:, local]
+
+    def longest_position(self, positions: torch.Tensor) -> torch.Tensor:
+        """`GPT.longest_position` of this rank's slice `positions` (B, T): the whole sequence's, padding left out."""
+        return self.longest.expand(positions.size(0), 1)
 
     def mask_for(self, window: Optional[int]) -> Optional[torch.Tensor]:
         """The attention mask of the micro-batch's whole sequence for layers of sliding `window` (None: every earlier
@@ -115,8 +122,11 @@ class SumOverGroup(torch.autograd.Function):
 
 def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
     """Every attention layer of `model` (a `GPT`) attends over the whole sequence of its share of heads; every
-    mixture-of-experts layer records its routing over the whole sequence (`summed_router_stats`)."""
+    mixture-of-experts layer records its routing over the whole sequence (`summed_router_stats`); rotary embeddings
+    choose LongRoPE's factors by the whole sequence's longest position."""
     config = model.config
+    gpt = getattr(model, "gpt", model)  # a pipeline stage builds its rotary tables with its whole GPT's
+    gpt.longest_position = context.longest_position
     for index, block in numbered_blocks(model.transformer.h):
         if not isinstance(block.attn, (CausalSelfAttention, MultiheadLatentAttention)):
             raise RuntimeError(f"Context parallelism covers fused-qkv and latent attention, not "

@@ -56,14 +56,6 @@ def check_context_parallel(config: Config, degree: int, tensor: int = 1) -> None
     if degree == 1:
         return
     name = config.name or "this model"
-    unsupported = {
-        # LongRoPE picks its factors by the longest position a pass holds: a slice's would differ from the whole's
-        "LongRoPE scaling": (config.rope_scaling or {}).get("type") == "longrope",
-    }
-    for feature, present in unsupported.items():
-        if present:
-            raise UserError(f"--parallel.context {degree}: context parallelism of models with {feature} ({name}) is "
-                            "not supported yet; use --parallel.context 1.")
     sizes = {"heads (n_head)": config.n_head}
     if config.kv_lora_rank is None:  # latent attention expands its keys and values for every head
         sizes["key-value groups (n_query_groups)"] = config.n_query_groups
