@@ -74,6 +74,7 @@ PARALLEL_CASES = {
     "pp2-ep2": (4, ["--parallel.pipeline", "2", "--parallel.expert", "2"], MOE_RECIPE),
     "ep2": (2, ["--parallel.expert", "2"], MOE_RECIPE),
     "ep2-fsdp2": (4, ["--parallel.expert", "2"], MOE_RECIPE),
+    "cp2-ep2": (2, ["--parallel.context", "2", "--parallel.expert", "2"], MOE_RECIPE),
 }
 
 

@@ -108,6 +108,18 @@ def test_tensor_parallel_pretraining_of_the_moe_shapes_equals_one_process(shape,
     assert_close_runs(tp2, one, "lit_model.pth")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_context_times_expert_parallel_pretraining_equals_one_process(shape, runs):
+    """CP2 x EP2 on 2 processes: the expert group is the context group (each rank routes its half of every
+    sequence's positions to the experts' owners), FSDP averages every gradient over both; the routing statistics of
+    the load-balancing loss are the whole sequence's. The losses (with the auxiliary loss) and final weights of one
+    process."""
+    one = runs(shape, "one", "--devices", "1", *FLOAT32)
+    both = runs(shape, "cp2-ep2", *EP2, "--parallel.context", "2")
+    assert_close_runs(both, one, "lit_model.pth")
+
+
 def four_processes(out_dir: Path, inputs: dict, model: dict, *flags) -> Path:  # noqa: F811
     """Pretraining `model` with `flags` on 4 processes (two torchrun "nodes" of 2, FULL_SHARD); its out_dir."""
     args = [*pretrain_args(inputs, out_dir, model), "--devices", "2", "--num_nodes", "2", *flags,
@@ -130,6 +142,15 @@ def test_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F
     """2 expert groups of 2, each expert's weights FSDP-sharded over the 2 ranks holding it, every rank reading its
     own batches."""
     out_dir = four_processes(inputs["root"] / "ep-qwen3-moe-four", inputs, QWEN3_MOE, "--parallel.expert", "2")
+    assert_close_runs(out_dir, runs("qwen3-moe", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
+
+
+@pytest.mark.slow
+def test_context_times_expert_parallel_times_fsdp_equals_one_process(inputs, runs):  # noqa: F811
+    """2 context groups of 2 (one per node), each reading its own batches; each an expert group, every expert's
+    weights FSDP-sharded over the 2 ranks holding it (one per context group)."""
+    out_dir = four_processes(inputs["root"] / "cp-ep-qwen3-moe-four", inputs, QWEN3_MOE, "--parallel.expert", "2",
+                             "--parallel.context", "2")
     assert_close_runs(out_dir, runs("qwen3-moe", "one", "--devices", "1", *FLOAT32), "lit_model.pth")
 
 

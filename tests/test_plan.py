@@ -408,8 +408,10 @@ def train_pipeline_steps(model, case: dict, device: torch.device, steps: int, bu
 
 def ranks(case: dict) -> int:
     """The processes a case runs on: its pipeline x tensor x context x expert parallel groups (one data-parallel rank
-    each)."""
-    return math.prod(case.get(degree, 1) for degree in ("pipeline", "tensor", "context", "expert"))
+    each; an expert group takes the context group's ranks first)."""
+    expert, context = case.get("expert", 1), case.get("context", 1)
+    return math.prod(case.get(degree, 1) for degree in ("pipeline", "tensor", "context")) * (
+        expert // math.gcd(expert, context))
 
 
 def split(case: dict) -> bool:
@@ -626,12 +628,14 @@ SMALL_MOE = {**SMALL, "name": "plan-small-moe", "mlp_class_name": "LLaMAMoE", "n
 def test_planned_peak_matches_measured_under_expert_and_context_parallelism():
     """Two processes holding 4 of the 8 experts each (--parallel.expert 2: the routed rows to their owners and back
     by all-to-all, each rank reading its own batch), and two running half of every sequence (--parallel.context 2:
-    attention's all-to-all, FSDP over the pair), full training, checkpointing off and on: the larger rank's peak
-    within 15%."""
+    attention's all-to-all, FSDP over the pair), full training, checkpointing off and on; and both at once: the
+    larger rank's peak within 15%."""
     cases = [dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2,
                   activation_checkpointing=checkpointing) for checkpointing in (False, True)]
     cases += [dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, context=2,
                    activation_checkpointing=checkpointing) for checkpointing in (False, True)]
+    # Both on the same two processes: each runs half of every sequence and routes it to the experts' owners.
+    cases.append(dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2, context=2))
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 
@@ -912,8 +916,8 @@ def test_what_the_pipeline_parallel_plan_refuses(kwargs, message):
     (dict(devices=3, parallel=ParallelArgs(expert=3)), "--parallel.expert 3 does not divide the 4 experts"),
     (dict(devices=1, parallel=ParallelArgs(expert=2)), "plan for at least that many (--devices)"),
     (dict(devices=2, parallel=ParallelArgs(expert=2, tensor=2)), "plan for at least 4 devices (--devices)"),
-    (dict(devices=4, parallel=ParallelArgs(context=2, expert=2)),
-     "--parallel.context 2 with --parallel.expert 2 is not supported yet"),
+    (dict(devices=6, parallel=ParallelArgs(context=2, expert=4)),
+     "--parallel.expert 4 does not divide the 6 data-parallel x context-parallel devices"),
 ])
 def test_what_the_expert_parallel_plan_refuses(kwargs, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -40,6 +40,7 @@ class Topology:
     Context parallelism (`context` > 1) adds a dimension `context` between the data-parallel ones and `tensor`: the
     ranks of one context-parallel group read the same batches (each runs its own slice of the positions), and FSDP
     shards over (shard, context) flattened (parameters are the same on every context rank), as torchtitan does.
+    Expert parallelism beside it carves its expert groups from these ranks, a context group's first.
 
     Pipeline parallelism (`pipeline` > 1) adds the outermost dimension `pipeline`: global rank p x (world / pipeline)
     + d runs pipeline rank p's `stages_per_rank` stages (placed by `pipeline_schedule`: looped, or in a V), the ranks
@@ -76,16 +77,12 @@ class Topology:
             self.expert_mesh_shape  # refuses a degree the mesh cannot carve
 
     def check_context(self) -> None:
-        """UserError unless the context-parallel groups fit: on one node beside the tensor-parallel ones, not mixed
-        with expert parallelism (not yet)."""
+        """UserError unless the context-parallel groups fit: on one node beside the tensor-parallel ones."""
         if self.devices % (self.tensor * self.context):
             raise UserError(
                 f"--parallel.context {self.context} x --parallel.tensor {self.tensor} does not divide --devices "
                 f"{self.devices}: a context-parallel group is that many devices of one node; use a divisor of them."
             )
-        if self.expert > 1:
-            raise UserError(f"--parallel.context {self.context} with --parallel.expert {self.expert} is not "
-                            "supported yet: use one of the two.")
 
     def check_pipeline(self) -> None:
         """UserError unless the pipeline groups fit: the degree divides the world and the nodes (or one node holds
@@ -150,18 +147,22 @@ class Topology:
 
     @property
     def expert_mesh_shape(self) -> tuple[int, int, int]:
-        """(replicate, shard, expert) of the experts' mesh: data-parallel rank d = (r * shard + s) * expert + e holds
-        expert group e's share, sharded by FSDP over the shard ranks and replicated over the replicate ranks. The
-        expert groups take the innermost data-parallel ranks: within the shard dimension when `expert` divides it,
-        else whole shard groups of the replicate dimension (NO_SHARD, or groups spanning nodes)."""
-        replicate, shard = self.mesh_shape
-        if self.data_parallel_size % self.expert:
-            raise UserError(f"--parallel.expert {self.expert} does not divide the {self.data_parallel_size} "
-                            "data-parallel devices (--devices x --num_nodes): use a divisor of them.")
+        """(replicate, shard, expert) of the experts' mesh: of the ranks FSDP spreads a parameter over (replicate x
+        shard, the shard dimension with the context ranks inside it: `fsdp_shard_size`), rank d = (r * shard + s) *
+        expert + e holds expert group e's share, sharded by FSDP over the shard ranks and replicated over the
+        replicate ranks. The expert groups take the innermost of these ranks: within the shard dimension when
+        `expert` divides it (with context parallelism the ranks of a context group first: each routes its own
+        positions), else whole shard groups of the replicate dimension (NO_SHARD, or groups spanning nodes)."""
+        replicate, shard = self.mesh_shape[0], self.fsdp_shard_size
+        ranks = replicate * shard
+        if ranks % self.expert:
+            what = "data-parallel x context-parallel" if self.context > 1 else "data-parallel"
+            raise UserError(f"--parallel.expert {self.expert} does not divide the {ranks} {what} devices "
+                            "(--devices x --num_nodes): use a divisor of them.")
         if shard % self.expert == 0:
             return replicate, shard // self.expert, self.expert
         if self.expert % shard == 0:
-            return self.data_parallel_size // self.expert, 1, self.expert
+            return ranks // self.expert, 1, self.expert
         raise UserError(f"--parallel.expert {self.expert} neither divides nor is a multiple of the {shard} devices "
                         f"FSDP shards over ({self.sharding_strategy}): choose a degree that is.")
 
@@ -171,7 +172,8 @@ class Topology:
         share one root and FSDP composes the experts' tensor-parallel pieces with their shards (its "tensor"
         dimension, when there is one, stays innermost: an expert group shares a tensor rank). Every rank must build
         it (its process groups are made together)."""
-        data_parallel = device_mesh["replicate", "shard"]._flatten("data_parallel")
+        dims = ("replicate", "shard", "context") if self.context > 1 else ("replicate", "shard")
+        data_parallel = device_mesh[dims]._flatten("data_parallel")
         return data_parallel._unflatten(0, self.expert_mesh_shape, ("expert_replicate", "expert_shard", "expert"))
 
 
