@@ -17,7 +17,7 @@ import torch
 from checkpoint_helpers import write_random_checkpoint
 from test_distributed import inputs  # noqa: F401 (the module-scoped fixture, shared)
 from test_distributed import SMALL, assert_close_runs, assert_same_final, child_environment, command_args, litgpt
-from test_distributed import assert_resumed_where_it_stopped, losses, torchrun_nodes, write_config
+from test_distributed import assert_resumed_where_it_stopped, final_weights, losses, torchrun_nodes, write_config
 from test_tensor_parallel import assert_refused_before_writing
 
 from litgpt.args import ParallelArgs
@@ -123,6 +123,46 @@ def test_a_one_process_checkpoint_resumes_under_pipeline_parallelism(inputs, one
     run(pretrain_args(inputs, out_dir), *PP2, "--resume", one_process / "step-000002")
     assert losses(out_dir) == pytest.approx(losses(one_process)[2:], abs=1e-5)
     assert_same_final(out_dir, one_process, "lit_model.pth", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_pipeline_equals_one_process(inputs, tmp_path):  # noqa: F811
+    """The output head tied to the embedding (Gemma's, Llama 3.2's, small Qwens' layout) lives on the first and the
+    last stage: PP2 (1F1B; the two on two devices), ZBVZeroBubble (both on the first device, in its V), PP2 x FSDP2
+    (each device's shard of the pair) and PP2 x TP2 (each device's vocabulary rows of the pair) equal one process:
+    losses, validation (where one data-parallel rank reads it all) and final weights (the embedding and the head one
+    tensor again); LoRA on a tied base too; the PP2 run's full checkpoint and the PP2 x FSDP2 run's sharded one
+    resume in one process where they stopped."""
+    runs = {}
+    for name, flags in {"one": ["--devices", "1", *FLOAT32], "pp2": PP2,
+                        "zbv": [*PP2, "--parallel.pipeline_schedule", "ZBVZeroBubble"]}.items():
+        args = pretrain_args(inputs, tmp_path / name)
+        args[args.index("--config") + 1] = write_config(tmp_path / "tied.yaml", n_layer=LAYERS, tie_embeddings=True)
+        stdout = run(args, *flags)
+        runs[name] = args, trainable_line(stdout)
+    run_four([tmp_path / "four" if arg == tmp_path / "one" else arg for arg in runs["one"][0]],
+             "--fsdp.state_dict_type", "sharded")
+    run_four([tmp_path / "pp2-tp2" if arg == tmp_path / "one" else arg for arg in runs["one"][0]],
+             "--parallel.tensor", "2")
+    assert runs["pp2"][1] == runs["zbv"][1] == runs["one"][1]  # the tied weight counted once
+    for name in ("pp2", "zbv", "four", "pp2-tp2"):
+        assert_close_runs(tmp_path / name, tmp_path / "one", "lit_model.pth")
+        if name != "four":  # whose validation averages two data-parallel ranks' samples
+            assert_same_validation(tmp_path / name, tmp_path / "one")
+        final = final_weights(tmp_path / name, "lit_model.pth")
+        assert torch.equal(final["lm_head.weight"], final["transformer.wte.weight"])
+    # LoRA on a tied base: the pair frozen, equal on both stages from the base checkpoint's two names.
+    base = tmp_path / "tied-base"
+    write_random_checkpoint(base, Config(**{**SMALL, "n_layer": LAYERS, "tie_embeddings": True}))
+    for name, flags in {"lora-one": ["--devices", "1", *FLOAT32], "lora-pp2": PP2}.items():
+        args = lora_args(inputs, tmp_path / name)
+        args[args.index(inputs["root"] / "pp-base")] = base
+        run(args, *flags)
+    assert_close_runs(tmp_path / "lora-pp2", tmp_path / "lora-one", "lit_model.pth.lora")
+    for name in ("pp2", "four"):  # a full checkpoint, and a sharded one (the head's optimizer state by its name)
+        resumed = [tmp_path / f"resumed-{name}" if arg == tmp_path / "one" else arg for arg in runs["one"][0]]
+        run(resumed, "--devices", "1", *FLOAT32, "--resume", tmp_path / name / "step-000002")
+        assert_resumed_where_it_stopped(tmp_path / f"resumed-{name}", tmp_path / "one")
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +406,6 @@ def test_stages_per_rank_default_to_the_schedule():
          "makes 4 pipeline stages, more than the model's 2 layers"),
         ({}, [*PP2, "--train.global_batch_size", "1"],
          "1F1B over 2 stages needs at least 2 micro-batches per optimizer step, but the run has 1"),
-        ({"tie_embeddings": True}, PP2, "with tied input and output embeddings"),
         ({}, [*PP2, "--compiler", "torch", "--parallel.pipeline_schedule", "ZBVZeroBubble"],
          "ZBVZeroBubble splits each backward pass in two, which runs eager only"),
     ],

@@ -51,7 +51,8 @@ class FSDPCheckpointIO:
         self.options = options
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        return list(model.parameters())
+        tie = getattr(unwrap(model), "tie", None)  # a pipeline's tied embedding: a copy of the head
+        return list(model.parameters()) if tie is None else tie.optimized(list(model.parameters()))
 
     def gather_weights(self, model: nn.Module, select: KeySelector) -> dict:
         gathered, orders = {}, row_orders(unwrap(model))

@@ -77,7 +77,12 @@ def parallelize(
     # The whole model in one process's order: another stage's weights, still on the meta device, are drawn and dropped.
     with torch.no_grad(), FullTensorInit(rows, fabric.device), whole_experts(model):
         initialize(model)
-    return model if pipeline is None else PipelineModel(model, parts, pipeline, one_process_keys)
+    if pipeline is None:
+        return model
+    model = PipelineModel(model, parts, pipeline, one_process_keys)
+    if model.tie is not None:
+        model.tie.copy_embedding()
+    return model
 
 
 def parallelize_part(fabric, model: nn.Module, precision: Precision,

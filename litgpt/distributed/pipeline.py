@@ -8,7 +8,8 @@ A rank's model is a `PipelineModel`: its stages' modules under the one-process n
 torch.distributed.checkpoint see the one-process layout, and a checkpoint reshards across meshes), beside the whole
 model on the meta device whose other stages are only shapes (`held_by_other_stages`). A step's micro-batches run
 through `torch.distributed.pipelining`'s schedule (`build_schedule`); validation runs them forward stage by stage
-(`Pipeline.forward`). The model file knows nothing of this.
+(`Pipeline.forward`). A head tied to the embedding becomes two parameters, the last stage's and the first stage's
+copy of it (`TiedEmbedding`). The model file knows nothing of this.
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ class PipelineModel(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "gpt", gpt)
+        self.tie = TiedEmbedding(self) if gpt.config.tie_embeddings else None
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("A pipeline rank's model runs through its schedule (litgpt.distributed.pipeline), not whole.")
@@ -254,6 +256,89 @@ class PipelineModel(nn.Module):
         return {"state": self.in_one_process_order(merged), "param_groups": groups}
 
 
+class TiedEmbedding:
+    """The output head tied to the token embedding (`tie_embeddings`) of a `PipelineModel`: the first stage's
+    embedding and the last stage's head are two parameters, on two pipeline ranks (or on one rank's two stages, in a
+    V), each sharded alike over the data-parallel ranks. The head's is the parameter the optimizer steps, its state
+    named `lm_head.weight` as one process names the tied one; the embedding's is its copy, which the optimizer never
+    sees (`optimized`): after the backward pass the copy's gradient is added to the head's (`add_copy_gradient`),
+    after each optimizer step the head's weights are copied into it (`copy_head`). One process's weights, gradient
+    and optimizer state, with one exchange of each rank's shard a step in each direction."""
+
+    def __init__(self, model: "PipelineModel") -> None:
+        self.model, self.pipeline = model, model.pipeline
+        self.embedding_rank = self.pipeline.stage_rank(0)
+        self.head_rank = self.pipeline.stage_rank(self.pipeline.n_stages - 1)
+
+    @property
+    def embedding(self) -> Optional[nn.Parameter]:
+        """The copy, on the rank of the first stage; None elsewhere."""
+        return self.model.transformer.wte.weight if "wte" in self.model.transformer else None
+
+    @property
+    def head(self) -> Optional[nn.Parameter]:
+        """The parameter the optimizer steps, on the rank of the last stage; None elsewhere."""
+        return self.model.lm_head.weight if hasattr(self.model, "lm_head") else None
+
+    def optimized(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """`parameters` without the copy."""
+        return [p for p in parameters if p is not self.embedding]
+
+    def add_copy_gradient(self) -> None:
+        """The embedding's gradient (this step's, of every micro-batch) added to the head's, then dropped."""
+        here = self.embedding if self.embedding is not None else self.head
+        if here is None or not here.requires_grad:  # a middle stage, or frozen (LoRA leaves the head out)
+            return
+        source = None if self.embedding is None else _local(self.embedding.grad)
+        target = None if self.head is None else _local(self.head.grad)
+        self._move(source, target, self.embedding_rank, self.head_rank, add=True)
+        if self.embedding is not None:
+            self.embedding.grad = None
+
+    @torch.no_grad()
+    def copy_head(self) -> None:
+        """The head's weights into the embedding (after each optimizer step)."""
+        source = None if self.head is None else _local(self.head)
+        target = None if self.embedding is None else _local(self.embedding)
+        self._move(source, target, self.head_rank, self.embedding_rank, add=False)
+
+    @torch.no_grad()
+    def copy_embedding(self) -> None:
+        """The embedding's weights into the head: after initialization, where one process's tied weight holds the
+        embedding's draw (drawn after the head's)."""
+        source = None if self.embedding is None else _local(self.embedding)
+        target = None if self.head is None else _local(self.head)
+        self._move(source, target, self.embedding_rank, self.head_rank, add=False)
+
+    def _move(self, source: Optional[torch.Tensor], target: Optional[torch.Tensor], source_rank: int,
+              target_rank: int, add: bool) -> None:
+        """`source` (this rank's shard, on pipeline rank `source_rank`) copied, or added (`add`), into `target`
+        (the same shard, on `target_rank`)."""
+        if source_rank == target_rank:
+            if source is not None:
+                target.add_(source) if add else target.copy_(source)
+            return
+        if self.pipeline.rank == source_rank:
+            dist.send(source.contiguous(), dst=self.pipeline.global_rank(target_rank), group=self.pipeline.group)
+        elif self.pipeline.rank == target_rank:
+            received = torch.empty_like(target)
+            dist.recv(received, src=self.pipeline.global_rank(source_rank), group=self.pipeline.group)
+            target.add_(received) if add else target.copy_(received)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writing it writes the DTensor); a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def keep_tied_copy(model: nn.Module, optimizer) -> None:
+    """After each step of `optimizer`, a pipeline rank's model with a tied head copies it into its embedding
+    (`TiedEmbedding.copy_head`); nothing for any other model."""
+    tie = model.tie if isinstance(model, PipelineModel) else None
+    if tie is not None:
+        getattr(optimizer, "optimizer", optimizer).register_step_post_hook(lambda *_: tie.copy_head())
+
+
 def carries_router_stats(config) -> bool:
     """Whether the stages of a model of `config` pass routing statistics along: mixture-of-experts layers with a
     load-balancing loss (a coefficient above 0)."""
@@ -261,7 +346,13 @@ def carries_router_stats(config) -> bool:
 
 
 def split_into_stages(gpt: GPT, pipeline: Pipeline, boundary_dtype: torch.dtype) -> list[StageModule]:
-    """This rank's stage modules of `gpt` (on the meta device), in stage order."""
+    """This rank's stage modules of `gpt` (on the meta device), in stage order. A head tied to the embedding gets a
+    parameter of its own (`TiedEmbedding` keeps the two equal): they live on the first and the last stage, each set
+    up on its own."""
+    if gpt.lm_head.weight is gpt.transformer.wte.weight:
+        embedding = gpt.transformer.wte.weight
+        gpt.lm_head.weight = nn.Parameter(torch.empty_like(embedding, device="meta"),
+                                          requires_grad=embedding.requires_grad)
     layers = stage_layers(gpt.config.n_layer, pipeline.n_stages)
     return [StageModule(gpt, index, pipeline.n_stages, layers[index], boundary_dtype)
             for index in pipeline.local_stages]

@@ -38,6 +38,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True
     # PyTorch's SequenceParallel registers the norms' weights anew, trainable: a frozen base (LoRA, a teacher) keeps
     # its own setting.
     trains = {name: param.requires_grad for name, param in model.named_parameters()}
+    # A pipeline stage holds the embedding or the head, each its own parameter (`TiedEmbedding`): no tie to keep.
+    head, parts = getattr(model, "lm_head", None), model.transformer
+    tied = head is not None and "wte" in parts and head.weight is parts.wte.weight
     for block in model.transformer.h:
         plan = (block_plan if sequence_parallel else inference_block_plan)(config, isinstance(block.mlp, LLaMAMoE))
         for name, style in plan:
@@ -49,7 +52,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True
     for name, style in MODEL_PLAN if sequence_parallel else INFERENCE_MODEL_PLAN:
         if placeable(model, name):
             parallelize_module(model, mesh, {name: style})
-    if config.tie_embeddings:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
+    if tied:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
     for name, param in model.named_parameters():
         param.requires_grad_(trains[name])

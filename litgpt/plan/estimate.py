@@ -539,7 +539,9 @@ def _resident_state(run: _Run, layout: Layout) -> dict:
     parameters = sum(_resident_bytes(run, p) for p in layout.params)
     trainable = [p for p in layout.params if p.trainable]
     gradients = sum(_shard_numel(p.shape, _shard_of(run, p)) for p in trainable) * run.master
-    optimizer_state = 2 * gradients + 4 * len(trainable)  # exp_avg, exp_avg_sq, and a step count per tensor
+    optimized = [p for p in trainable if p.optimized]  # a tied head's copy has a gradient, not an optimizer state
+    optimizer_state = (2 * sum(_shard_numel(p.shape, _shard_of(run, p)) for p in optimized) * run.master
+                       + 4 * len(optimized))  # exp_avg, exp_avg_sq, and a step count per tensor
     state = dict(
         parameters=parameters, gradients=gradients, optimizer_state=optimizer_state, host_per_node=0,
         # Sharded strategies reduce-scatter after every micro-batch, so accumulation holds sharded gradients

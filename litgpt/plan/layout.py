@@ -23,6 +23,7 @@ class Param:
     trainable: bool
     quantized: bool
     expert: bool = False  # a routed expert's, held by its expert group's rank (--parallel.expert)
+    optimized: bool = True  # False: the copy of a tied head a pipeline's first stage holds (no optimizer state)
 
 
 @dataclass
@@ -70,7 +71,14 @@ def stage_layout(recipe: "Recipe", stages: "list[Stage]", expert: int = 1) -> La
     held = {id(param) for stage in stages
             for param in StageModule(model, stage.index, stage.n_stages, stage.layers, torch.float32).parameters()}
     layout = _layout(model, recipe.config.n_layer, quantized_weights(recipe, model), expert, held=held)
-    return Layout(layout.root, [layout.blocks[index] for stage in stages for index in stage.layers],
+    root = layout.root
+    if model.lm_head.weight is model.transformer.wte.weight and any(stage.index == 0 for stage in stages):
+        # A tied head: the first stage holds the embedding as a copy of the last stage's head (`TiedEmbedding`)
+        tied = model.lm_head.weight
+        copy = Param(tuple(tied.shape), tied.requires_grad, quantized=False, optimized=False)
+        holds_head = any(stage.index == stage.n_stages - 1 for stage in stages)
+        root = root + [copy] if holds_head else [copy if p.shape == copy.shape else p for p in root]
+    return Layout(root, [layout.blocks[index] for stage in stages for index in stage.layers],
                   layout.quantized_numel)
 
 

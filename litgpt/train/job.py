@@ -16,6 +16,7 @@ from litgpt.args import ActivationCheckpointing, EvalArgs, LoggerArgs, TrainArgs
 from litgpt.checkpoint.manager import CheckpointManager, check_disk_space, unwrap
 from litgpt.checkpoint.run_lock import out_dir_claimed
 from litgpt.checkpoint.store import check_writable
+from litgpt.distributed.pipeline import keep_tied_copy
 from litgpt.distributed.runtime import node_local_first, print_once, rank_zero_alone
 from litgpt.distributed.topology import data_parallel
 from litgpt.host_malloc import keep_freed_memory
@@ -129,6 +130,7 @@ def train_recipe(fabric, job: Job, tokenizer, train_data, val_data, resume_dir: 
         precision=job.precision, base_checkpoint=job.base_checkpoint,
     )
     optimizer = training_optimizer(fabric, job, io.parameters(model))
+    keep_tied_copy(unwrap(model), optimizer)
     base_lr = base_learning_rate(optimizer)  # before a restore overwrites it with the last scheduled value
     state = TrainState()
     if resume_dir is not None:

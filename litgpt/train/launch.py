@@ -103,20 +103,17 @@ def check_context_parallelism(job: "Job", parallel: ParallelArgs) -> None:
 
 
 def check_pipeline_model(recipe: "Recipe", train: TrainArgs, parallel: ParallelArgs) -> None:
-    """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, what a stage cannot hold yet
-    (tied embeddings), an optimizer stepped in the backward pass (the schedule scales the gradients after it).
-    `litgpt plan` checks its plans with it too."""
+    """UserError for pipeline parallelism the run cannot have: fewer blocks than stages, an optimizer stepped in the
+    backward pass (the schedule scales the gradients after it). `litgpt plan` checks its plans with it too."""
     degree, stages, config = parallel.pipeline, parallel.pipeline_stages, recipe.config
     option = f"--parallel.pipeline {degree}"
     if config.n_layer < stages:
         raise UserError(f"{option} x {parallel.stages_per_rank} stage(s) per device makes {stages} pipeline stages, "
                         f"more than the model's {config.n_layer} layers: use fewer stages (a stage holds at least one "
                         "layer).")
-    unsupported = [what for what, present in (
-        ("tied input and output embeddings (they would live on the first and the last stage)", config.tie_embeddings),
-        ("--train.optimizer_in_backward", train.optimizer_in_backward)) if present]
-    if unsupported:
-        raise UserError(f"{option} with {unsupported[0]} is not supported yet: leave pipeline parallelism out.")
+    if train.optimizer_in_backward:
+        raise UserError(f"{option} with --train.optimizer_in_backward is not supported yet: leave pipeline "
+                        "parallelism out.")
 
 
 def check_pipeline_run(job: "Job", parallel: ParallelArgs, compiler: str, fabric) -> None:

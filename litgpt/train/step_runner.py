@@ -137,6 +137,8 @@ class PipelineSteps:
         with self.fabric.autocast():
             input_ids, positions = self.stage_inputs(whole)
             self.schedule.step(input_ids, target=target, **packed(positions), **counted)
+        if self.model.tie is not None:
+            self.model.tie.add_copy_gradient()
         means = None
         if self.last_stage is not None:
             means = {name: torch.stack([losses[name] for losses in self.recorded]).mean()
@@ -181,6 +183,9 @@ class PipelineSteps:
     def parameter_counts(self) -> tuple[int, int]:
         """Every stage's: this rank's stages' counts summed over the pipeline group."""
         counts = torch.tensor(parameter_counts(self.model), device=self.pipeline.device)
+        copy = None if self.model.tie is None else self.model.tie.embedding
+        if copy is not None:  # one process counts the tied weight once
+            counts -= torch.tensor([copy.numel() if copy.requires_grad else 0, copy.numel()], device=counts.device)
         torch.distributed.all_reduce(counts, group=self.pipeline.group)
         trainable, total = counts.tolist()
         return trainable, total
