@@ -210,6 +210,7 @@ class FSDPArgs:
 # The pipeline schedules of `torch.distributed.pipelining` we run, and the stages per device each fixes (None: two or
 # more, interleaved).
 PIPELINE_SCHEDULES = {"1F1B": 1, "Interleaved1F1B": None, "InterleavedZeroBubble": None, "ZBVZeroBubble": 2}
+CONTEXT_ATTENTION = ("auto", "heads")  # --parallel.context_attention
 
 
 @dataclass
@@ -229,14 +230,20 @@ class ParallelArgs:
             MoE layer's experts (whole experts, or with --parallel.tensor T each 1/T of its width), and tokens travel
             to their experts' devices and back by all-to-all (with T, among the devices that share a tensor rank);
             the devices of one expert group still read different batches, and FSDP shards the experts over the
-            data-parallel devices left (world / (N x T)). N must divide the experts and the data-parallel devices.
-            Not yet with --parallel.context. 1: none.
-        context: Context parallelism for long sequences (Ulysses' head scatter): each of N devices holds 1/N of every
-            sequence's positions (a contiguous slice; sequences are padded at their end to a multiple of N), and an
-            all-to-all before and after each attention gives it every position of 1/N of the heads; FSDP shards over
-            the data-parallel and context-parallel devices together. N must divide the devices per node (with the
-            tensor degree) and the heads and key-value groups left on each tensor-parallel rank; not yet
-            mixture-of-experts, latent attention, attention sinks or sliding windows. 1: none.
+            data-parallel devices left (world / (N x T)). N must divide the experts and the data-parallel devices
+            (with --parallel.context C: the data-parallel x context-parallel devices, a context group's first). 1:
+            none.
+        context: Context parallelism for long sequences: each of N devices holds 1/N of every sequence's positions (a
+            contiguous slice; sequences are padded at their end to a multiple of N); FSDP shards over the
+            data-parallel and context-parallel devices together. Attention runs as `context_attention` says. N must
+            divide the devices per node (with the tensor degree) and the heads and key-value groups left on each
+            tensor-parallel rank. 1: none.
+        context_attention: How attention sees the whole sequence under --parallel.context: "heads" (Ulysses' head
+            scatter: an all-to-all before and after each attention gives a device every position of 1/N of the
+            heads; every attention kind, on every device type) or "auto": PyTorch's ring attention on CUDA where a
+            layer's attention is plain causal (no sliding window, sinks, soft-capping, latent attention or packed
+            samples: each device keeps its queries and the keys and values travel around the group, on the flash
+            or memory-efficient kernel), the head scatter elsewhere.
         pipeline: Pipeline parallelism, the outermost dimension of the mesh: the layers are cut into N x
             `pipeline_stages_per_rank` stages of consecutive blocks (the first also holds the embedding, the last the
             final norm and the output head), each of N devices runs its stages, and a step's micro-batches (its
@@ -244,8 +251,9 @@ class ParallelArgs:
             flow through them by the schedule; FSDP shards each stage over the data-parallel devices (world / N). N
             must divide the world, and the model needs at least one block per stage, the micro-batches per step at
             least one per stage (1F1B; the interleaved schedules one per device, in whole rounds of N); every
-            micro-batch is padded to --train.max_seq_length (the stages exchange tensors of one shape). Not yet with
-            the other degrees, mixture-of-experts models, tied embeddings or QLoRA. 1: none.
+            micro-batch is padded to --train.max_seq_length (the stages exchange tensors of one shape). It composes
+            with the other degrees, mixture-of-experts models, tied embeddings (the head on the last stage, a copy on
+            the first) and QLoRA; not yet with --parallel.context on packed samples. 1: none.
         pipeline_schedule: The order in which the stages run the micro-batches' forward and backward passes
             (`torch.distributed.pipelining`): 1F1B (one stage per device; keeps up to N micro-batches of activations
             on the first), Interleaved1F1B (several stages per device, looped: a smaller bubble, more transfers),
@@ -258,11 +266,15 @@ class ParallelArgs:
     tensor: int = 1
     expert: int = 1
     context: int = 1
+    context_attention: str = "auto"
     pipeline: int = 1
     pipeline_schedule: str = "1F1B"
     pipeline_stages_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise UserError(f"--parallel.context_attention {self.context_attention!r} is not one of "
+                            f"{', '.join(CONTEXT_ATTENTION)}.")
         if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int) or self.pipeline < 1:
             raise UserError(f"--parallel.pipeline must be a whole number of devices >= 1, got {self.pipeline!r}.")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:

@@ -100,7 +100,7 @@ def split_by_positions_matches_whole(rank: int, world: int, port: int, failures)
             split_by_positions_matches(mesh, {**SMALL, **changes})
 
 
-def split_by_positions_matches(mesh, config: dict) -> None:
+def split_by_positions_matches(mesh, config: dict, ring: bool = False) -> None:
     """`split_by_positions_matches_whole` for the model of `config`."""
     from litgpt.distributed.context_parallel import ContextParallel, apply_context_parallel
     from litgpt.model import GPT
@@ -113,7 +113,7 @@ def split_by_positions_matches(mesh, config: dict) -> None:
     whole.init_weights()
     split = GPT(Config(**config))
     split.load_state_dict(whole.state_dict())
-    group = ContextParallel(mesh)
+    group = ContextParallel(mesh, ring=ring)
     apply_context_parallel(split, group)
     generator = torch.Generator().manual_seed(1)
     idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
@@ -133,6 +133,45 @@ def split_by_positions_matches(mesh, config: dict) -> None:
             grad = split_params[key].grad.clone()
             dist.all_reduce(grad)
             torch.testing.assert_close(grad / mesh.size(), param.grad, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def cpu_flash_attention_kernels() -> list:
+    """CPU kernels for the fused attention ops PyTorch's ring attention calls on each pair of slices
+    (`aten._scaled_dot_product_flash_attention` and its backward: CUDA-only ops) from its CPU flash kernels, so that
+    the ring runs here as it does on CUDA; the list records each forward call. For this process only."""
+    aten, calls = torch.ops.aten, []
+    library = torch.library.Library("aten", "IMPL")
+
+    def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        calls.append(q.shape)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
+        none, empty = q.new_zeros(()), q.new_empty(0)  # what CUDA's kernel leaves undefined for whole sequences
+        return out, lse, none, none, q.size(2), k.size(2), empty, none, empty
+
+    def flash_backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
+                       scale=None):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, dropout_p,
+                                                                         is_causal, scale=scale)
+
+    library.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+    library.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
+    cpu_flash_attention_kernels.library = library  # registered while it lives
+    return calls
+
+
+def ring_attention_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each rank: PyTorch's ring attention (`--parallel.context_attention auto` on CUDA; here on CPU kernels of
+    the same ops, `cpu_flash_attention_kernels`) in every layer of a model with grouped keys: one process's loss and,
+    averaged over the group, its gradients, for whole sequences (the ring runs: each layer's queries meet the keys of
+    both ranks' slices) and packed ones (the head scatter runs them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with gloo_rank(rank, world, port, failures):
+        calls = cpu_flash_attention_kernels()
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("context",))
+        split_by_positions_matches(mesh, SMALL, ring=True)
+        # Rank r's queries meet the keys of ranks 0..r (a later rank's are all in their future), in every layer.
+        assert len(calls) == SMALL["n_layer"] * (rank + 1), calls
 
 
 def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int, failures) -> None:
@@ -183,11 +222,13 @@ def context_and_tensor_split_matches(mesh, changes: dict) -> None:
 
 
 @pytest.mark.slow  # spawns 2 or 4 processes
-@pytest.mark.parametrize("world, worker", [(2, split_by_positions_matches_whole),
-                                           (4, split_over_context_and_tensor_matches_whole)], ids=["cp2", "cp2xtp2"])
+@pytest.mark.parametrize("world, worker", [(2, split_by_positions_matches_whole), (2, ring_attention_matches_whole),
+                                           (4, split_over_context_and_tensor_matches_whole)],
+                         ids=["cp2", "cp2-ring", "cp2xtp2"])
 def test_a_model_split_by_positions_equals_the_whole_model(world, worker):
-    """CP2, and CP2 x TP2 (4 processes; a CLI run would need 4 CPU cores on one node, since a context group stays
-    within a node beside its tensor group, and litgpt starts no more CPU processes than cores)."""
+    """CP2 (head scatter, and ring attention), and CP2 x TP2 (4 processes; a CLI run would need 4 CPU cores on one
+    node, since a context group stays within a node beside its tensor group, and litgpt starts no more CPU processes
+    than cores)."""
     run_spawned_ranks(worker, world)
 
 
@@ -337,6 +378,8 @@ def test_a_context_parallel_group_reads_one_batch(strategy, devices, nodes, tens
          "--parallel.context 4 x --parallel.tensor 1 does not divide --devices 2"),
         ({}, ["--devices", "1", "--parallel.context", "2"], "--parallel.context 2 splits each sequence over 2"),
         ({}, ["--devices", "2", "--parallel.context", "0"], "--parallel.context must be a whole number"),
+        ({}, [*CP2, "--parallel.context_attention", "ring"],
+         "--parallel.context_attention 'ring' is not one of auto, heads"),
         ({"n_head": 3, "n_query_groups": 3, "n_embd": 48}, CP2, "does not divide the 3 heads (n_head)"),
         ({"n_query_groups": 1}, CP2, "does not divide the 1 key-value groups (n_query_groups)"),
         ({}, ["--devices", "4", "--parallel.context", "2", "--parallel.tensor", "2"],

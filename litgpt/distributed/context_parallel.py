@@ -9,8 +9,10 @@ process's loss, and so do a mixture-of-experts layer's routing statistics (`summ
 loss is the whole sequence's, the padding that splits the sequence evenly left out of it). The model file knows
 nothing of this: `apply_context_parallel` wraps each attention's `attend` and each MoE layer's statistics.
 
-PyTorch's ring attention for CUDA (`torch.distributed.tensor.experimental.context_parallel`) would be a second
-`attend` wrapper chosen in `apply_context_parallel`; the batch split and the loss stay as they are.
+On CUDA (`--parallel.context_attention auto`) a layer of plain causal attention runs PyTorch's ring attention
+instead (`ring_attention`: torch.distributed.tensor.experimental's context parallelism): each rank keeps its
+positions' queries, the keys and values of the group come to it, and the partial softmaxes merge by their
+log-sum-exp. The batch split and the loss are the same for both.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from litgpt.data.base import IGNORE_INDEX
 from litgpt.distributed.expert_parallel import AllToAllRows
@@ -35,11 +38,14 @@ class ContextParallel:
     """This rank's context-parallel group (the 1-D `mesh`) and the micro-batch it is running: the attention masks of
     its whole sequence (`mask_for`), which every attention layer of the run's models reads."""
 
-    def __init__(self, mesh, tensor: int = 1) -> None:
-        self.group = mesh.get_group()
+    def __init__(self, mesh, tensor: int = 1, ring: bool = False) -> None:
+        self.mesh, self.group = mesh, mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.tensor = tensor  # each rank's slice is split again by sequence parallelism: a multiple of it
+        self.ring = ring  # plain causal attention runs PyTorch's ring attention (`ring_attention`)
+        if ring:
+            enable_ring_attention()
         self.moe_layers: list[LLaMAMoE] = []  # the run's models' MoE layers (`apply_context_parallel`)
         # The micro-batch's whole sequence: its length, its packed samples' positions (None: not packed), its device,
         # and the attention masks built for it, by sliding window (None: none).
@@ -133,6 +139,10 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
                                f"{type(block.attn).__name__}.")
         window = config.sliding_window_size if config.is_sliding_layer(index) else None
         block.attn.attend = head_scattered(block.attn, context, window)
+        plain = (isinstance(block.attn, CausalSelfAttention) and window is None and not config.attention_sinks
+                 and config.attention_logit_softcapping is None)
+        if context.ring and plain:
+            block.attn.attend = ring_attention(block.attn, context, block.attn.attend)
         if isinstance(block.mlp, LLaMAMoE):
             block.mlp._router_stats = summed_router_stats(block.mlp._router_stats, context)
             context.moe_layers.append(block.mlp)
@@ -171,6 +181,43 @@ def head_scattered(attention: nn.Module, context: ContextParallel, window: Optio
         return heads_to_positions(y, context)
 
     return attend_whole_sequence
+
+
+def ring_attention(attention: CausalSelfAttention, context: ContextParallel, packed: Callable) -> Callable:
+    """`attention.attend(q, k, v, mask)` of plain causal attention on (B, heads, local positions, head_size) as
+    PyTorch's ring attention over the group: q, k and v become DTensors split along the positions, and the fused
+    kernel's op (flash in 16 bits, memory-efficient in float32 on CUDA) runs through the context-parallel dispatcher
+    (`enable_ring_attention`), which computes this rank's queries against every rank's keys, causally, forward and
+    backward. Packed samples need their mask: `packed` (the head scatter) runs those batches."""
+    aten = torch.ops.aten
+    repeats = attention.n_head // attention.n_query_groups
+
+    def attend_around_the_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        if context.sample_positions is not None:
+            return packed(q, k, v, mask)
+        if q.size(-2) != k.size(-2):
+            raise RuntimeError("Context parallelism runs training and scoring passes, not decoding with a KV cache.")
+        if repeats > 1:  # the kernels take as many key-value heads as query heads
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        q, k, v = (DTensor.from_local(x.contiguous(), context.mesh, [Shard(2)], run_check=False) for x in (q, k, v))
+        if q.is_cuda and q.dtype == torch.float32:  # flash attention takes 16-bit inputs only
+            y = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=attention.scale)
+        else:
+            y = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=attention.scale)
+        return y[0].to_local()
+
+    return attend_around_the_ring
+
+
+def enable_ring_attention() -> None:
+    """PyTorch's context-parallel dispatcher for DTensors (its ring attention for the fused attention ops), for the
+    whole process: the backward passes run after any forward's scope. The ranks hold contiguous slices
+    (`ContextParallel.local_batch`), not PyTorch's load-balanced chunks: causal attention then skips the keys of
+    later ranks."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    _attention._cp_options.enable_load_balance = False
+    _attention._enable_cp_dtensor_dispatcher()
 
 
 def positions_to_heads(x: torch.Tensor, context: ContextParallel) -> torch.Tensor:

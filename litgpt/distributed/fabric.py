@@ -79,7 +79,8 @@ def build_fabric(
     elif world_size > 1:
         fsdp = fsdp or FSDPArgs()
         stages = {} if pipeline is None else dict(pipeline=pipeline.pipeline, stages_per_rank=pipeline.stages_per_rank,
-                                                  pipeline_schedule=pipeline.pipeline_schedule)
+                                                  pipeline_schedule=pipeline.pipeline_schedule,
+                                                  context_attention=pipeline.context_attention)
         topology = Topology(devices, num_nodes, fsdp.sharding_strategy, tensor, expert, context, **stages)
         strategy = FSDPStrategy(topology, fsdp)
     elif tensor > 1:

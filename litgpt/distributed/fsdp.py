@@ -87,7 +87,8 @@ class FSDPStrategy(ModelParallelStrategy):
         if self.topology.context > 1 and self._context_parallel is None:
             from litgpt.distributed.context_parallel import ContextParallel
 
-            self._context_parallel = ContextParallel(self.device_mesh["context"], self.topology.tensor)
+            ring = self.topology.context_attention == "auto" and self.root_device.type == "cuda"
+            self._context_parallel = ContextParallel(self.device_mesh["context"], self.topology.tensor, ring)
         return self._context_parallel
 
     @property

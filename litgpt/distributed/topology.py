@@ -57,6 +57,7 @@ class Topology:
     pipeline: int = 1
     stages_per_rank: int = 1
     pipeline_schedule: str = "1F1B"
+    context_attention: str = "auto"  # --parallel.context_attention
 
     def __post_init__(self) -> None:
         check_sharding_strategy(self.sharding_strategy)
