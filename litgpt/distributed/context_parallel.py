@@ -206,7 +206,9 @@ def ring_attention(attention: CausalSelfAttention, context: ContextParallel, pac
             y = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=attention.scale)
         return y[0].to_local()
 
-    return attend_around_the_ring
+    # Compiled blocks run it eager (a graph break): DTensors through the dispatcher's custom handlers, as PyTorch
+    # runs its ring attention, not traced.
+    return torch.compiler.disable(attend_around_the_ring)
 
 
 def enable_ring_attention() -> None:
