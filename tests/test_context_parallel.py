@@ -23,7 +23,14 @@ from test_distributed import (
     litgpt,
     write_config,
 )
-from test_tensor_parallel import FAMILIES, assert_refused_before_writing, gloo_rank, run_spawned_ranks
+from test_tensor_parallel import (
+    EVERY_ADAPTER,
+    FAMILIES,
+    assert_refused_before_writing,
+    gloo_rank,
+    lora_one_process,  # noqa: F401 (the module-scoped fixture)
+    run_spawned_ranks,
+)
 
 from litgpt.config import Config
 from litgpt.distributed.topology import Topology
@@ -338,12 +345,20 @@ def pretrain_one_and_cp2(inputs: dict, tmp_path, config: dict, seq_length: int) 
     # gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts with
     # a load-balancing loss, the clamped SwiGLU.
     GPT_OSS,
-    # Phi-3's LongRoPE: every rank rotates by the long factors, which the whole sequence of 63 positions takes.
-    LONGROPE,
-], ids=["sliding-windows", "deepseek-v3", "gpt-oss", "longrope"])
+], ids=["sliding-windows", "deepseek-v3", "gpt-oss"])
 def test_context_parallel_families_equal_one_process(config, inputs, tmp_path):  # noqa: F811
     """Sequences of 63 positions (padded to 64 over the group)."""
     pretrain_one_and_cp2(inputs, tmp_path, config, 63)
+
+
+@pytest.mark.slow
+def test_context_parallel_lora_equals_one_process(inputs, lora_one_process, tmp_path):  # noqa: F811
+    """finetune_lora with every adapter (the head's too) over a CP2 group: finetuning's batches of varying lengths,
+    each padded to a multiple of 2 and split; the adapters and the merged final weights of one process."""
+    result = litgpt(*command_args("finetune_lora", inputs, tmp_path / "cp2"), *EVERY_ADAPTER, *CP2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_runs(tmp_path / "cp2", lora_one_process, "lit_model.pth.lora")
+    assert_same_final(tmp_path / "cp2", lora_one_process, "lit_model.pth", atol=1e-4)
 
 
 @pytest.mark.slow
