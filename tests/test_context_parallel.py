@@ -187,7 +187,8 @@ def split_over_context_and_tensor_matches_whole(rank: int, world: int, port: int
     tensor group's half) gives one process's loss, and its gradients, gathered over the tensor group and averaged over
     the context group (as FSDP over the data x context ranks does), one process's: a dense Llama, and gpt-oss's shape
     (sinks split by heads twice, sliding windows, biased experts with a load-balancing loss), and DeepSeek-V3's
-    (latent attention, its keys and values expanded before the scatter; a dense first layer, a shared expert)."""
+    (latent attention: the latents gathered, each rank expanding its heads' keys and values from them; a dense first
+    layer, a shared expert)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with gloo_rank(rank, world, port, failures):
@@ -210,6 +211,8 @@ def context_and_tensor_split_matches(mesh, changes: dict) -> None:
     split, orders = split_copy(whole, mesh["tensor"])
     group = ContextParallel(mesh["context"], tensor=2)
     apply_context_parallel(split, group)
+    if "kv_lora_rank" in changes:  # latent attention exchanges its latents (every head's keys and values stay home)
+        assert all(block.attn.expand.__name__ == "expand_my_heads" for block in split.transformer.h)
     generator = torch.Generator().manual_seed(1)
     idx, labels = (torch.randint(0, 4096, (2, 63), generator=generator) for _ in range(2))
     labels[0, :40] = -100  # the context ranks hold different numbers of labelled positions
@@ -338,9 +341,9 @@ def pretrain_one_and_cp2(inputs: dict, tmp_path, config: dict, seq_length: int) 
     # Every other layer attends to a window of 16 positions (of 64), Gemma 2's way with soft-capped scores and a rotary
     # base of its own: each rank's heads attend over the whole sequence with the window's mask.
     dict(sliding_window_size=16, sliding_window_pattern=2, attention_logit_softcapping=50.0, rope_local_base=1000.0),
-    # DeepSeek-V3's shape: latent attention (each rank expands every head's keys and values from its positions'
-    # latents, then attends with its run of heads over the whole sequence), a dense first layer, a shared expert,
-    # sigmoid routing with a correction bias.
+    # DeepSeek-V3's shape: latent attention (the group's latents gathered, each rank expands its run of heads' keys
+    # and values over the whole sequence and attends with them), a dense first layer, a shared expert, sigmoid
+    # routing with a correction bias.
     DEEPSEEK_V3,
     # gpt-oss's shape: a sink per head (each rank's heads read theirs), every other layer sliding, biased experts with
     # a load-balancing loss, the clamped SwiGLU.

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from litgpt.data.base import IGNORE_INDEX
+from litgpt.distributed.dtensor import summed_gradient
 from litgpt.distributed.expert_parallel import AllToAllRows
 from litgpt.distributed.plans.styles import local_views
 from litgpt.model import CausalSelfAttention, MultiheadLatentAttention, attention_mask, numbered_blocks
@@ -138,7 +139,11 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
             raise RuntimeError(f"Context parallelism covers fused-qkv and latent attention, not "
                                f"{type(block.attn).__name__}.")
         window = config.sliding_window_size if config.is_sliding_layer(index) else None
-        block.attn.attend = head_scattered(block.attn, context, window)
+        # Latent attention exchanges its latents, not every head's keys and values expanded from them.
+        latent = isinstance(block.attn, MultiheadLatentAttention) and type(block.attn.kv_b_proj) is nn.Linear
+        if latent:
+            block.attn.expand = heads_from_gathered_latents(block.attn, context)
+        block.attn.attend = head_scattered(block.attn, context, window, keys_by_heads=latent)
         plain = (isinstance(block.attn, CausalSelfAttention) and window is None and not config.attention_sinks
                  and config.attention_logit_softcapping is None)
         if context.ring and plain:
@@ -161,18 +166,22 @@ def summed_router_stats(router_stats: Callable[..., RouterStats], context: Conte
     return over_the_group
 
 
-def head_scattered(attention: nn.Module, context: ContextParallel, window: Optional[int]) -> Callable:
+def head_scattered(attention: nn.Module, context: ContextParallel, window: Optional[int],
+                   keys_by_heads: bool = False) -> Callable:
     """`attention.attend(q, k, v, mask)` on (B, heads, local positions, head_size) run on every position of 1/N of
-    the heads (latent attention's keys and values expanded per head first). Heads are dealt in contiguous runs, so
-    each rank's query heads share its key-value groups, and its attention sinks are those heads' (the rest of the
-    sinks' gradient comes from the other ranks). The mask the model built for the local slice is replaced by the whole
-    sequence's (`ContextParallel.mask_for` the layer's sliding `window`)."""
+    the heads. Heads are dealt in contiguous runs, so each rank's query heads share its key-value groups, and its
+    attention sinks are those heads' (the rest of the sinks' gradient comes from the other ranks). With
+    `keys_by_heads` the keys and values come as the rank's run of heads over the whole sequence already (latent
+    attention's, `heads_from_gathered_latents`): only the queries travel. The mask the model built for the local slice
+    is replaced by the whole sequence's (`ContextParallel.mask_for` the layer's sliding `window`)."""
     attend = attention.attend
 
     def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-        if q.size(-2) != k.size(-2):
+        if q.size(-2) * (context.size if keys_by_heads else 1) != k.size(-2):
             raise RuntimeError("Context parallelism runs training and scoring passes, not decoding with a KV cache.")
-        q, k, v = (positions_to_heads(x, context) for x in (q, k, v))
+        q = positions_to_heads(q, context)
+        if not keys_by_heads:
+            k, v = positions_to_heads(k, context), positions_to_heads(v, context)
         heads = q.size(1)
         run = slice(context.rank * heads, (context.rank + 1) * heads)
         sinks = [(attention, "sinks", lambda sinks: sinks[run])] if attention.config.attention_sinks else []
@@ -220,6 +229,39 @@ def enable_ring_attention() -> None:
 
     _attention._cp_options.enable_load_balance = False
     _attention._enable_cp_dtensor_dispatcher()
+
+
+def heads_from_gathered_latents(attention: MultiheadLatentAttention, context: ContextParallel) -> Callable:
+    """`attention.expand(latent, k_rope)` for this rank's run of 1/N of the heads over the whole sequence: the
+    latents (B, 1, local positions, kv_lora_rank) and the shared rotary keys are gathered from every rank of the group
+    (kv_lora_rank + qk_rope_head_dim elements a position, where every head's expanded key and value take n_head x
+    (head_size + v_head_dim)), and kv_b_proj's rows of the rank's heads expand them. The gathers' gradients return
+    each rank's share, summed over the group; under tensor parallelism (kv_b_proj a DTensor of the tensor-parallel
+    rank's heads) the latent's and the rotary key's are summed over the tensor-parallel ranks too, as its plan's
+    column split and `SummedGradientOf` sum them."""
+    c = attention.config
+
+    def expand_my_heads(latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = attention.kv_b_proj.weight
+        if isinstance(weight, DTensor):
+            latent, k_rope = (summed_gradient(x, weight.device_mesh) for x in (latent, k_rope))
+            weight = weight.to_local()
+        latent, k_rope = gather_positions(latent, context), gather_positions(k_rope, context)
+        heads = attention.n_head // context.size
+        rows = weight.view(attention.n_head, -1, c.kv_lora_rank)[context.rank * heads:(context.rank + 1) * heads]
+        B, _, S, _ = latent.shape
+        kv = F.linear(latent, rows.flatten(0, 1)).view(B, S, heads, -1).transpose(1, 2)
+        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
+        return torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1), v
+
+    return expand_my_heads
+
+
+def gather_positions(x: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """(B, 1, T/N, n) of this rank's positions -> (B, 1, T, n) of every rank's, differentiable (an all-to-all of N
+    copies: its backward sums every rank's gradient of this rank's positions)."""
+    received = all_to_all(x.unsqueeze(0).expand(context.size, *x.shape), context)  # row j: rank j's positions
+    return received.movedim(0, 2).flatten(2, 3)
 
 
 def positions_to_heads(x: torch.Tensor, context: ContextParallel) -> torch.Tensor:
