@@ -620,6 +620,9 @@ def test_planned_peak_matches_measured_on_cpu_more_settings():
 
 
 # A mixture-of-experts variant of SMALL: 8 experts, 2 per token.
+# Latent attention in SMALL's shape: 8 heads of 64 (48 unrotated + 16 rotary), values of 32, a latent of 64.
+SMALL_MLA = {**SMALL, "name": "plan-small-mla", "n_head": 8, "n_query_groups": 8, "head_size": 64, "kv_lora_rank": 64,
+             "q_lora_rank": 96, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16, "v_head_dim": 32}
 SMALL_MOE = {**SMALL, "name": "plan-small-moe", "mlp_class_name": "LLaMAMoE", "n_expert": 8, "n_expert_per_token": 2,
              "moe_intermediate_size": 256}
 
@@ -628,14 +631,16 @@ SMALL_MOE = {**SMALL, "name": "plan-small-moe", "mlp_class_name": "LLaMAMoE", "n
 def test_planned_peak_matches_measured_under_expert_and_context_parallelism():
     """Two processes holding 4 of the 8 experts each (--parallel.expert 2: the routed rows to their owners and back
     by all-to-all, each rank reading its own batch), and two running half of every sequence (--parallel.context 2:
-    attention's all-to-all, FSDP over the pair), full training, checkpointing off and on; and both at once: the
-    larger rank's peak within 15%."""
+    attention's all-to-all, FSDP over the pair), full training, checkpointing off and on; both at once; and latent
+    attention under context parallelism: the larger rank's peak within 15%."""
     cases = [dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2,
                   activation_checkpointing=checkpointing) for checkpointing in (False, True)]
     cases += [dict(config=SMALL, method="full", micro_batch_size=2, seq_length=256, context=2,
                    activation_checkpointing=checkpointing) for checkpointing in (False, True)]
     # Both on the same two processes: each runs half of every sequence and routes it to the experts' owners.
     cases.append(dict(config=SMALL_MOE, method="full", micro_batch_size=2, seq_length=256, expert=2, context=2))
+    # Latent attention (DeepSeek's) under context parallelism: the latents gathered, the queries scattered by heads.
+    cases.append(dict(config=SMALL_MLA, method="full", micro_batch_size=2, seq_length=256, context=2))
     compare(cases, run_cpu_cases(cases), "cpu", tolerance=0.15)
 
 

@@ -69,7 +69,8 @@ as go out. The all-to-all's received and returned rows are work buffers of the b
 Context parallelism (--parallel.context N, `litgpt.distributed.context_parallel`): a rank runs its slice of every
 sequence (padded to a multiple of N x the tensor degree), so its activations and logits are measured on that many
 positions; the head scatter keeps (all positions, 1/N of the heads), the same bytes. FSDP shards over the shard and
-context ranks. The contiguous copy of the local queries, keys and values sent and what comes back are work buffers.
+context ranks. The contiguous copy of the local queries, keys and values sent and what comes back are work buffers
+(latent attention sends its queries and gathers the group's latents instead of keys and values).
 
 Frozen models (`Recipe.frozen_configs`: a distillation teacher): their weights, final hidden states, chunk of logits
 and forward pass are added as `_add_frozen` describes.
@@ -743,10 +744,14 @@ def _all_to_all_bytes(run: _Run) -> int:
     """What one layer's all-to-all holds beyond what autograd saves, in the backward pass (its gradients travel the
     same way): under expert parallelism the routed rows (k per token: as many come in as go out when the routing is
     balanced) received and sent back; under context parallelism the contiguous copy of the local queries, keys and
-    values sent and what comes back."""
+    values sent and what comes back (latent attention: the queries, and the latents with their rotary keys, sent to
+    and gathered from each of the N ranks)."""
     config = run.rank_config
     if run.expert > 1:
         return 2 * config.n_expert_per_token * run.tokens * config.n_embd * run.compute
+    if run.context > 1 and config.kv_lora_rank is not None:
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        return 2 * run.tokens * (config.n_head * config.head_size + run.context * latent) * run.compute
     if run.context > 1:
         return 2 * run.tokens * config.qkv_size * run.compute
     return 0
