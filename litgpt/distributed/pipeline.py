@@ -315,15 +315,21 @@ class TiedEmbedding:
         """`source` (this rank's shard, on pipeline rank `source_rank`) copied, or added (`add`), into `target`
         (the same shard, on `target_rank`)."""
         if source_rank == target_rank:
-            if source is not None:
-                target.add_(source) if add else target.copy_(source)
-            return
-        if self.pipeline.rank == source_rank:
+            received = source
+        elif self.pipeline.rank == source_rank:
             dist.send(source.contiguous(), dst=self.pipeline.global_rank(target_rank), group=self.pipeline.group)
+            return
         elif self.pipeline.rank == target_rank:
             received = torch.empty_like(target)
             dist.recv(received, src=self.pipeline.global_rank(source_rank), group=self.pipeline.group)
-            target.add_(received) if add else target.copy_(received)
+        else:
+            return
+        if received is None:  # neither end of the pipeline
+            return
+        if add:
+            target.add_(received)
+        else:
+            target.copy_(received)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
