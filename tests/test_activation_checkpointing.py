@@ -211,7 +211,9 @@ def test_what_each_setting_keeps():
     # ops keeps, on top of each block's input, the float32 outputs of its matmuls and of attention.
     tokens, c, hs = batch * seq, config.n_embd, config.head_size
     qkv = tokens * (config.n_head + 2 * config.n_query_groups) * hs
-    attention = tokens * c + batch * config.n_head * seq  # the output and its log-sum-exp
+    # float32 on the CPU: the model's matmul attention (`MatmulAttention`), one block of queries at 32 positions: the
+    # scores' matmul and the weighted values' are kept
+    attention = tokens * c + batch * config.n_head * seq * seq
     per_block = qkv + attention + tokens * c + 2 * tokens * config.intermediate_size + tokens * c  # proj, fc 1|2, proj
     assert held["ops"] - held["full"] == config.n_layer * per_block * 4
     # full keeps each block's input (batch x seq x n_embd): the difference to none is the rest of every block.

@@ -185,11 +185,17 @@ def test_the_plan_follows_a_change_to_the_model_code(monkeypatch):
     assert all(a > b for a, b in zip(after, before))
 
 
-def test_cuda_math_attention_is_the_math_backend():
+def test_cuda_math_attention_is_the_math_backend(monkeypatch):
     """On CUDA, float32 with grouped keys takes PyTorch's math attention: the plan equals what autograd saves when the
-    math backend runs on real CPU tensors, (batch, heads, seq, seq) softmax included."""
+    math backend runs on real CPU tensors, (batch, heads, seq, seq) softmax included. The CPU's own matmul attention
+    is off here (`MatmulAttention.max_positions` 0), so that the CPU's plan is its flash kernel's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import litgpt.plan.measure as measure
+    from litgpt.model import MatmulAttention
+
+    monkeypatch.setattr(MatmulAttention, "max_positions", 0)
+    monkeypatch.setattr(measure, "_MEASURED", {})  # measured with the model's matmul attention in this process
     assert BASE.n_query_groups < BASE.n_head
     measured, _ = autograd_saved_bytes(BASE, "32-true", None, "cpu", kernels=lambda: sdpa_kernel(SDPBackend.MATH))
     cuda = planned_saved(BASE, "32-true", "cuda")

@@ -95,6 +95,7 @@ import torch
 from litgpt.args import ActivationCheckpointing, FSDPArgs, ParallelArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.errors import UserError
+from litgpt.model import MatmulAttention
 from litgpt.plan.layout import Layout, Param, frozen_layout, parameter_layout, rank_config, rank_recipe
 from litgpt.plan.measure import SavedActivations, math_attention, matmul_attention, saved_activation_bytes
 from litgpt.plan.quantized import dequantize_bytes, nf4_bytes, quantize_work_bytes, stored_bytes
@@ -709,12 +710,15 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     elif math_path:
         attention = "math attention: no fused float32 kernel takes grouped keys"
     elif by_matmuls:
-        attention = "matmul attention (bf16 on this CPU, short sequences)"
+        attention = "matmul attention (the CPU's, short sequences)"
     else:
         attention = "flash attention" if run.device == "cuda" else "CPU flash attention"
-    if math_path or by_matmuls or config.attention_logit_softcapping is not None:
+    if math_path or config.attention_logit_softcapping is not None:
         # The attention weights' gradient and the scores' gradient: (B, H, T, T) each.
         activation_grads += 2 * run.micro_batch_size * config.n_head * run.seq_length**2 * run.compute
+    elif by_matmuls:  # the same for the last block of queries (`MatmulAttention.query_block`), in float32
+        rows = min(MatmulAttention.query_block, run.seq_length)
+        activation_grads += 2 * run.micro_batch_size * config.n_head * rows * run.seq_length * 4
     top_trainable = unsharded(layout.top_block_trainable)
     reduce_bytes = run.master  # FSDP's reduce dtype: float32 for -mixed (and 32-true), 16 bits for -true
     if run.fsdp:

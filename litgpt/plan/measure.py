@@ -28,8 +28,8 @@ for it (each adjustment is one rule in `_Kernels`, `_NativeDropout`, `math_atten
     output out as (batch, seq, heads, head size), which changes whether the projection's reshape copies it; the
     kernels' 16-byte random-number state and the memory-efficient kernel's padding of the log-sum-exp to 32 rows
     are left out. Soft-capped attention (Gemma 2) is the model's own matmuls and softmax, on every device.
-  - the model's own matmul attention for short bf16 sequences (`litgpt.model.MatmulAttention`) is the CPU's only:
-    for other devices the fake run turns it off (`fused_attention_only`).
+  - the model's own matmul attention for short sequences (`litgpt.model.MatmulAttention`) is the CPU's only: for
+    other devices the fake run turns it off (`fused_attention_only`).
   - dropout (LoRA's): CUDA's fused kernel saves a one-byte mask, the CPU's the scaled noise in the input's dtype.
   - a value head size other than the query's (latent attention: 192 and 128) takes CUDA's memory-efficient kernel,
     not the math path the CPU falls back to (`_MemoryEfficientAttention`).
@@ -324,12 +324,15 @@ def math_attention(config: Config, device: str, precision: Precision) -> bool:
 
 
 def matmul_attention(config: Config, device: str, precision: Precision, seq_length: int) -> bool:
-    """On a CPU with native bf16, short bf16 sequences run the model's own matmul attention, which keeps the
-    (batch, heads, seq, seq) softmax (`litgpt.model.MatmulAttention`; plain causal attention of fused q/k/v only)."""
+    """On a CPU, short float32 sequences, and bf16 ones where the CPU has native bf16, run the model's own matmul
+    attention, which keeps the softmax of each block of queries (`litgpt.model.MatmulAttention`; plain causal attention
+    of fused q/k/v only)."""
     from litgpt.model import MatmulAttention
 
+    dtype = precision.compute_dtype
+    native = dtype == torch.float32 or (dtype == torch.bfloat16 and MatmulAttention.bf16)
     return (
-        device == "cpu" and precision.compute_dtype == torch.bfloat16 and seq_length <= MatmulAttention.max_positions
+        device == "cpu" and native and seq_length <= MatmulAttention.max_positions
         and config.attention_logit_softcapping is None and not config.attention_sinks
         and config.kv_lora_rank is None and config.sliding_window_size is None
     )
