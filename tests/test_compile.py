@@ -77,8 +77,10 @@ def test_compiled_loss_trains_like_eager():
     expected, got = train_losses(eager, 3), train_losses(compiled, 3, compile_loss=True)
     assert counters["stats"]["unique_graphs"] >= 1
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # Inductor fuses the CPU's matmul attention's softmax and rounds it otherwise than eager; AdamW's normalized steps
+    # (lr 1e-2) turn that into weight differences of up to ~3e-5 where a gradient is near zero: far below one step.
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def job_of(config: Config, max_steps) -> Job:
