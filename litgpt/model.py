@@ -391,14 +391,17 @@ class MatmulAttention:
     query_block = 64
     bf16 = cpu_has_fast_bf16()  # read once: the model's forward must not read /proc/cpuinfo (nor break a graph)
 
+    @classmethod
+    def multiplies(cls, dtype: torch.dtype) -> bool:
+        """Whether the CPU multiplies `dtype` fast enough for it: float32 always, bf16 where it is native."""
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and cls.bf16)
+
 
 def takes_matmul_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether plain causal attention of these queries and keys runs as `causal_attention_by_matmuls`."""
     T = q.size(-2)
     short = T == k.size(-2) <= MatmulAttention.max_positions
-    dtype = compute_dtype(q)
-    native = dtype == torch.float32 or (dtype == torch.bfloat16 and MatmulAttention.bf16)
-    return q.device.type == "cpu" and native and short
+    return q.device.type == "cpu" and MatmulAttention.multiplies(compute_dtype(q)) and short
 
 
 def causal_attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -329,10 +329,9 @@ def matmul_attention(config: Config, device: str, precision: Precision, seq_leng
     of fused q/k/v only)."""
     from litgpt.model import MatmulAttention
 
-    dtype = precision.compute_dtype
-    native = dtype == torch.float32 or (dtype == torch.bfloat16 and MatmulAttention.bf16)
     return (
-        device == "cpu" and native and seq_length <= MatmulAttention.max_positions
+        device == "cpu" and MatmulAttention.multiplies(precision.compute_dtype)
+        and seq_length <= MatmulAttention.max_positions
         and config.attention_logit_softcapping is None and not config.attention_sinks
         and config.kv_lora_rank is None and config.sliding_window_size is None
     )
