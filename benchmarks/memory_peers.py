@@ -9,10 +9,11 @@ and ours is compared like for like:
 - "reserved" (Answer.AI's peak reserved memory): the planner's total, the peak plus its allowance for the CUDA
   context and the allocator's cache.
 
-Rows whose peer used something litgpt does not have (the embedding and output head sharded apart from the root) say so
-and are shown, not hidden; the optimizer step fused into the backward pass and activation offloading are litgpt's
-options too (`--train.optimizer_in_backward`, `--train.offload_activations`), planned as the peer ran them. The
-table's next row (8-bit AdamW, 17.6 GiB) is left out: the planner counts AdamW's float32 moments only. Nothing is allocated: this runs anywhere in seconds.
+What the peers used is planned as they ran it: the optimizer step fused into the backward pass and activation
+offloading (`--train.optimizer_in_backward`, `--train.offload_activations`); litgpt shards the token embedding and
+the output head as FSDP units of their own, as torchtune's `custom_sharded_layers` does. The table's next row (8-bit
+AdamW, 17.6 GiB) is left out: the planner counts AdamW's float32 moments only. Nothing is allocated: this runs
+anywhere in seconds.
 
     python benchmarks/memory_peers.py            # the table
     python benchmarks/memory_peers.py --json out.json
@@ -46,7 +47,6 @@ class PeerRun:
     model: str
     plan: dict = field(default_factory=dict)  # litgpt.plan.plan_for keyword arguments, --train/--fsdp as dicts
     lora: dict | None = None  # LoRASettings fields
-    differs: str = ""  # what the peer used that litgpt does not have
 
 
 def _gb(decimal_gb: float) -> float:
@@ -63,6 +63,9 @@ QV = flags(query=True, value=True)
 ALL_LINEAR = flags(query=True, key=True, value=True, projection=True, mlp=True)
 TORCHTUNE_LORA = flags(query=True, value=True, projection=True, mlp=True)
 QKV = flags(query=True, key=True, value=True)
+# torchtune's QLoRA stores the base as torchao's NF4Tensor, whose scalers are quantized too: bitsandbytes' nf4 with
+# double quantization is the same format (about 4.13 bits a weight; under FSDP litgpt stores either as `ao.nf4`).
+TORCHTUNE_QLORA = "bnb.nf4-dq"
 
 RUNS = (
     PeerRun("torchtune", TORCHTUNE, "Llama 3.2 3B full, bf16, batch 2 x 4096 packed, compile, chunked CE", 42.9,
@@ -91,7 +94,7 @@ RUNS = (
             "Llama-3.2-3B",
             flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=4096, activation_checkpointing=True,
                                              offload_activations=True),
-                  precision="bf16-true", quantize="bnb.nf4", accumulate_gradients=False),
+                  precision="bf16-true", quantize=TORCHTUNE_QLORA, accumulate_gradients=False),
             lora=flags(r=64, alpha=128, dropout=0.0, **TORCHTUNE_LORA)),
     PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B LoRA r8 (q, v, out, MLP), 1x 4090, batch 2 x 2048 packed", 16.2,
             "allocated", "Llama-3.1-8B",
@@ -101,7 +104,7 @@ RUNS = (
     PeerRun("torchtune", TORCHTUNE, "Llama 3.1 8B QLoRA r8, 1x 4090, batch 2 x 2048 packed", 7.4, "allocated",
             "Llama-3.1-8B",
             flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
-                  precision="bf16-true", quantize="bnb.nf4", accumulate_gradients=False),
+                  precision="bf16-true", quantize=TORCHTUNE_QLORA, accumulate_gradients=False),
             lora=flags(r=8, alpha=16, dropout=0.0, **TORCHTUNE_LORA)),
     # The README's table: batch 2, no gradient accumulation, packed to 2048, compiled, for every row (its note),
     # whatever batch the config sets; 8 A100s sharded by FSDP over all of them.
@@ -117,9 +120,7 @@ RUNS = (
             13.9, "allocated", "Llama-3.1-70B-Instruct",
             flags(method="full", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True),
                   fsdp=flags(sharding_strategy="FULL_SHARD", cpu_offload=True), precision="bf16-true", devices=8,
-                  accumulate_gradients=False),
-            differs="the output head sharded as an FSDP unit of its own (custom_sharded_layers; litgpt does so "
-                    "with the embedding only)"),
+                  accumulate_gradients=False)),
     # Published as "44.8 GB" (the other rows say GiB): taken as decimal GB, as printed. The config's loss was then
     # torch.nn.CrossEntropyLoss on whole float32 logits: one chunk of all 4,096 positions. At 2 x 2048 the 1/8 NF4
     # shard (25.2 GiB) and the 126 checkpointed block inputs (15.8 GiB) alone reach the figure: the config's own
@@ -129,8 +130,8 @@ RUNS = (
             _gb(44.8), "allocated", "Llama-3.1-405B-Instruct",
             flags(method="lora", train=flags(micro_batch_size=2, max_seq_length=2048, activation_checkpointing=True,
                                              loss_chunk_size=4096),
-                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", quantize="bnb.nf4", devices=8,
-                  accumulate_gradients=False),
+                  fsdp=flags(sharding_strategy="FULL_SHARD"), precision="bf16-true", quantize=TORCHTUNE_QLORA,
+                  devices=8, accumulate_gradients=False),
             lora=flags(r=16, alpha=32, dropout=0.0, projection=True, mlp=True, **QKV)),
     PeerRun("LitGPT", LITGPT, "Llama 2 7B LoRA r8 (q, v), micro batch 1, Alpaca (longest 1,304 tokens)",
             _gb(21.30), "allocated", "Llama-2-7b-hf",
@@ -174,7 +175,7 @@ def plan_row(run: PeerRun) -> dict:
     from litgpt.plan import plan_for
 
     row = {"peer": run.peer, "source": run.source, "run": run.run, "measure": run.measure, "model": run.model,
-           "peer_gib": round(run.peer_gib, 2), "differs": run.differs, "plan_arguments": run.plan, "lora": run.lora}
+           "peer_gib": round(run.peer_gib, 2), "plan_arguments": run.plan, "lora": run.lora}
     lora = LoRASettings(**run.lora) if run.lora else None
     try:
         train, fsdp = TrainArgs(**run.plan["train"]), FSDPArgs(**run.plan.get("fsdp", {}))
@@ -199,8 +200,6 @@ def main() -> None:
             continue
         flag = "" if row["at_or_below"] else "  ABOVE"
         print(f"{head}{row['ours_gib']:>8.2f} {row['ratio']:>8.2f}x{flag}")
-        if row["differs"]:
-            print(f"{'':<10}   peer used what litgpt lacks: {row['differs']}")
     print("\nSources:")
     for source in dict.fromkeys(row["source"] for row in rows):
         print(f"  {source}")

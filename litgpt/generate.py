@@ -114,6 +114,24 @@ def check_prompt_length(prompt_length: int, block_size: int) -> None:
         )
 
 
+def activation_dtype(model: "GPT") -> torch.dtype:
+    """The dtype the model's keys and values come in, which its KV cache stores: autocast's where it is on (a -mixed
+    run's rollouts or samples, where the float32 master weights' dtype would double the cache for the same values),
+    the dtype FSDP2 gathers the weights in for a sharded model (`litgpt.distributed.fsdp.gathered_dtype`: between
+    passes its weights are float32 shards), else the embedding's (a quantized head's weight is not the activations'
+    dtype)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    device = model.transformer.wte.weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    if isinstance(model, FSDPModule):
+        from litgpt.distributed.fsdp import gathered_dtype
+
+        return gathered_dtype(model) or model.transformer.wte.weight.dtype
+    return model.transformer.wte.weight.dtype
+
+
 def prepare_kv_cache(model: "GPT", length: int) -> None:
     """Make sure the model has a batch-1 KV cache of at least `length` positions (reusing the one it has).
 
@@ -122,16 +140,16 @@ def prepare_kv_cache(model: "GPT", length: int) -> None:
     """
     if hasattr(model, "compiled_decode_step"):
         length = min(model.config.block_size, 1 << (length - 1).bit_length())
-    param = model.lm_head.weight
+    device, dtype = model.lm_head.weight.device, activation_dtype(model)
     cache = model.transformer.h[0].attn.kv_cache
     if (
         cache is None
         or cache.k.size(0) != 1
         or cache.k.size(2) < length
-        or cache.k.device != param.device
-        or cache.k.dtype != param.dtype
+        or cache.k.device != device
+        or cache.k.dtype != dtype
     ):
-        model.set_kv_cache(batch_size=1, max_seq_length=length)
+        model.set_kv_cache(batch_size=1, max_seq_length=length, dtype=dtype)
 
 
 def generate(

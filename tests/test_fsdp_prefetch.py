@@ -115,18 +115,25 @@ def full_gradients(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def gathered_through_a_step(strategy: str, tied: bool) -> dict[str, list]:
     """Which of the embedding's and the head's weights are gathered (a plain tensor, not the rank's DTensor shard)
-    after the forward pass (the chunked loss' kind: final hidden states, the head read by the loss), and which FSDP
-    units hold them."""
+    after the training loss's forward pass (`model_loss`: final hidden states, the head read by the chunked loss)
+    and after its backward pass, and which FSDP units hold them."""
     from torch.distributed.fsdp import FSDPModule
 
+    from litgpt.train.loss import LOSSES, model_loss
+
     model = sharded_tiny_gpt(strategy, 0, 0, tie_embeddings=tied)
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    loss = lambda: model_loss(model, tokens[:, :-1], tokens[:, 1:], LOSSES["cross_entropy"])["loss"]  # noqa: E731
     gathered = lambda: [not isinstance(p, torch.distributed.tensor.DTensor)  # noqa: E731
                         for p in (model.transformer.wte.weight, model.lm_head.weight)]
-    model(torch.zeros(2, 8, dtype=torch.long), return_hidden=True).sum().backward()
+    during = []  # in the last block's backward pass: what is gathered, and whether the head's gradient is reduced
+    model.transformer.h[-1].register_full_backward_pre_hook(
+        lambda *_: during.append(gathered() + [isinstance(model.lm_head.weight.grad, torch.distributed.tensor.DTensor)]))
+    loss().backward()
     after_one_step = gathered()
-    model(torch.zeros(2, 8, dtype=torch.long), return_hidden=True)
+    loss()
     return {"units": [isinstance(model.transformer.wte, FSDPModule), isinstance(model.lm_head, FSDPModule)],
-            "after the forward pass": gathered(), "after a step": after_one_step}
+            "after the forward pass": gathered(), "after a step": after_one_step, "the last block's backward": during}
 
 
 def prefetch_worker(rank: int, port: int, out: str) -> None:
@@ -195,17 +202,22 @@ def test_prefetching_leaves_the_gradients_as_they_are(two_rank_results):
 
 
 @pytest.mark.slow
-def test_the_embedding_is_a_unit_of_its_own_gathered_only_around_its_use(two_rank_results):
-    """Untied, the embedding is an FSDP unit of its own: after the forward pass its weight is back to the rank's shard
-    (FULL_SHARD) while the root keeps the head gathered for the loss; SHARD_GRAD_OP keeps both until the backward
-    pass. After a step both are sharded. Tied, the one weight stays in the root, gathered for the loss."""
+def test_the_embedding_and_the_head_are_units_of_their_own_gathered_only_around_their_use(two_rank_results):
+    """Untied, the embedding and the head are FSDP units of their own: after the loss's forward pass both weights are
+    back to the rank's shard (FULL_SHARD); SHARD_GRAD_OP keeps both until the backward pass. When the blocks'
+    backward passes run, the head is sharded again and its gradient reduce-scattered (the embedding still waits in
+    SHARD_GRAD_OP). After a step both are sharded. Tied, the one weight stays in the root, gathered for the loss and
+    through the backward pass, its gradient reduced at the end."""
     units = two_rank_results["units"]
-    expected_after_forward = {"FULL_SHARD": [False, True], "SHARD_GRAD_OP": [True, True]}
+    expected_after_forward = {"FULL_SHARD": [False, False], "SHARD_GRAD_OP": [True, True]}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        assert units[f"{strategy} untied"] == {"units": [True, False], "after a step": [False, False],
-                                               "after the forward pass": expected_after_forward[strategy]}
+        assert units[f"{strategy} untied"] == {
+            "units": [True, True], "after a step": [False, False],
+            "after the forward pass": expected_after_forward[strategy],
+            "the last block's backward": [[strategy == "SHARD_GRAD_OP", False, True]]}
         assert units[f"{strategy} tied"] == {"units": [False, False], "after a step": [False, False],
-                                             "after the forward pass": [True, True]}
+                                             "after the forward pass": [True, True],
+                                             "the last block's backward": [[True, True, False]]}
 
 
 # ---- training with prefetching, 2 real processes through the CLI ----------------------------------------------------

@@ -8,14 +8,18 @@ as on CUDA with NCCL.
 from __future__ import annotations
 
 import contextlib
+import types
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
 
 from litgpt.args import FSDPArgs
 from litgpt.distributed.dtensor import clip_to_norm
@@ -148,8 +152,9 @@ def is_sharded(module: nn.Module) -> bool:
 def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, device: torch.device,
                 prepare_block: Optional[Callable[[int, nn.Module], None]] = None, expert_mesh=None,
                 pipeline_stage: bool = False) -> None:
-    """FSDP2 over each transformer Block (the wrap unit), the token embedding (`embedding_unit`), then the root:
-    the final norm and head (with a tied embedding; a pipeline stage's ends).
+    """FSDP2 over each transformer Block (the wrap unit), the token embedding (`embedding_unit`), the output head
+    (`head_unit`), then the root: the final norm (with a tied embedding or a head of its own, those; a pipeline
+    stage's ends).
 
     `prepare_block(index, block)` runs just before a block is sharded (QLoRA puts the block's 4-bit base weights in
     there), so a rank holds the whole of at most one block's weights that exist before sharding. Under expert
@@ -177,7 +182,14 @@ def shard_model(model: nn.Module, mesh, fsdp: FSDPArgs, precision: Precision, de
     embedding = None if pipeline_stage else embedding_unit(model)
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
-    # The root's parameters (final norm, head, a tied embedding) stay gathered: the backward pass begins with the head.
+    head = None if pipeline_stage else head_unit(model)
+    if head is not None:
+        fully_shard(head, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+        # FSDP gathers a unit around its forward only; the chunked loss reads the head's tensors without calling it,
+        # so the loss runs through a method that FSDP treats as a forward of the head (`call_in_unit`).
+        setattr(head, UNIT_CALL, types.MethodType(lambda self, function, *args: function(*args), head))
+        register_fsdp_forward_method(head, UNIT_CALL)
+    # The root's parameters (final norm; a head left in it) stay gathered: the backward pass begins with the loss.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
     if mesh.shape[-1] > 1:  # a shard group of one device gathers nothing: nothing to issue ahead
         set_prefetching(list(model.transformer.h), fsdp.forward_prefetch, fsdp.backward_prefetch)
@@ -187,9 +199,38 @@ def embedding_unit(model: nn.Module) -> Optional[nn.Module]:
     """The token embedding as an FSDP unit of its own, as torchtune and torchtitan shard it: gathered for its forward
     and, where it trains, again at the end of the backward pass, and its gradient reduce-scattered there, where in
     the root it would stay gathered through the step. None where it is the head's weight too (tied), which the root
-    keeps gathered for the loss. (The final norm and the head stay in the root: the chunked loss reads the head's
-    weight without calling it, so no forward of theirs would gather a unit of theirs.)"""
+    keeps gathered for the loss."""
     return None if model.lm_head.weight is model.transformer.wte.weight else model.transformer.wte
+
+
+UNIT_CALL = "call_in_unit"  # the method of a head unit that runs a function of it within the unit's gathers
+
+
+def head_unit(model: nn.Module) -> Optional[nn.Module]:
+    """The output head as an FSDP unit of its own, as torchtune shards it (`custom_sharded_layers`): gathered for the
+    loss (`call_in_unit`) and freed after it; in the backward pass gathered again for the loss's backward and its
+    gradient reduce-scattered there, before the blocks' backward passes begin, where in the root it would stay
+    gathered, and its whole gradient kept, through the step. None for a head tied to the embedding, one split by
+    tensor parallelism (a DTensor already, whose loss runs on each rank's rows), and a model that does not train (a
+    frozen teacher or reference, whose root keeps the head gathered for the losses that read it,
+    `Recipe.frozen_model`)."""
+    head = model.lm_head
+    if head.weight is model.transformer.wte.weight or isinstance(head.weight, DTensor):
+        return None
+    return head if any(p.requires_grad for p in model.parameters()) else None
+
+
+def gathered_dtype(module: FSDPModule) -> Optional[torch.dtype]:
+    """The dtype FSDP2 gathers `module`'s weights in (its mixed-precision policy's), None where they keep their own."""
+    return module._get_fsdp_state()._mp_policy.param_dtype
+
+
+def call_in_unit(module: nn.Module, function: Callable[..., Any], *args) -> Any:
+    """`function(*args)`, within `module`'s FSDP unit where `shard_model` made it one with a `UNIT_CALL` method
+    (`head_unit`): its weights gathered for it, and in the backward pass the gradients of the tensors in `args`
+    mark where the unit's gradients are complete (reduce-scattered there)."""
+    call = getattr(module, UNIT_CALL, None)
+    return function(*args) if call is None else call(function, *args)
 
 
 def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:
@@ -205,8 +246,8 @@ def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:
 def set_prefetching(blocks: list[FSDPModule], forward: int, backward: int) -> None:
     """FSDP2's explicit prefetching (`--fsdp.forward_prefetch`, `--fsdp.backward_prefetch`): in the forward pass
     block i issues the all-gathers of blocks i+1..i+forward, in the backward pass those of blocks i-1..i-backward,
-    nearest first. 0 leaves FSDP2's implicit order. The root is never in the lists: its parameters (embeddings, final
-    norm, head) are gathered before the first block runs and stay gathered until the backward pass ends."""
+    nearest first. 0 leaves FSDP2's implicit order. The root, embedding and head are never in the lists: they are
+    gathered once each way, around the blocks."""
     for index, block in enumerate(blocks):
         if forward:
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + forward])

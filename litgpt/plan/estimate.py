@@ -21,10 +21,11 @@ What is counted, per device:
   its gradient is ready and the gradient freed: the largest one parameter's gradient on one device, one unit's sharded
   gradients under FSDP (they share the reduce-scatter's output until the unit's last parameter is stepped).
 - optimizer state: AdamW's two moments per trainable parameter, in the master dtype, sharded.
-- gathered parameters: FSDP2 (`fully_shard` per Block, the embedding unless tied to the head, then the root)
+- gathered parameters: FSDP2 (`fully_shard` per Block, the embedding and the head unless tied, then the root)
   all-gathers a unit's parameters in the compute dtype (NF4 weights in their 4-bit layout) before it runs: two
   blocks at a time (one running, one prefetched), the embedding for its forward and at the end of the backward
-  pass, and the root (final norm, head) throughout the backward pass; with SHARD_GRAD_OP every unit stays gathered
+  pass, the head for the loss and again for its backward pass, and the root (final norm; a tied head) throughout
+  the backward pass; with SHARD_GRAD_OP every unit stays gathered
   from its forward until its backward. The shard group comes from
   `litgpt.distributed.topology.Topology`, as in training.
   On a single device (no FSDP) with a -mixed precision, the fake run goes under CPU autocast over float32 weights:
@@ -563,7 +564,7 @@ def _resident_state(run: _Run, layout: Layout) -> dict:
 def _gradients_in_flight(run: _Run, layout: Layout) -> int:
     """With --train.optimizer_in_backward, the most gradient bytes that exist at once after autograd (or FSDP's
     reduce-scatter) made them: one parameter's on one device, one FSDP unit's shards."""
-    if run.fsdp:  # the embedding's unit (unless tied), the root's and each block's
+    if run.fsdp:  # the embedding's and the head's units (unless tied), the root's and each block's
         units = [*_root_units(run, layout, run.config.tie_embeddings), *layout.blocks]
     else:
         units = [[p] for p in layout.params]
@@ -641,25 +642,28 @@ def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict
     """FSDP's gathered units, or on one device autocast's 16-bit weight copies, at each moment of the step."""
     unsharded = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     block_bytes = sorted(sum(_gathered_bytes(run, p) for p in ps) for ps in layout.blocks)
-    embedding, root = _root_units(run, layout, run.config.tie_embeddings)
+    embedding, head, root = _root_units(run, layout, run.config.tie_embeddings)
     root_bytes = unsharded(root) * run.compute
+    head_bytes = unsharded(head) * run.compute
     gathered = dict(root=root_bytes if run.fsdp else 0, forward_end=0)
     if run.fsdp:
-        # `shard_model` keeps the root (final norm, head) gathered from its forward to its backward, which starts
-        # with the head; the embedding, a unit of its own unless tied, for its forward and at the end of the backward
+        # `shard_model` keeps the root (final norm; the head and embedding when tied) gathered from its forward to
+        # its backward; the head, a unit of its own unless tied, for the loss and again for the loss's backward, at
+        # the start of the backward pass; the embedding, one too, for its forward and at the end of the backward
         # pass. A block is gathered for its forward and again for its backward, the next one prefetched (a shard
         # group of one copies each block as it runs, without prefetching). SHARD_GRAD_OP
         # (reshard_after_forward=False) keeps every unit gathered from its forward to its backward.
         ahead = max(1, run.backward_prefetch) if run.shard > 1 else 0
         gathered["backward"] = root_bytes + sum(block_bytes[-(1 + ahead):])
+        blocks = f"{1 + max(1, run.backward_prefetch)} blocks at a time"
         if run.sharding_strategy == "SHARD_GRAD_OP" and run.shard > 1:
             embedding_bytes = unsharded(embedding) * run.compute
             gathered["backward"] += embedding_bytes
-            gathered.update(start=root_bytes + embedding_bytes + sum(block_bytes),
+            gathered.update(start=root_bytes + head_bytes + embedding_bytes + sum(block_bytes),
                             detail="every block + root, from forward to backward")
         else:
-            gathered.update(start=root_bytes, detail=f"root + {1 + max(1, run.backward_prefetch)} blocks at a time, "
-                                                     "compute dtype")
+            gathered.update(start=root_bytes + head_bytes, detail=(
+                f"root + {blocks}, head for the loss, compute dtype" if head else f"root + {blocks}, compute dtype"))
     elif run.autocast:
         gathered.update(_autocast_copies(run, saved), detail="autocast's 16-bit copies of the linear weights")
     else:
@@ -667,14 +671,17 @@ def _gathered_params(run: _Run, layout: Layout, saved: SavedActivations) -> dict
     return gathered
 
 
-def _root_units(run: _Run, layout: Layout, tied: bool) -> tuple[list[Param], list[Param]]:
-    """The parameters of the embedding's unit and of the root's (final norm, head), as
-    `litgpt.distributed.fsdp.embedding_unit` makes them under FSDP: no embedding unit on one device, for an embedding
-    `tied` to the head, or in a pipeline stage's layout."""
-    if not run.fsdp or tied or not layout.embedding:
-        return [], layout.root
-    apart = {id(p) for p in layout.embedding}
-    return layout.embedding, [p for p in layout.root if id(p) not in apart]
+def _root_units(run: _Run, layout: Layout, tied: bool,
+                trains: bool = True) -> tuple[list[Param], list[Param], list[Param]]:
+    """The parameters of the embedding's unit, the head's and the root's (final norm, and what is not apart), as
+    `litgpt.distributed.fsdp.embedding_unit` and `head_unit` make them under FSDP: neither apart on one device, for
+    an embedding `tied` to the head, or in a pipeline stage's layout; no head unit under tensor parallelism (the head
+    split by vocabulary rows) or for a frozen model (`trains` False)."""
+    if not run.fsdp or tied:
+        return [], [], layout.root
+    head = layout.head if trains and run.tensor == 1 else []
+    apart = {id(p) for p in layout.embedding + head}
+    return layout.embedding, head, [p for p in layout.root if id(p) not in apart]
 
 
 def _autocast_copies(run: _Run, saved: SavedActivations) -> dict:
@@ -732,9 +739,10 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
     dequantized = 0
     if run.quantize:
         dequantized = dequantize_bytes(largest_quantized, run.stored_quantize, run.compute, run.param_compute)
-    root_trainable = unsharded([p for p in _root_units(run, layout, run.config.tie_embeddings)[1] if p.trainable])
+    root_trainable = unsharded([p for p in _root_units(run, layout, run.config.tie_embeddings)[2] if p.trainable])
     if run.fsdp:
-        # the root reduces its gradients after the whole backward (the embedding's unit its own, made last)
+        # the root reduces its gradients after the whole backward (the embedding's unit its own, made last; the
+        # head's its own, reduce-scattered before the blocks' backward passes)
         root_grads = root_trainable * run.compute
     else:  # with the optimizer in the backward pass the head's gradient is gone before the blocks' backward
         root_grads = 0 if run.accumulate_gradients or run.optimizer_in_backward else root_trainable * run.master
@@ -878,7 +886,7 @@ def _add_frozen(run: _Run, name: str, frozen: Config, layout: Layout, moments: d
     numel = lambda params: sum(math.prod(p.shape) for p in params)  # noqa: E731
     if run.fsdp:
         shards = sum(_shard_numel(p.shape, run.shard) for p in layout.params) * run.compute
-        embedding, _ = _root_units(run, layout, frozen.tie_embeddings)  # resharded after each forward pass
+        embedding, _, _ = _root_units(run, layout, frozen.tie_embeddings, trains=False)  # resharded after each forward
         resident = (0 if run.cpu_offload else shards) + (numel(layout.root) - numel(embedding)) * run.compute
     else:
         resident = layout.total_params * run.compute

@@ -32,6 +32,7 @@ class Layout:
     blocks: list[list[Param]]  # one FSDP unit per block
     quantized_numel: list[int]
     embedding: list[Param] = dataclasses.field(default_factory=list)  # the token embedding's, of `root`
+    head: list[Param] = dataclasses.field(default_factory=list)  # the output head's, of `root`
 
     @property
     def params(self) -> list[Param]:
@@ -140,6 +141,7 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
     """`model`'s parameters by FSDP unit; only those in `held` (their ids) where given."""
     root: list[Param] = []
     embedding: list[Param] = []
+    head: list[Param] = []
     blocks: list[list[Param]] = [[] for _ in range(n_layer)]
     quantized_numel = []
     experts_held = model.config.n_expert // expert  # the first rank's: every rank holds as many of the same shapes
@@ -156,4 +158,6 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
             root.append(entry)
             if name.startswith("transformer.wte."):
                 embedding.append(entry)
-    return Layout(root, blocks, quantized_numel, embedding)
+            elif name.startswith("lm_head."):
+                head.append(entry)
+    return Layout(root, blocks, quantized_numel, embedding, head)

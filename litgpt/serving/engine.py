@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from litgpt.failpoints import failpoint
-from litgpt.generate import held_back, longrope_restart, sample
+from litgpt.generate import activation_dtype, held_back, longrope_restart, sample
 from litgpt.model import GPT
 from litgpt.serving.paged_cache import NULL_BLOCK, BlockPool, CachePlan, attach_paged_cache
 
@@ -65,16 +65,6 @@ class Sequence:
     def context(self, start: int, stop: int) -> list[int]:
         prompt = len(self.prompt_ids)
         return self.prompt_ids[start:stop] + self.tokens[max(0, start - prompt): max(0, stop - prompt)]
-
-
-def activation_dtype(model) -> torch.dtype:
-    """The dtype the model's keys and values come in, which its KV cache stores: autocast's where it is on (GRPO's
-    rollouts in a -mixed run, where the float32 master weights' dtype would double the cache for the same values),
-    else the embedding's (a quantized head's weight is not the activations' dtype)."""
-    device = model.transformer.wte.weight.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return model.transformer.wte.weight.dtype
 
 
 class BatchingEngine:
@@ -306,9 +296,10 @@ class BatchingEngine:
         self.batch.slots, self.batch.reads = slots.to(device), reads.to(device)
         forward = getattr(self.model, "decode_forward", self.model) if tokens.size(1) == 1 else self.model  # --compile
         hidden = forward(tokens.to(device), input_pos=positions.to(device), return_hidden=True)
-        if finished.numel() == 0:
-            return None
-        return self.model.head(hidden[finished.to(device), last.to(device)])
+        # The head runs on every pass, with no rows too: sharded as an FSDP unit of its own, it gathers its weights
+        # with the other ranks, whose passes may have finished rows (`litgpt.distributed.fsdp.head_unit`).
+        logits = self.model.head(hidden[finished.to(device), last.to(device)])
+        return logits if finished.numel() else None
 
     def sample_and_accept(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()

@@ -202,6 +202,24 @@ def split_head(head: nn.Module, hidden: torch.Tensor, softcap: Optional[float], 
     return OutputHead(head.weight.to_local(), bias, lora_input, b.to_local(), softcap, shard)
 
 
+def head_loss(gpt: nn.Module, hidden: torch.Tensor, targets: Targets, chunk_loss: ChunkLoss,
+              chunk_size: Optional[int] = None, per_position: bool = False, split: bool = True) -> torch.Tensor:
+    """`chunked_head_loss` of `gpt`'s output head (`OutputHead.of`, `split` as there) on its final `hidden` states,
+    run within the head's FSDP unit where it is one (`litgpt.distributed.fsdp.head_unit`: its weights gathered for
+    the loss only, its gradient reduce-scattered as soon as the loss's backward pass has made it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def loss(hidden: torch.Tensor, targets: Targets) -> torch.Tensor:
+        head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping, split=split)
+        return chunked_head_loss(hidden, head, targets, chunk_loss, chunk_size, per_position)
+
+    if not isinstance(gpt.lm_head, FSDPModule):
+        return loss(hidden, targets)
+    from litgpt.distributed.fsdp import call_in_unit
+
+    return call_in_unit(gpt.lm_head, loss, hidden, targets)
+
+
 def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_loss: ChunkLoss,
                       chunk_size: Optional[int] = None, per_position: bool = False) -> torch.Tensor:
     """The sum of `chunk_loss` over every position of `head(hidden)`, the logits built one chunk of `chunk_size`
@@ -618,7 +636,13 @@ def teacher_head(teacher: nn.Module, hidden: torch.Tensor, split: bool = False) 
 
 def shared_vocabulary_shard(student_head: nn.Module, teacher_head: nn.Module) -> bool:
     """Whether the student's and the teacher's heads are split alike by vocabulary rows (tensor parallelism of both):
-    then each rank's distillation loss runs on its rows of both (`distillation_chunk` with the shard)."""
+    then each rank's distillation loss runs on its rows of both (`distillation_chunk` with the shard). A head that is
+    an FSDP unit of its own is never split so (`litgpt.distributed.fsdp.head_unit`): outside the loss, its weight is
+    FSDP's shard of rows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(student_head, FSDPModule):
+        return False
     shard = VocabularyShard.of(student_head.weight)
     return (shard is not None and shard == VocabularyShard.of(teacher_head.weight)
             and student_head.weight.shape == teacher_head.weight.shape)
@@ -638,8 +662,7 @@ def distillation_loss(model: nn.Module, teacher: nn.Module, input_ids: torch.Ten
     split = shared_vocabulary_shard(gpt.lm_head, teacher.lm_head)
     chunk_loss = DistillationChunkLoss(kd, teacher_head(teacher, teacher_hidden, split))
     hidden = model(input_ids, return_hidden=True, **packed(positions))
-    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping, split=split)
-    total = chunked_head_loss(hidden, head, (labels, teacher_hidden), chunk_loss, chunk_size)
+    total = head_loss(gpt, hidden, (labels, teacher_hidden), chunk_loss, chunk_size, split=split)
     return with_router_aux_loss(model, chunk_loss.losses(total, labelled_positions(labels)))
 
 
@@ -695,8 +718,7 @@ def model_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, 
 
     gpt = unwrap(model)
     hidden = model(input_ids, return_hidden=True, **packed(positions))
-    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
-    total = chunked_head_loss(hidden, head, labels, loss.per_chunk, chunk_size)
+    total = head_loss(gpt, hidden, labels, loss.per_chunk, chunk_size)
     return with_router_aux_loss(model, {"loss": total / labelled_positions(labels)})
 
 

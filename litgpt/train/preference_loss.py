@@ -22,7 +22,7 @@ from torch import nn
 
 from litgpt.args import DPOArgs
 from litgpt.data.base import IGNORE_INDEX
-from litgpt.train.loss import Losses, OutputHead, chunked_head_loss, nll_chunk, with_router_aux_loss
+from litgpt.train.loss import Losses, head_loss, nll_chunk, with_router_aux_loss
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (chosen, rejected), one value per pair each
 
@@ -40,8 +40,7 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, c
         return nll.view(labels.shape)
     gpt = unwrap(model)
     hidden = model(input_ids, return_hidden=True)
-    head = OutputHead.of(gpt.lm_head, hidden, gpt.config.final_logit_softcapping)
-    return chunked_head_loss(hidden, head, labels, nll_chunk, chunk_size, per_position=True)
+    return head_loss(gpt, hidden, labels, nll_chunk, chunk_size, per_position=True)
 
 
 def sequence_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None,

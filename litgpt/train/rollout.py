@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from litgpt.model import GPT
-from litgpt.serving.engine import BatchingEngine, Sequence, activation_dtype
+from litgpt.generate import activation_dtype
+from litgpt.serving.engine import BatchingEngine, Sequence
 from litgpt.serving.paged_cache import NULL_BLOCK, CachePlan, CacheShape, plan_cache
 
 PAGE_SIZE = 16
@@ -80,7 +81,8 @@ class LockstepEngine(BatchingEngine):
         null = torch.full((1, 1), NULL_BLOCK * self.page_size, dtype=torch.long, device=self.device)
         self.batch.slots, self.batch.reads = null, null
         zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.model(zero, input_pos=zero, return_hidden=True)
+        hidden = self.model(zero, input_pos=zero, return_hidden=True)
+        self.model.head(hidden[:0, 0])  # the head's gathers too, as in `run_pass` (a sharded head is a unit of its own)
 
 
 def sample_completions(model: GPT, prompts: list[list[int]], seeds: list[int], max_new_tokens: int,
