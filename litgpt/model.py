@@ -300,6 +300,13 @@ class CausalSelfAttention(nn.Module):
             qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
         nh, ng = self.n_head, self.n_query_groups
         q, k, v = qkv.split((nh * c.head_size, ng * c.head_size, ng * c.head_size), dim=-1)
+        if input_pos is None and torch.is_grad_enabled() and not c.norm_qk and c.clip_qkv is None:
+            # Attention saves q, k and v for the backward pass: a view of the fused projection's output would keep all
+            # of it alive (6x the values with Llama 3's 4:1 grouped queries). RoPE makes new q and k. (Norms of q and
+            # k, and the clamp, save the whole output anyway.)
+            v = v.contiguous()
+            if rope is None:
+                q, k = q.contiguous(), k.contiguous()
         whole_qk_norm = c.norm_qk and c.norm_qk_type == "olmo2"
         if whole_qk_norm:
             q, k = self.norm_q(q), self.norm_k(k)

@@ -244,3 +244,36 @@ def test_gated_mlp_equals_its_composite_and_keeps_less(approximate, dtype):
     # One tensor of the MLP's width (activation(gate)) fewer.
     width_bytes = 3 * 5 * 96 * x.element_size()
     assert _saved_bytes(composite, x) - _saved_bytes(mlp, x) == width_bytes
+
+
+@pytest.mark.parametrize("no_rope_layers", [None, [0]])
+@pytest.mark.parametrize("T", [24, 520])  # the CPU's matmul attention, and SDPA's kernel beyond its 512 positions
+def test_attention_keeps_no_view_of_the_fused_qkv_output(no_rope_layers, T):
+    """What attention saves for its backward pass holds q, k and v apart: a view of the fused projection's output
+    would keep all of it alive (here q is 4x the keys, as in Llama 3). With RoPE only v is a view of it, without
+    RoPE (a NoPE layer) q and k are too."""
+    config = Config(n_layer=1, n_embd=64, n_head=8, n_query_groups=2, vocab_size=100, block_size=T,
+                    no_rope_layers=no_rope_layers, bias=False)
+    model = GPT(config)
+    attn = model.transformer.h[0].attn
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages, recording = {}, []
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if recording and ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    attn.register_forward_pre_hook(lambda module, args: (skip.add(args[0].untyped_storage().data_ptr()),
+                                                         recording.append(True)) and None)
+    attn.register_forward_hook(lambda *_: recording.clear())
+    idx = torch.randint(0, 100, (2, T), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx).sum().backward()
+    assert config.qkv_size == 96 and storages  # (q 64 + k 16 + v 16) per position
+    assert 2 * T * config.qkv_size * 4 not in storages.values()
+    assert 2 * T * config.n_query_groups * config.head_size * 4 in storages.values()  # v alone
+    logits = model(idx)
+    with torch.no_grad():  # the copies change no value: without gradients attention reads the views
+        torch.testing.assert_close(logits.detach(), model(idx), rtol=1e-6, atol=1e-6)
