@@ -23,7 +23,7 @@ from litgpt.checkpoint.store import restore_retired, verify_checkpoint, write_ma
 from litgpt.distributed import runtime
 from litgpt.errors import UserError
 from test_distributed import torchrun_nodes as two_torchrun_nodes
-from test_fault_tolerance import ROOT, child_environment, data, free_port, litgpt, pretrain_args  # noqa: F401
+from test_fault_tolerance import ROOT, child_environment, data, litgpt, pretrain_args  # noqa: F401
 
 
 def snapshot(folder: Path) -> dict:

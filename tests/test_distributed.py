@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
 from litgpt_forkserver import launched_litgpt, run_litgpt
+from ports import free_port
 
 from litgpt.io import load_state_dict
 from litgpt.config import Config
@@ -124,11 +124,6 @@ def test_num_nodes_needs_a_launcher(monkeypatch):
 
 
 # ---- real processes ------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def child_environment(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}

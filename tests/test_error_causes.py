@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from litgpt_forkserver import run_litgpt
+from ports import free_port
 
 from litgpt.checkpoint.manager import failed_write
 from litgpt.errors import UserError
@@ -35,13 +36,6 @@ def output(process: subprocess.Popen, timeout: int = 120) -> str:
     assert process.returncode == 0, stderr
     return stdout.strip()
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # A rank of a gloo group of `world` processes (timeout 3 s) that meets the others once, then, as rank 1: dies

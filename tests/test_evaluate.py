@@ -25,6 +25,7 @@ from litgpt.evaluate import find_tasks  # noqa: E402
 from litgpt.evaluation.harness import HarnessModel  # noqa: E402
 from litgpt.generate import load_model_and_tokenizer  # noqa: E402
 from litgpt_forkserver import run_litgpt  # noqa: E402
+from ports import free_port  # noqa: E402
 from test_generate import write_lit_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -383,9 +384,3 @@ def test_two_processes_give_the_metrics_of_one(checkpoint, task_folder, tmp_path
         assert two["results"][task] == pytest.approx(metrics), task
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -12,7 +12,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from litgpt_forkserver import launched_litgpt, run_litgpt
+from ports import free_port
 
 from litgpt.checkpoint.store import (
     check_free_space,
@@ -402,11 +402,6 @@ def error_lines(stderr: str) -> list[str]:
     """stderr without Lightning's "Seed set to N" note."""
     return [line for line in stderr.strip().splitlines() if not line.startswith("Seed set to")]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

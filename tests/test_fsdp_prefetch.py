@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from forked_ranks import rank_start_method
+from ports import free_port
 from test_distributed import inputs, qlora_base  # noqa: F401 (fixtures: test_distributed's tiny inputs, QLoRA base)
 
 from litgpt.args import FSDPArgs
@@ -162,11 +162,6 @@ def prefetch_worker(rank: int, port: int, out: str) -> None:
     finally:
         dist.destroy_process_group()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

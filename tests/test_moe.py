@@ -347,7 +347,7 @@ def check_fsdp2_with_checkpointing_equals_one_process(*make_models) -> list[dict
     checkpointed: the gradients of a cross-entropy-like loss + router loss equal the mean of one process' over the
     ranks' batches. The models are checked one after the other in one launch of the two ranks; each `make_model`
     must be picklable (a module-level function). Returns one process' gradients of each model."""
-    from test_distributed import free_port
+    from ports import free_port
 
     tokens = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
     expected = []

@@ -6,12 +6,12 @@ these tests also run outside CI. The daemons are left running afterwards; `scrip
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +40,6 @@ print("RESULT " + json.dumps({
 }), flush=True)
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_env(**extra: str) -> dict:

@@ -173,7 +173,8 @@ def test_a_path_litdata_cannot_reach_is_one_line(tmp_path):
 # ---- each rank reads its own part ------------------------------------------------------------------------------------
 def torchrun(nodes: int, folder: str, out: Path, micro_batches: str, *extra, caches: list[Path]) -> None:
     """`nodes` torchrun launches of 2 processes each on this machine, each node with its own litdata cache folder."""
-    from test_fault_tolerance import child_environment, free_port
+    from ports import free_port
+    from test_fault_tolerance import child_environment
 
     port, launches = free_port(), []
     for node_rank in range(nodes):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import assert_same_final, child_environment, free_port, litgpt, losses
+from ports import free_port
+from test_distributed import assert_same_final, child_environment, litgpt, losses
 
 from extensions.thunder.compat import NAMED_TENSOR_METHODS, add_named_tensor_methods, check_thunder_version
 from litgpt.args import TrainArgs

@@ -55,7 +55,8 @@ from _pytest.mark.expression import Expression
 
 from litgpt_forkserver import ForkServer
 from test_download import _add_to_cache
-from test_slurm import free_port, slurm_env
+from ports import free_port
+from test_slurm import slurm_env
 from tokenizer_helpers import make_tokenizer_folder
 
 ROOT = Path(__file__).resolve().parents[1]
