@@ -225,12 +225,11 @@ def gathered_dtype(module: FSDPModule) -> Optional[torch.dtype]:
     return module._get_fsdp_state()._mp_policy.param_dtype
 
 
-def call_in_unit(module: nn.Module, function: Callable[..., Any], *args) -> Any:
-    """`function(*args)`, within `module`'s FSDP unit where `shard_model` made it one with a `UNIT_CALL` method
-    (`head_unit`): its weights gathered for it, and in the backward pass the gradients of the tensors in `args`
-    mark where the unit's gradients are complete (reduce-scattered there)."""
-    call = getattr(module, UNIT_CALL, None)
-    return function(*args) if call is None else call(function, *args)
+def call_in_unit(module: FSDPModule, function: Callable[..., Any], *args) -> Any:
+    """`function(*args)` within `module`'s FSDP unit, which `shard_model` gave a `UNIT_CALL` method (`head_unit`):
+    its weights gathered for it, and in the backward pass the gradients of the tensors in `args` mark where the
+    unit's gradients are complete (reduce-scattered there)."""
+    return getattr(module, UNIT_CALL)(function, *args)
 
 
 def shard_experts(block: nn.Module, expert_mesh, options: dict) -> None:
