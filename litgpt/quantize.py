@@ -22,7 +22,10 @@ sharded bitsandbytes weight would lose them. Under FSDP `bnb.nf4` and `bnb.nf4-d
 stored as `ao.nf4`; `bnb.fp4` and `bnb.int8` are refused.
 
 bitsandbytes layers compute in the dtype the weights had before (float32, bfloat16 or float16); an NF4 weight is
-dequantized in its own dtype (the training commands give it the run's compute dtype) and cast to its input's. For
+dequantized in its own dtype (the training commands give it the run's compute dtype) and cast to its input's. The
+4-bit layers' backward passes (bitsandbytes' and torchao's NF4's forward pass too) dequantize the weight a slice at a
+time (`litgpt.sliced_linear`: `Linear4bitSlicedBackward`, `NF4Linear` and LoRA's `linear_of_rows`), where both
+libraries dequantize it whole: 16 MiB of a weight at once instead of up to 14 bytes for each of its weights. For
 bitsandbytes, before quantizing, a tiny layer of the chosen mode is run forward and
 backward on the target device, so a mode that this bitsandbytes build cannot run there gives a UserError instead of a
 crash in the middle of training.
@@ -48,6 +51,7 @@ from litgpt.errors import UserError
 from litgpt.precision import Precision
 from litgpt.lora import LoRALinear, is_lora_key
 from litgpt.nf4 import is_nf4, linear_of_rows
+from litgpt.sliced_linear import sliced_linear
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "ao.nf4")
 # What FSDP2 can shard: torchao's NF4, and bitsandbytes' NF4 modes, which a sharded run stores as torchao NF4.
@@ -177,8 +181,8 @@ def quantize_frozen_base(
     target = torch.device(device) if device is not None else first.device
     if mode == "ao.nf4":
         check_nf4_shapes(model)
-        for _, _, module in targets:
-            module.weight = frozen_nf4(module.weight.to(target), dtype or module.weight.dtype)
+        for block, name, module in targets:
+            store_nf4(block, name, module, module.weight.to(target), dtype or module.weight.dtype, shard=1)
         return
     for weight_dtype in sorted({module.weight.dtype for _, _, module in targets}, key=str):
         check_mode_runs(mode, target, weight_dtype)
@@ -260,9 +264,10 @@ def nf4_stored_rows(shape: tuple[int, int], shard: int) -> int:
     return -(-rows // (shard * step)) * shard * step
 
 
-class RowPaddedLinear(nn.Module):
-    """A frozen linear layer whose NF4 weight is stored with rows appended so that FSDP2 can split it
-    (`nf4_stored_rows`): it computes the appended rows' outputs too and returns the layer's own `out_features`."""
+class NF4Linear(nn.Module):
+    """A frozen linear layer with a torchao NF4 weight, dequantized by slices (`litgpt.nf4.linear_of_rows`). The
+    weight may be stored with rows appended so that FSDP2 can split it (`nf4_stored_rows`): the layer returns its own
+    `out_features`."""
 
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], out_features: int) -> None:
         super().__init__()
@@ -279,16 +284,15 @@ class RowPaddedLinear(nn.Module):
 def store_nf4(block: nn.Module, name: str, layer: nn.Linear, weight: torch.Tensor, dtype: torch.dtype,
               shard: int) -> None:
     """Give `layer` (the block's target `name`, `block_targets`) `weight` as a frozen NF4 weight split over `shard`
-    ranks, stored with the rows `nf4_stored_rows` gives. A LoRA layer returns its own rows of a longer weight; a plain
-    layer that gets a longer one is replaced by a `RowPaddedLinear` (the same state-dict keys)."""
-    rows = nf4_stored_rows(tuple(weight.shape), shard)
-    stored = frozen_nf4(weight, dtype, rows)
-    if rows == weight.shape[0] or isinstance(layer, LoRALinear):
+    ranks, stored with the rows `nf4_stored_rows` gives. A LoRA layer keeps it as its base weight; a plain layer is
+    replaced by an `NF4Linear` (the same state-dict keys)."""
+    stored = frozen_nf4(weight, dtype, nf4_stored_rows(tuple(weight.shape), shard))
+    if isinstance(layer, LoRALinear):
         layer.weight = stored
         return
     parent_name, _, child = name.rpartition(".")
     setattr(block.get_submodule(parent_name) if parent_name else block, child,
-            RowPaddedLinear(stored, layer.bias, layer.out_features))
+            NF4Linear(stored, layer.bias, layer.out_features))
 
 
 def check_nf4_shapes(model: nn.Module) -> None:
@@ -319,7 +323,7 @@ def quantized_linear(
     else:
         quant_type = "fp4" if mode == "bnb.fp4" else "nf4"
         double = mode == "bnb.nf4-dq"
-        layer = bnb.nn.Linear4bit(
+        layer = _linear4bit_sliced_backward()(
             in_features, out_features, bias=bias is not None, compute_dtype=dtype, compress_statistics=double,
             quant_type=quant_type, device="meta",
         )
@@ -336,6 +340,79 @@ def quantized_linear(
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().to(device), requires_grad=False)
     return layer
+
+
+@functools.lru_cache(maxsize=None)
+def _linear4bit_sliced_backward() -> type:
+    """bitsandbytes' `Linear4bit` whose backward pass dequantizes the weight by slices of columns
+    (`litgpt.sliced_linear`) instead of whole; its forward pass is bitsandbytes' own (a class made on first use:
+    bitsandbytes is optional)."""
+    bnb = _import_bitsandbytes("bnb.nf4")
+
+    class Linear4bitSlicedBackward(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return sliced_linear(x, Bnb4bitSlicer(self, bnb.nn.Linear4bit.forward))
+
+    return Linear4bitSlicedBackward
+
+
+class Bnb4bitSlicer:
+    """The weight of one bitsandbytes `Linear4bit` (nf4 or fp4, block scales quantized or not) as a
+    `litgpt.sliced_linear.Slicer`: the forward pass is bitsandbytes' own (`layer_forward`)."""
+
+    def __init__(self, layer: nn.Module, layer_forward) -> None:
+        self.layer, self.layer_forward = layer, layer_forward
+        self.shape = tuple(layer.weight.quant_state.shape)
+        self.out_features = self.shape[0]
+        block = layer.weight.quant_state.blocksize
+        self.column_step = block if self.shape[1] % block == 0 else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.layer_forward(self.layer, x)
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return self.layer.compute_dtype or x.dtype
+
+    def dequantizer(self) -> "Bnb4bitDequantizer":
+        return Bnb4bitDequantizer(self.layer.weight)
+
+
+class Bnb4bitDequantizer:
+    """Slices of one bitsandbytes 4-bit weight, each dequantized by bitsandbytes from the slice's bytes and block
+    scales (the blocks of 64 weights lie within rows when the row length is a multiple of 64; `Bnb4bitSlicer` slices
+    only then)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        from bitsandbytes.functional import dequantize_blockwise
+
+        self.weight, self.state = weight, weight.quant_state
+        self.shape, self.block = tuple(self.state.shape), self.state.blocksize
+        absmax = self.state.absmax
+        if self.state.nested:  # the block scales are quantized too: dequantized whole, as bitsandbytes does
+            absmax = dequantize_blockwise(absmax, self.state.state2) + self.state.offset
+        self.absmax = absmax.float()
+
+    def _dequantize(self, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        state = QuantState(absmax=absmax.contiguous(), shape=torch.Size(shape), code=self.state.code,
+                           blocksize=self.block, quant_type=self.state.quant_type, dtype=self.state.dtype)
+        return dequantize_4bit(packed.reshape(-1, 1), state)  # bitsandbytes' own layout of packed bytes
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if (start, stop) == (0, self.shape[0]) or self.shape[1] % self.block:
+            return self._dequantize(self.weight.data, self.absmax, self.shape)[start:stop]
+        columns = self.shape[1]
+        packed = self.weight.data.view(-1)[start * columns // 2:stop * columns // 2]
+        absmax = self.absmax[start * columns // self.block:stop * columns // self.block]
+        return self._dequantize(packed, absmax, (stop - start, columns))
+
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        out, columns = self.shape
+        packed = self.weight.data.view(out, columns // 2)[:, start // 2:stop // 2]
+        absmax = self.absmax.view(out, columns // self.block)[:, start // self.block:stop // self.block]
+        return self._dequantize(packed, absmax, (out, stop - start))
 
 
 @functools.lru_cache(maxsize=None)

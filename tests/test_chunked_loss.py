@@ -5,15 +5,14 @@ in a real training run."""
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
 from test_training import SGD, assert_same_weights, pretrain, text_folder, weights  # noqa: F401 - a fixture too
+from live_bytes import LiveBytes
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from litgpt.config import Config
 from litgpt.data.base import IGNORE_INDEX
@@ -180,41 +179,6 @@ def test_compiled_chunk_losses_equal_the_eager_ones_and_the_whole_logits(per_pos
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------
-class LiveBytes(TorchDispatchMode):
-    """The peak bytes of the tensors allocated under it that are alive at once (a storage counts once, until the
-    last tensor on it dies)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.holders: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
-                self.track(tensor)
-        return out
-
-    def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0:
-            return
-        if key not in self.holders:
-            self.holders[key] = 0
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.holders[key] += 1
-        weakref.finalize(tensor, self.release, key, storage.nbytes())
-
-    def release(self, key: int, nbytes: int) -> None:
-        self.holders[key] -= 1
-        if self.holders[key] == 0:
-            del self.holders[key]
-            self.live -= nbytes
-
-
 class LogitMatmuls(TorchDispatchMode):
     """Counts the matrix products that make logits: outputs with `vocab` columns."""
 

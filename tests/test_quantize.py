@@ -295,15 +295,15 @@ def test_ao_nf4_rows_appended_for_sharding_leave_the_weight_as_quantized_alone(s
     assert all(is_nf4(piece) and piece.shape == (rows // shard, shape[1]) for piece in pieces)
     gathered = torch.cat([piece.get_original_weight() for piece in pieces])
     assert torch.equal(gathered[: shape[0]], alone.get_original_weight())
-    layer = quantize.RowPaddedLinear(stored, nn.Parameter(bias), shape[0])
+    layer = quantize.NF4Linear(stored, nn.Parameter(bias), shape[0])
     expected = nn.functional.linear(x, alone.get_original_weight(), bias)
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-5)
 
 
 @needs_torchao
-def test_store_nf4_replaces_only_the_layers_whose_rows_do_not_split():
+def test_store_nf4_appends_rows_only_to_the_weights_whose_rows_do_not_split():
     """`store_nf4` as the sharded training commands call it before a block is sharded over 2 ranks: an MLP 704 wide
-    gets weights with rows appended (a plain layer becomes a `RowPaddedLinear` under the same keys, a LoRA layer keeps
+    gets weights with rows appended (a plain layer becomes an `NF4Linear` under the same keys, a LoRA layer keeps
     its adapters); the attention weights, which split, keep their rows; the block computes what the same block
     quantized alone does."""
     model = make_model(n_layer=1, n_embd=256, intermediate_size=704)
@@ -321,7 +321,7 @@ def test_store_nf4_replaces_only_the_layers_whose_rows_do_not_split():
     for name, layer in quantize.block_targets(block):
         quantize.store_nf4(block, name, layer, layer.weight.detach(), torch.float32, shard=2)
     mlp = block.mlp
-    assert isinstance(mlp.fc_1, quantize.RowPaddedLinear) and mlp.fc_1.weight.shape == (768, 256)
+    assert isinstance(mlp.fc_1, quantize.NF4Linear) and mlp.fc_1.weight.shape == (768, 256)
     assert isinstance(mlp.fc_2, LoRALinear) and mlp.fc_2.weight.shape == (768, 256)
     assert mlp.proj.weight.shape == (512, 704) and mlp.proj.lora_A.shape == (8, 704)
     assert is_nf4(block.attn.qkv.weight) and block.attn.qkv.weight.shape == (512, 256)

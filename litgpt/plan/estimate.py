@@ -51,8 +51,8 @@ What is counted, per device:
   chunk loop, the hidden states' gradient and the gradients of the head's trainable weights (under autocast also
   each chunk's 16-bit product before it is added to the float32 one).
 - work buffers: what one block's backward pass allocates on top (activation gradients, estimated from the widest of
-  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, one dequantized weight (for
-  torchao's NF4 what its dequantization holds at once: int64 codes, half-size lookups and the result).
+  its layers, its weight gradients, FSDP's reduce-scatter input) and, with --quantize, what dequantizing a slice of
+  one weight's columns holds (`litgpt.sliced_linear`; `litgpt.plan.quantized.dequantize_bytes`).
 
 Tensor parallelism (--parallel.tensor N, `litgpt.distributed.plans.dense`): every row is one rank's. Its parameters,
 gradients and optimizer state are those of its piece of the model (`litgpt.plan.layout.rank_recipe`: 1/N of the
@@ -735,10 +735,10 @@ def _block_backward(run: _Run, layout: Layout) -> dict:
         weight_grads = max((math.prod(p.shape) for p in layout.top_block_trainable), default=0) * run.master
     else:
         weight_grads = 0 if run.accumulate_gradients else top_trainable * run.master
-    largest_quantized = max(layout.quantized_numel, default=0)
     dequantized = 0
-    if run.quantize:
-        dequantized = dequantize_bytes(largest_quantized, run.stored_quantize, run.compute, run.param_compute)
+    if run.quantize and layout.quantized_shapes:
+        dequantized = max(dequantize_bytes(shape, run.stored_quantize, run.compute, run.param_compute)
+                          for shape in set(layout.quantized_shapes))
     root_trainable = unsharded([p for p in _root_units(run, layout, run.config.tie_embeddings)[2] if p.trainable])
     if run.fsdp:
         # the root reduces its gradients after the whole backward (the embedding's unit its own, made last; the
@@ -932,7 +932,7 @@ def _describe(run: _Run, layout: Layout, state: dict, activations: dict, gathere
         + (f"{run.rank_config.padded_vocab_size:,} of {config.padded_vocab_size:,} vocab rows"
            if run.tensor > 1 else f"{config.padded_vocab_size:,} vocab") + ", + head and hidden gradients",
         "buffers": ("1 block recomputed + " if activations["recompute"] else "")
-        + "1 block's backward" + (" + dequantizing 1 weight" if run.quantize else "")
+        + "1 block's backward" + (" + dequantizing a slice of 1 weight" if run.quantize else "")
         + (" + its all-to-all" if backward["all_to_all"] else "")
         + (f" + the stages' receive buffers ({run.microbatches} micro-batches)" if activations.get("receive") else ""),
     }
@@ -1082,7 +1082,7 @@ def _quantized_loading(run: _Run, layout: Layout) -> int:
     shards the block), under FSDP the whole NF4 weights of the block about to be sharded, and the work of quantizing
     the largest weight."""
     quantized = [p for p in layout.params if p.quantized]
-    largest = max(layout.quantized_numel, default=0)
+    largest = max((math.prod(shape) for shape in layout.quantized_shapes), default=0)
     so_far = 0 if run.cpu_offload else sum(_resident_bytes(run, p) for p in quantized)
     work = quantize_work_bytes(largest, run.stored_quantize, run.compute, run.master)
     whole_block = 0

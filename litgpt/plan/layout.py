@@ -30,7 +30,7 @@ class Param:
 class Layout:
     root: list[Param]  # the embedding, the final norm and the head
     blocks: list[list[Param]]  # one FSDP unit per block
-    quantized_numel: list[int]
+    quantized_shapes: list[tuple[int, ...]]  # of the quantized weights
     embedding: list[Param] = dataclasses.field(default_factory=list)  # the token embedding's, of `root`
     head: list[Param] = dataclasses.field(default_factory=list)  # the output head's, of `root`
 
@@ -80,7 +80,7 @@ def stage_layout(recipe: "Recipe", stages: "list[Stage]", expert: int = 1) -> La
         holds_head = any(stage.index == stage.n_stages - 1 for stage in stages)
         root = root + [copy] if holds_head else [copy if p.shape == copy.shape else p for p in root]
     return Layout(root, [layout.blocks[index] for stage in stages for index in stage.layers],
-                  layout.quantized_numel)
+                  layout.quantized_shapes)
 
 
 def quantized_weights(recipe: "Recipe", model: nn.Module) -> set[int]:
@@ -143,7 +143,7 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
     embedding: list[Param] = []
     head: list[Param] = []
     blocks: list[list[Param]] = [[] for _ in range(n_layer)]
-    quantized_numel = []
+    quantized_shapes = []
     experts_held = model.config.n_expert // expert  # the first rank's: every rank holds as many of the same shapes
     for name, param in model.named_parameters():
         index = routed_expert(name) if expert > 1 else None
@@ -151,7 +151,7 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
             continue
         entry = Param(tuple(param.shape), param.requires_grad, id(param) in quantized, expert=index is not None)
         if entry.quantized:
-            quantized_numel.append(param.numel())
+            quantized_shapes.append(tuple(param.shape))
         if name.startswith("transformer.h."):
             blocks[int(name.split(".")[2])].append(entry)
         else:
@@ -160,4 +160,4 @@ def _layout(model: nn.Module, n_layer: int, quantized: set[int], expert: int = 1
                 embedding.append(entry)
             elif name.startswith("lm_head."):
                 head.append(entry)
-    return Layout(root, blocks, quantized_numel, embedding, head)
+    return Layout(root, blocks, quantized_shapes, embedding, head)

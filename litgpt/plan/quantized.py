@@ -1,15 +1,12 @@
 """Bytes of a quantized frozen base (`--quantize`): bitsandbytes' layouts on one device, torchao's NF4 (sharded under
-FSDP), what dequantizing one weight holds for its matmul, and the work of quantizing one weight while loading."""
+FSDP), what dequantizing a slice of one weight holds for the backward pass's matmul, and the work of quantizing one
+weight while loading."""
 
 from __future__ import annotations
 
 import math
 
 BNB_BLOCK = 64  # bitsandbytes' 4-bit quantization block (one absmax per 64 weights)
-# torchao 0.18's NF4 dequantization holds, per weight: the 4-bit codes unpacked to int64 (8 bytes), then the looked-up
-# values, their scaled copies and the interleaved result (3 in the compute dtype); measured in tests/test_plan.py.
-NF4_DEQUANTIZE_INT64 = 8
-NF4_DEQUANTIZE_COPIES = 3
 # Quantizing one weight to NF4 on the device: the 16-bit weight from the file, its copy in the compute dtype, the
 # uint8 codes before packing and two temporaries in the compute dtype per weight, plus the nearest-code search over
 # chunks of 2**20 weights (16 codes: a distance and its absolute value) in the compute dtype.
@@ -52,12 +49,28 @@ def stored_bytes(shape: tuple[int, ...], mode: str, compute_itemsize: int, shard
     return bnb_bytes(shape, mode)
 
 
-def dequantize_bytes(numel: int, mode: str, compute_itemsize: int, weight_itemsize: int) -> int:
-    """What dequantizing one weight of `numel` elements holds at once for the matmul: torchao's NF4 temporaries, or
-    bitsandbytes' weight in the dtype the module sees its weights in (`weight_itemsize`)."""
+def dequantize_bytes(shape: tuple[int, ...], mode: str, compute_itemsize: int, weight_itemsize: int) -> int:
+    """What the backward pass of one quantized layer of weight `shape` holds at once to dequantize it: one slice of its
+    columns (`litgpt.sliced_linear`; the whole weight where its rows do not split into 64-blocks, and for bnb.int8,
+    which bitsandbytes dequantizes whole). torchao's NF4: the slice's codes widened to int32 (a pair of weights each)
+    beside their looked-up values, scaled in place, and every 64-block's scaler. bitsandbytes' 4-bit: the slice's bytes
+    and float32 block scales copied beside the slice dequantized in the weights' dtype (`weight_itemsize`), then its
+    copy in the compute dtype where that differs; double quantization's scales dequantized whole in float32."""
+    from litgpt.sliced_linear import slices
+
+    rows, columns = shape
+    numel = rows * columns
+    if mode == "bnb.int8":
+        return numel * weight_itemsize
+    sliced = numel  # weights in one slice; both formats have blocks of 64 weights
+    if columns % BNB_BLOCK == 0:
+        start, stop = slices(columns, BNB_BLOCK, rows)[0]
+        sliced = rows * (stop - start)
     if mode == "ao.nf4":
-        return numel * (NF4_DEQUANTIZE_INT64 + NF4_DEQUANTIZE_COPIES * compute_itemsize)
-    return numel * weight_itemsize
+        return sliced * (2 + compute_itemsize) + numel // BNB_BLOCK * compute_itemsize
+    scales = numel // BNB_BLOCK * 4 if mode == "bnb.nf4-dq" else 0
+    cast = sliced * compute_itemsize if compute_itemsize != weight_itemsize else 0
+    return scales + sliced * weight_itemsize + max(sliced // 2 + sliced // BNB_BLOCK * 4, cast)
 
 
 def quantize_work_bytes(numel: int, mode: str, compute_itemsize: int, master_itemsize: int) -> int:
