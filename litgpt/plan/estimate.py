@@ -290,10 +290,11 @@ def estimate(recipe: "Recipe", train: TrainArgs, fsdp: FSDPArgs, precision: Prec
     device that peaks, its stages' parameters and in-flight micro-batches (`_pipeline_device`)."""
     run = _check_run(recipe, train, fsdp, precision, devices, num_nodes, device, device_memory_gb,
                      accumulate_gradients, parallel)
-    layout = parameter_layout(run.rank_recipe, run.expert)
+    model = run.rank_recipe.build_model()  # laid out, then measured (its parameters replaced by fakes)
+    layout = parameter_layout(run.rank_recipe, run.expert, model)
     saved = saved_activation_bytes(run.rank_recipe, micro_batch_size=run.micro_batch_size,
                                    seq_length=run.seq_length, precision=precision, sharded=run.fsdp,
-                                   device=run.device).split_over_sequence(run.tensor)
+                                   device=run.device, model=model).split_over_sequence(run.tensor)
     if run.pipeline > 1:
         layout, state, activations, gathered, backward, moments = _pipeline_device(run, saved)
     else:

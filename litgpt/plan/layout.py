@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
@@ -51,12 +51,12 @@ class Layout:
         return [p for p in self.blocks[-1] if p.trainable] if self.blocks else []
 
 
-def parameter_layout(recipe: "Recipe", expert: int = 1) -> Layout:
-    """The recipe's model as it trains (`Recipe.build_model`: adapters added, what trains requiring gradients), with
-    the blocks' linear weights marked quantized under `recipe.quantize`. Under `expert`-way expert parallelism one
-    rank's: n_expert / expert routed experts of every MoE layer (with their adapters), marked `expert` (FSDP shards
-    them over the ranks holding the same experts); the router and the shared experts whole."""
-    model = recipe.build_model()
+def parameter_layout(recipe: "Recipe", expert: int = 1, model: Optional[nn.Module] = None) -> Layout:
+    """The recipe's model as it trains (`Recipe.build_model`: adapters added, what trains requiring gradients; or
+    `model`, built so), with the blocks' linear weights marked quantized under `recipe.quantize`. Under `expert`-way
+    expert parallelism one rank's: n_expert / expert routed experts of every MoE layer (with their adapters), marked
+    `expert` (FSDP shards them over the ranks holding the same experts); the router and the shared experts whole."""
+    model = recipe.build_model() if model is None else model
     return _layout(model, recipe.config.n_layer, quantized_weights(recipe, model), expert)
 
 

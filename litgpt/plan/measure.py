@@ -42,7 +42,7 @@ import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -119,20 +119,22 @@ _MEASURED: dict[tuple, SavedActivations] = {}
 
 
 def saved_activation_bytes(recipe: "Recipe", *, micro_batch_size: int, seq_length: int, precision: Precision,
-                           sharded: bool = False, device: str = "cuda") -> SavedActivations:
+                           sharded: bool = False, device: str = "cuda",
+                           model: Optional[torch.nn.Module] = None) -> SavedActivations:
     """What autograd saves in one forward pass of the recipe's model training with these settings, measured by
     running it on fake tensors (see the module docstring). With a -mixed precision a single device runs under autocast
-    over float32 weights, FSDP (`sharded`) in 16 bits throughout."""
+    over float32 weights, FSDP (`sharded`) in 16 bits throughout. `model`: the recipe's model as `build_model` made
+    it, to measure instead of building another (its parameters are replaced by fakes)."""
     key = (repr(recipe.config), repr(recipe.lora), micro_batch_size, seq_length, precision.name, sharded, device)
     if key not in _MEASURED:
         if len(_MEASURED) >= 64:
             _MEASURED.clear()
-        _MEASURED[key] = _measure(recipe, micro_batch_size, seq_length, precision, sharded, device)
+        _MEASURED[key] = _measure(recipe, micro_batch_size, seq_length, precision, sharded, device, model)
     return copy.deepcopy(_MEASURED[key])
 
 
-def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, sharded: bool,
-             device: str) -> SavedActivations:
+def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, sharded: bool, device: str,
+             model: Optional[torch.nn.Module]) -> SavedActivations:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -140,7 +142,7 @@ def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, shard
     stored = precision.weights_dtype if autocast else precision.compute_dtype
     dtype = torch.float32 if stored == torch.float32 else torch.bfloat16  # 16 bits: same sizes
     fake = FakeTensorMode()
-    model = _fake_model(recipe, dtype, fake)
+    model = _fake_model(recipe.build_model() if model is None else model, dtype, fake)
     tape = _SavedTensors(model, autocast)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake)
@@ -164,22 +166,29 @@ def _measure(recipe: "Recipe", batch: int, seq: int, precision: Precision, shard
     return tape.result(recipe.config.n_layer)
 
 
-def _fake_model(recipe: "Recipe", dtype: torch.dtype, fake) -> torch.nn.Module:
-    """The recipe's model (`Recipe.build_model`: what trains requires gradients) in `dtype`, with fake parameters:
-    every parameter (ties kept) and buffer made a fake CPU tensor."""
-    model = recipe.build_model()
-    fakes: dict[int, torch.nn.Parameter] = {}
-    with fake:
-        for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is not None and id(param) not in fakes:
-                    fresh = torch.empty(param.shape, dtype=dtype)
-                    fakes[id(param)] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
-                if param is not None:
-                    module._parameters[name] = fakes[id(param)]
-            for name, buffer in module._buffers.items():  # the routers' correction biases
-                if buffer is not None:
-                    module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
+def _fake_model(model: torch.nn.Module, dtype: torch.dtype, fake) -> torch.nn.Module:
+    """A recipe's model (`Recipe.build_model`: what trains requires gradients) in `dtype`, with fake parameters:
+    every parameter (ties kept) and buffer made a fake CPU tensor, in place."""
+    cpu = torch.device("cpu")
+
+    def fake_of(shape: torch.Size, of_dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+        # A meta tensor made a fake CPU one directly, and a parameter as nn.Parameter makes one of a tensor subclass
+        # but without its detach: torch.empty under the mode and nn.Parameter took 7 times as long (DeepSeek-V3's
+        # 90,000 parameters: 10 s).
+        meta = torch.empty(shape, dtype=of_dtype, device="meta", requires_grad=requires_grad)
+        return fake.fake_tensor_converter.from_meta_and_device(fake, meta, cpu)
+
+    fakes: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in fakes:
+                fakes[id(param)] = fake_of(param.shape, dtype, param.requires_grad)
+                fakes[id(param)]._is_param = True  # an nn.Parameter to isinstance, as nn.Parameter marks a subclass
+            if param is not None:
+                module._parameters[name] = fakes[id(param)]
+        for name, buffer in module._buffers.items():  # the routers' correction biases
+            if buffer is not None:
+                module._buffers[name] = fake_of(buffer.shape, buffer.dtype)
     return model
 
 
