@@ -71,7 +71,8 @@ class NF4Dequantizer:
 
     def _dequantize(self, packed: torch.Tensor, scalers: torch.Tensor) -> torch.Tensor:
         """Weights of `packed` bytes (..., blocks * block / 2), scaled by their blocks' `scalers` (..., blocks)."""
-        values = self.pairs[packed.int()].view(*scalers.shape, self.block)
+        # index_select takes the int32 codes as they are (indexing with [] would copy them to int64 first)
+        values = self.pairs.index_select(0, packed.int().reshape(-1)).view(*scalers.shape, self.block)
         return values.mul_(scalers.unsqueeze(-1))
 
     def rows(self, start: int, stop: int) -> torch.Tensor:

@@ -205,3 +205,33 @@ def test_slices_cover_every_index_once_at_steps_within_the_bound(monkeypatch):
     assert sliced_linear.slices(10, 1, 300) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert sliced_linear.slices(320, 64, 4) == [(0, 192), (192, 320)]  # 250 columns fit: 192, a multiple of 64
     assert sliced_linear.slices(128, 64, 100) == [(0, 64), (64, 128)]  # at least one step, even above the bound
+
+
+@needs_torchao
+@needs_bnb
+@pytest.mark.parametrize("fmt", ["ao.nf4", "bnb.nf4"])
+def test_the_backward_holds_the_planned_bytes_in_resident_memory(fmt):
+    """What the process really allocates, temporaries inside an op included (which the dispatch-level count above
+    cannot see: indexing the NF4 pairs with [] would copy the int32 codes to int64): benchmarks/qlora_layer_memory.py's
+    measurement in a fresh process, of a weight of 2 slices, against the plan and against the library's own layer."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora_layer_memory.py"
+    shape = (4096, 4096)  # 16M weights: two slices of columns
+
+    def measured(path: str) -> dict:
+        env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0"}
+        argv = [sys.executable, str(script), "--worker", "--format", fmt, "--path", path, "--tokens", "64",
+                "--rows", str(shape[0]), "--columns", str(shape[1])]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    ours, library = measured("litgpt"), measured("library")
+    planned = dequantize_bytes(shape, fmt, 2, 2)
+    assert ours["backward_bytes"] == pytest.approx(planned, rel=0.15, abs=2**20)
+    assert ours["backward_bytes"] < library["backward_bytes"] * 0.7  # one slice of two (bitsandbytes: whole, 2 bytes)
