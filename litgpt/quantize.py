@@ -351,6 +351,8 @@ def _linear4bit_sliced_backward() -> type:
 
     class Linear4bitSlicedBackward(bnb.nn.Linear4bit):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.bias is not None and self.bias.requires_grad:  # bitsandbytes' own pass gives the bias its gradient
+                return super().forward(x)
             return sliced_linear(x, Bnb4bitSlicer(self, bnb.nn.Linear4bit.forward))
 
     return Linear4bitSlicedBackward

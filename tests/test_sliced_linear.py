@@ -156,6 +156,25 @@ def test_a_bnb_layer_computes_what_bitsandbytes_linear4bit_does(shape, dtype, mo
     assert_close_in(dtype, got[1], want[1])
 
 
+@needs_bnb
+def test_a_bnb_layer_with_a_trainable_bias_gives_it_bitsandbytes_gradient():
+    """The base's bias is frozen in QLoRA; one that trains is left to bitsandbytes' own pass, which computes its
+    gradient (the sliced pass returns the input's only)."""
+    import bitsandbytes as bnb
+
+    from litgpt.quantize import quantized_linear
+
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    layer = quantized_linear(weight, torch.zeros(128), "bnb.nf4", torch.device("cpu"))
+    layer.bias.requires_grad_(True)
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).square().sum().backward()
+    got = layer.bias.grad.clone()
+    layer.bias.grad = None
+    bnb.nn.Linear4bit.forward(layer, x).square().sum().backward()
+    assert got.abs().sum() > 0 and torch.equal(got, layer.bias.grad)
+
+
 # ---- what the backward pass holds ----------------------------------------------------------------------------------
 def backward_peak(function, x: torch.Tensor) -> int:
     """Bytes the backward pass of `function` at x holds at once beyond its input's gradient."""
