@@ -79,8 +79,11 @@ RUN_TIME_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 FORKSERVER_VARIABLE = "LITGPT_TEST_FORKSERVER"
 
 SERVER = r"""
-import gc, importlib, json, os, runpy, selectors, socket, sys, tempfile
+import gc, importlib, json, os, runpy, selectors, shutil, socket, sys, tempfile
 
+# The process that started the server (a pytest worker), watched: should it end without closing the server (killed,
+# or leaving by os._exit, which skips its exit handlers), the server ends too, with the commands it runs and its folder.
+starter = os.pidfd_open(os.getppid())
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(sys.argv[1] + ".binding")
 listener.listen(64)  # clients that connect while the imports run wait in the backlog
@@ -121,6 +124,7 @@ def run_command(request, fds):
         conn.close()
         os.close(pidfd)
     listener.close()
+    os.close(starter)
     selector.close()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -151,6 +155,7 @@ def reply(conn, message):
 
 selector = selectors.DefaultSelector()
 selector.register(listener, selectors.EVENT_READ, ("listener",))
+selector.register(starter, selectors.EVENT_READ, ("starter",))
 clients = {}  # pid -> (connection, pidfd)
 while True:
     for event, _ in selector.select():
@@ -179,6 +184,11 @@ while True:
             selector.register(pidfd, selectors.EVENT_READ, ("ended", pid))
             selector.register(conn, selectors.EVENT_READ, ("client", pid))
             reply(conn, {"pid": pid})
+        elif kind == "starter":
+            for pid in clients:
+                os.kill(pid, 9)
+            shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)
+            os._exit(0)
         elif kind == "client":  # a client sends nothing after its request: this is its end
             if event.data[1] in clients and not event.fileobj.recv(1):
                 selector.unregister(event.fileobj)

@@ -1,7 +1,8 @@
 """tests/litgpt_forkserver.py, the stand-in for `subprocess.run([sys.executable, "-m", "litgpt", ...])` that several
 modules use, and the `litgpt` it puts on a shell's PATH for the guides: against that real subprocess, the same exit
 code, stdout and stderr; a crash prints its traceback and exits 1; a process's changes reach no later one; a command
-past its timeout is killed; the shim passes on streams, signals and exit codes."""
+past its timeout is killed; the shim passes on streams, signals and exit codes; a server whose starter leaves
+without closing it ends, with its commands and folder."""
 
 from __future__ import annotations
 
@@ -110,3 +111,40 @@ def test_the_shim_on_path_forks_from_the_server_and_acts_as_the_command_it_stand
         assert real.returncode == 1 and "unknown command 'echo'" in real.stderr, (real.stdout, real.stderr)
     finally:
         server.close()
+
+
+# A pytest worker that leaves without its exit handlers: a server, a command running on it, then os._exit.
+STARTER_THAT_LEAVES = r"""
+import os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from litgpt_forkserver import ForkServer
+server = ForkServer(dict(os.environ), cwd=sys.argv[2], preimports=())
+threading.Thread(target=server.run, args=(["sleep"],), kwargs=dict(cwd=sys.argv[2], timeout=120), daemon=True).start()
+while not os.path.exists(os.path.join(sys.argv[2], "pid")):
+    time.sleep(0.05)
+print(server.process.pid, server.folder, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_server_whose_starter_leaves_without_closing_it_ends_with_its_commands_and_folder(tmp_path):
+    (tmp_path / "litgpt").mkdir()
+    (tmp_path / "litgpt" / "__init__.py").write_text("")
+    (tmp_path / "litgpt" / "__main__.py").write_text(PLANTED_MAIN)
+    left = subprocess.run([sys.executable, "-c", STARTER_THAT_LEAVES, str(Path(__file__).parent), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert left.returncode == 0, left.stderr
+    server_pid, folder = left.stdout.split()
+    command_pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in (int(server_pid), command_pid)):
+        assert time.monotonic() < deadline, "the server or its command outlived the process that started them"
+        time.sleep(0.05)
+    assert not Path(folder).exists()
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
