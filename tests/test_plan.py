@@ -441,12 +441,10 @@ def split_model(model, case: dict):
     degrees = {name: case.get(name, 1) for name in ("tensor", "expert", "context")}
     topology = Topology(ranks(case), 1, "NO_SHARD", **degrees)
     mesh, expert_mesh, context = topology.device_mesh("cpu"), None, None
-    data_mesh = mesh["replicate", "shard"]
+    data_mesh = topology.fsdp_device_mesh(mesh)  # with context parallelism, over shard x context
     if degrees["tensor"] > 1:
         apply_tensor_parallel(model, mesh["tensor"])
     if degrees["context"] > 1:
-        mesh["shard", "context"]._flatten("shard_context")  # FSDP shards over shard x context, as training's
-        data_mesh = mesh["replicate", "shard_context"]
         context = ContextParallel(mesh["context"], degrees["tensor"])
         apply_context_parallel(model, context)
     if degrees["expert"] > 1:

@@ -53,8 +53,7 @@ class FSDPStrategy(ModelParallelStrategy):
         ParallelStrategy.setup_environment(self)  # not the parent's (data, tensor) mesh: ours is (replicate, shard)
         self._setup_distributed()
         self._device_mesh = self.topology.device_mesh(self.root_device.type)
-        if self.topology.context > 1:  # FSDP shards over the shard and context ranks together (made by every rank)
-            self._device_mesh["shard", "context"]._flatten("shard_context")
+        self._data_mesh = self.topology.fsdp_device_mesh(self._device_mesh)
         self._context_parallel = None
         self._pipeline = None
         self._expert_mesh = None
@@ -74,10 +73,7 @@ class FSDPStrategy(ModelParallelStrategy):
     @property
     def data_mesh(self):
         """The (replicate, shard) mesh FSDP shards over; with context parallelism (replicate, shard x context)."""
-        mesh = self.device_mesh
-        if self.topology.context > 1:
-            return mesh["replicate", "shard_context"]
-        return mesh if mesh.ndim == 2 else mesh["replicate", "shard"]
+        return self._data_mesh
 
     @property
     def tensor_mesh(self):

@@ -8,6 +8,7 @@ Checkpoints stay in the one-process layout: `row_orders` names the parameters st
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -54,6 +55,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = True
             parallelize_module(model, mesh, {name: style})
     if tied:  # both Shard(0) over the vocabulary: the head takes the embedding's sharded weight
         model.lm_head.weight = model.transformer.wte.weight
+    # The split model's output (the final norm's or the head's) is `DTensor.to_local()`'s view, which FSDP2 warns of
+    # at its root on every rank: an in-place op on it would skip the pre-backward hook. No caller changes a model's
+    # output in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     for name, param in model.named_parameters():
         param.requires_grad_(trains[name])
     if not sequence_parallel:

@@ -173,9 +173,25 @@ class Topology:
         share one root and FSDP composes the experts' tensor-parallel pieces with their shards (its "tensor"
         dimension, when there is one, stays innermost: an expert group shares a tensor rank). Every rank must build
         it (its process groups are made together)."""
+        return self.data_parallel_device_mesh(device_mesh)._unflatten(
+            0, self.expert_mesh_shape, ("expert_replicate", "expert_shard", "expert"))
+
+    def data_parallel_device_mesh(self, device_mesh):
+        """The ranks of the run's `device_mesh` that FSDP spreads a parameter over (replicate, shard, and with
+        context parallelism the context ranks inside shard) as one dimension, "data_parallel": the flattened mesh
+        itself, kept by whoever lays it out again (slicing a flattened dimension from the root mesh is deprecated).
+        Made once by every rank; later calls return the same mesh."""
         dims = ("replicate", "shard", "context") if self.context > 1 else ("replicate", "shard")
-        data_parallel = device_mesh[dims]._flatten("data_parallel")
-        return data_parallel._unflatten(0, self.expert_mesh_shape, ("expert_replicate", "expert_shard", "expert"))
+        return device_mesh[dims]._flatten("data_parallel")
+
+    def fsdp_device_mesh(self, device_mesh):
+        """The (replicate, shard) mesh FSDP shards over; with context parallelism (replicate, shard_context): the
+        shard and context ranks together, laid out from `data_parallel_device_mesh` on the run's root mesh. Every rank
+        must build it (its process groups are made together)."""
+        if self.context == 1:
+            return device_mesh["replicate", "shard"]
+        return self.data_parallel_device_mesh(device_mesh)._unflatten(
+            0, (self.mesh_shape[0], self.fsdp_shard_size), ("replicate", "shard_context"))
 
 
 def data_parallel(fabric) -> tuple[int, int]:
