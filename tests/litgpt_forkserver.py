@@ -7,7 +7,9 @@ passed over the socket) it forks a child that runs the real entry point as `pyth
 with `__main__`, `sys.argv`, the working folder first on `sys.path`): an exception it does not catch is printed by
 the interpreter with its traceback and exit code 1, `sys.exit(n)` ends it with code n, and the interpreter ends it
 (exit handlers, teardown). The server answers the child's pid, then its exit code (negative: the signal that ended
-it); a client that goes away before then (killed, or past its timeout) takes the child with it (SIGKILL). Each
+it); a client that goes away before then (killed, or past its timeout) takes the child with it (SIGKILL). Past its
+timeout, a command and the ranks it started first print every thread's Python stack to its stderr, which the
+client's `TimeoutExpired` shows (`STACKS_SIGNAL`): a run that hung says where each rank waited. Each
 command is a process of its own (nothing it changes reaches the next one); what it shares with the others is only
 the state the imports left, the same as in a fresh `python -m litgpt`. The ranks that a command starts itself
 (`--devices 2`: Lightning's launcher runs `python -m litgpt.__main__ ARGS` for each) are forked too: in a forked
@@ -34,6 +36,7 @@ must be the same, because the server's imports read them.
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import selectors
@@ -79,7 +82,7 @@ RUN_TIME_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 FORKSERVER_VARIABLE = "LITGPT_TEST_FORKSERVER"
 
 SERVER = r"""
-import gc, importlib, json, os, runpy, selectors, shutil, socket, sys, tempfile
+import faulthandler, gc, importlib, json, os, runpy, selectors, shutil, socket, sys, tempfile
 
 # The process that started the server (a pytest worker), watched: should it end without closing the server (killed,
 # or leaving by os._exit, which skips its exit handlers), the server ends too, with the commands it runs and its folder.
@@ -90,9 +93,9 @@ listener.listen(64)  # clients that connect while the imports run wait in the ba
 # Only a listening socket gets its name: one that a client finds bound but not listening yet refuses it.
 os.rename(sys.argv[1] + ".binding", sys.argv[1])
 RUN_TIME_VARIABLES, RUN_TIME_PREFIXES = set(json.loads(sys.argv[2])), tuple(json.loads(sys.argv[3]))
-SHIM = sys.argv[4]
+SHIM, STACKS_SIGNAL = sys.argv[4], int(sys.argv[5])
 started_with = dict(os.environ)
-for name in sys.argv[5:]:
+for name in sys.argv[6:]:
     importlib.import_module(name)
 # Variables the imports set (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK, ...): a fresh process has them too, and so
 # does the environment a command passes on to the ranks it starts.
@@ -129,6 +132,7 @@ def run_command(request, fds):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)  # onto the command's stderr (fd 2)
     os.environ.clear()
     os.environ.update(request["env"])  # differs from the server's only in variables read at run time
     os.environ.update(set_by_imports)
@@ -235,20 +239,25 @@ class Command:
         self.pid: int = first["pid"]
 
     def returncode(self, deadline: float | None = None) -> int:
-        """The exit code (negative: the signal that ended it); past `deadline` (time.monotonic) it is killed and
-        `subprocess.TimeoutExpired` raised."""
+        """The exit code (negative: the signal that ended it); past `deadline` (time.monotonic) it is killed, with
+        the processes it started, and TimeoutError raised."""
         try:
             return self._reply(deadline)["returncode"]
         except TimeoutError:
-            self.kill_after_timeout(deadline)
+            self.kill([self.pid, *descendants(self.pid)])
+            raise
         finally:
             self.conn.close()
 
-    def kill_after_timeout(self, deadline: float) -> None:
-        os.kill(self.pid, signal.SIGKILL)
+    def kill(self, tree: list[int]) -> None:
+        """SIGKILL `tree` (the command and the processes it started; a shim's forked rank goes with its shim's
+        connection), and wait until the server has seen the command end."""
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._reply(deadline=None)
-        self.conn.close()
-        raise subprocess.TimeoutExpired(["litgpt", *self.argv], deadline - time.monotonic())
 
     def _reply(self, deadline: float | None) -> dict:
         """The server's next reply (a JSON object a line)."""
@@ -268,9 +277,9 @@ class Command:
         return json.loads(line)
 
 
-def read_until_closed(fds: list[int], deadline: float) -> list[bytes] | None:
+def read_until_closed(fds: list[int], deadline: float) -> tuple[list[bytes], bool]:
     """What each pipe in `fds` carries until every writer has closed it (as `subprocess.run` waits for a launched
-    run's other processes too), or None past `deadline`."""
+    run's other processes too), and whether they closed before `deadline`."""
     chunks = {fd: [] for fd in fds}
     with selectors.DefaultSelector() as selector:
         for fd in fds:
@@ -278,14 +287,76 @@ def read_until_closed(fds: list[int], deadline: float) -> list[bytes] | None:
         while selector.get_map():
             ready = selector.select(deadline - time.monotonic())
             if not ready:
-                return None
+                return [b"".join(chunks[fd]) for fd in fds], False
             for key, _ in ready:
                 chunk = os.read(key.fd, 1 << 16)
                 if chunk:
                     chunks[key.fd].append(chunk)
                 else:
                     selector.unregister(key.fd)
-    return [b"".join(chunks[fd]) for fd in fds]
+    return [b"".join(chunks[fd]) for fd in fds], True
+
+
+# Sent, past its timeout, to a command and to the processes it started, before they are killed: a forked command
+# (and a shim, which passes it on) prints every thread's Python stack to its stderr (faulthandler), so that a test
+# that timed out shows where each rank of the run waited.
+STACKS_SIGNAL = signal.SIGRTMIN + 2
+STACKS_SECONDS = 2.0  # how long the stacks take to arrive (the processes keep running meanwhile)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, those they started, and so on (Linux: /proc lists each thread's children)."""
+    found, parents = [], [pid]
+    while parents:
+        for path in glob.glob(f"/proc/{parents.pop()}/task/*/children"):
+            try:
+                children = [int(child) for child in Path(path).read_text().split()]
+            except (OSError, ValueError):  # ended meanwhile
+                continue
+            found += children
+            parents += children
+    return found
+
+
+def ask_for_stacks(tree: list[int]) -> None:
+    for pid in tree:
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+
+
+def timed_out(command: list, timeout: float, stdout: str, stderr: str) -> subprocess.TimeoutExpired:
+    """`subprocess.TimeoutExpired`, with the end of the run's stderr (where the stacks are) in its message."""
+    error = subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    error.add_note(f"The end of its stderr, with each process's stacks at the timeout:\n{(stderr or '')[-12000:]}")
+    return error
+
+
+def communicate(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`process.communicate(timeout=timeout)` for a launcher whose ranks are shims (`launched_litgpt`): past the
+    timeout, the ranks print their stacks, the launcher and what it started are killed, and `TimeoutExpired` says
+    where each rank waited."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = descendants(process.pid)
+        ask_for_stacks(tree)  # not to the launcher, which is not forked: the signal would end it
+        try:
+            process.communicate(timeout=STACKS_SECONDS)  # what arrives meanwhile is kept for the next call
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in (process.pid, *tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise timed_out(process.args, timeout, *process.communicate()) from None
+
+
+def as_text(stream: bytes) -> str:
+    """As text=True reads a stream: undecodable bytes replaced, "\r\n" and "\r" read as "\n"."""
+    return stream.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 class ForkServer:
@@ -304,7 +375,7 @@ class ForkServer:
         self._log = open(self.folder / "server.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER, self.socket_path, json.dumps(RUN_TIME_VARIABLES),
-             json.dumps(RUN_TIME_PREFIXES), str(shim), *preimports],
+             json.dumps(RUN_TIME_PREFIXES), str(shim), str(int(STACKS_SIGNAL)), *preimports],
             cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self._count = 0
@@ -338,17 +409,24 @@ class ForkServer:
             for fd in stdio:
                 os.close(fd)
             stdin.unlink()
+        args = [sys.executable, "-m", "litgpt", *argv]
         try:
-            output = read_until_closed([out_read, err_read], deadline)
-            if output is None:
-                command.kill_after_timeout(deadline)
-            returncode = command.returncode(deadline)
+            output, closed = read_until_closed([out_read, err_read], deadline)
+            if not closed:  # past the timeout: each process's stacks, then the end of them all
+                tree = [command.pid, *descendants(command.pid)]
+                ask_for_stacks(tree)
+                stacks, _ = read_until_closed([out_read, err_read], time.monotonic() + STACKS_SECONDS)
+                command.kill(tree)
+                raise timed_out(args, timeout, *(as_text(head + tail) for head, tail in zip(output, stacks)))
+            try:
+                returncode = command.returncode(deadline)
+            except TimeoutError:  # it closed its output but did not end (killed now)
+                raise timed_out(args, timeout, *map(as_text, output)) from None
         finally:
+            command.conn.close()
             os.close(out_read)
             os.close(err_read)
-        # As text=True reads them: undecodable bytes replaced, "\r\n" and "\r" read as "\n".
-        out, err = (stream.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for stream in output)
-        return subprocess.CompletedProcess([sys.executable, "-m", "litgpt", *argv], returncode, out, err)
+        return subprocess.CompletedProcess(args, returncode, *map(as_text, output))
 
     def close(self) -> None:
         self.process.terminate()
@@ -412,7 +490,8 @@ def _close_servers() -> None:
 
 
 # ---- the `litgpt` of a shell's PATH ----------------------------------------------------------------------------------
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT,
+                     STACKS_SIGNAL)
 
 
 def shim_main() -> None:

@@ -160,7 +160,7 @@ def torchrun_nodes(args_per_node: list, env_per_node: list[dict], timeout: int =
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     for process in launches:
-        stdout, stderr = process.communicate(timeout=timeout)
+        stdout, stderr = communicate(process, timeout)
         results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
     return results
 

@@ -1,8 +1,9 @@
 """tests/litgpt_forkserver.py, the stand-in for `subprocess.run([sys.executable, "-m", "litgpt", ...])` that several
 modules use, and the `litgpt` it puts on a shell's PATH for the guides: against that real subprocess, the same exit
 code, stdout and stderr; a crash prints its traceback and exits 1; a process's changes reach no later one; a command
-past its timeout is killed; the shim passes on streams, signals and exit codes; a server whose starter leaves
-without closing it ends, with its commands and folder."""
+past its timeout is killed, with the ranks it started, once each has printed where it waited; the shim passes on
+streams, signals and exit codes; a server whose starter leaves without closing it ends, with its commands and
+folder."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from litgpt_forkserver import ForkServer, run_litgpt
+from litgpt_forkserver import ForkServer, communicate, run_litgpt
 
 
 # A process that the command starts writes after the command ends; "\r" as a progress bar writes it.
@@ -148,3 +149,65 @@ def process_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+# A command that starts a rank through the shim (as Lightning's launcher does in a forked command), then both wait.
+HANGING_MAIN = """
+import os, subprocess, sys, time
+
+def rank_waits_here():
+    time.sleep(120)
+
+def command_waits_here():
+    time.sleep(120)
+
+if sys.argv[1] == "rank":
+    with open(f"rank-{os.getpid()}.tmp", "w") as file:
+        file.write(str(os.getpid()))
+    os.rename(f"rank-{os.getpid()}.tmp", f"rank-{os.getpid()}")
+    rank_waits_here()
+if sys.argv[1] == "command":  # the shim beside the server's socket
+    subprocess.Popen([os.path.join(os.path.dirname(os.environ["LITGPT_TEST_FORKSERVER"]), "bin", "litgpt"), "rank"])
+    command_waits_here()
+"""
+# A launcher that is not forked (torchrun's agent): two ranks through the shim, then it waits for them.
+LAUNCHER = "import subprocess, sys; [p.wait() for p in [subprocess.Popen([sys.argv[1], 'rank']) for _ in range(2)]]"
+
+
+def test_past_its_timeout_each_process_of_a_run_prints_its_stacks_then_all_are_killed(tmp_path):
+    """`run_litgpt`'s timeout (a command and the rank it started through the shim) and `communicate`'s (a launcher
+    that is not forked, two ranks through the shim): TimeoutExpired's message carries each forked process's Python
+    stack, and no rank outlives it."""
+    (tmp_path / "litgpt").mkdir()
+    (tmp_path / "litgpt" / "__init__.py").write_text("")
+    (tmp_path / "litgpt" / "__main__.py").write_text(HANGING_MAIN)
+    server = ForkServer(dict(os.environ), cwd=tmp_path, preimports=())
+    try:
+        with pytest.raises(subprocess.TimeoutExpired) as hung:
+            server.run(["command"], cwd=tmp_path, timeout=3)
+        assert "in command_waits_here" in hung.value.stderr and "in rank_waits_here" in hung.value.stderr
+        assert "in rank_waits_here" in "\n".join(hung.value.__notes__)
+        assert_ended(ranks_in(tmp_path), "a rank of a command past its timeout")
+
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, server.shim_folder / "litgpt"], cwd=tmp_path,
+                                    env=server.env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with pytest.raises(subprocess.TimeoutExpired) as hung:
+            communicate(launcher, timeout=3)
+        assert hung.value.stderr.count("in rank_waits_here") == 2, hung.value.stderr
+        assert launcher.poll() is not None
+        assert_ended(ranks_in(tmp_path), "a rank of a launcher past its timeout")
+    finally:
+        server.close()
+
+
+def ranks_in(folder: Path) -> list[int]:
+    return [int(path.read_text()) for path in folder.glob("rank-*") if not path.name.endswith(".tmp")]
+
+
+def assert_ended(pids: list[int], what: str) -> None:
+    assert pids
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and process_state(pid) != "Z" for pid in pids):
+        assert time.monotonic() < deadline, f"{what} still runs"
+        time.sleep(0.05)
