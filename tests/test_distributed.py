@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import write_random_checkpoint
-from litgpt_forkserver import launched_litgpt, run_litgpt
+from litgpt_forkserver import communicate, launched_litgpt, run_litgpt
 from ports import free_port
 
 from litgpt.io import load_state_dict
