@@ -68,13 +68,15 @@ TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WOR
 
 # The variables that may differ between the server and a command forked from it: no import reads them. pytest names
 # the running test in PYTEST_CURRENT_TEST; Lightning's launcher sets the five of torch.distributed for the ranks it
-# starts and PL_GLOBAL_SEED; litgpt reads LITGPT_CPUINFO when it picks the default precision and the failpoints' two
-# when a process first passes one; a shell sets PWD, OLDPWD, SHLVL and _ for the commands it starts; Slurm sets
-# ENVIRONMENT=BATCH and HOSTNAME in a batch job, and TMPDIR (a forked command looks it up again: the server's
-# `tempfile.tempdir` is reset).
+# starts and PL_GLOBAL_SEED; litgpt reads LITGPT_CPUINFO when it picks the default precision, LITGPT_CACHE_DIR when
+# it opens a cache (a test's own cache folder needs no server of its own) and the failpoints' two when a process
+# first passes one; a shell sets PWD, OLDPWD, SHLVL and _ for the commands it starts; Slurm sets ENVIRONMENT=BATCH
+# and HOSTNAME in a batch job, and TMPDIR (a forked command looks it up again: the server's `tempfile.tempdir` is
+# reset).
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE",
-                      "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_FAILPOINT", "LITGPT_FAILPOINTS_ARMED", "PWD",
-                      "OLDPWD", "SHLVL", "_", "ENVIRONMENT", "HOSTNAME", "TMPDIR", *TORCHRUN_VARIABLES)
+                      "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_CACHE_DIR", "LITGPT_FAILPOINT",
+                      "LITGPT_FAILPOINTS_ARMED", "PWD", "OLDPWD", "SHLVL", "_", "ENVIRONMENT", "HOSTNAME", "TMPDIR",
+                      *TORCHRUN_VARIABLES)
 # Slurm's variables, set by srun and sbatch for each task (job and step ids, ranks, nodes): read by Lightning's and
 # litgpt's cluster detection when a run starts, never at import (as torchrun's, above).
 RUN_TIME_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
