@@ -303,7 +303,7 @@ def read_until_closed(fds: list[int], deadline: float) -> tuple[list[bytes], boo
 # (and a shim, which passes it on) prints every thread's Python stack to its stderr (faulthandler), so that a test
 # that timed out shows where each rank of the run waited.
 STACKS_SIGNAL = signal.SIGRTMIN + 2
-STACKS_SECONDS = 2.0  # how long the stacks take to arrive (the processes keep running meanwhile)
+STACKS_SECONDS = 3.0  # how long the stacks take to arrive (the processes keep running meanwhile)
 
 
 def descendants(pid: int) -> list[int]:

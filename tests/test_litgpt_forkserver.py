@@ -177,14 +177,14 @@ LAUNCHER = "import subprocess, sys; [p.wait() for p in [subprocess.Popen([sys.ar
 def test_past_its_timeout_each_process_of_a_run_prints_its_stacks_then_all_are_killed(tmp_path):
     """`run_litgpt`'s timeout (a command and the rank it started through the shim) and `communicate`'s (a launcher
     that is not forked, two ranks through the shim): TimeoutExpired's message carries each forked process's Python
-    stack, and no rank outlives it."""
+    stack, and no rank outlives it. (Timeouts of 10 s: time for the ranks to start on a busy machine.)"""
     (tmp_path / "litgpt").mkdir()
     (tmp_path / "litgpt" / "__init__.py").write_text("")
     (tmp_path / "litgpt" / "__main__.py").write_text(HANGING_MAIN)
     server = ForkServer(dict(os.environ), cwd=tmp_path, preimports=())
     try:
         with pytest.raises(subprocess.TimeoutExpired) as hung:
-            server.run(["command"], cwd=tmp_path, timeout=3)
+            server.run(["command"], cwd=tmp_path, timeout=10)
         assert "in command_waits_here" in hung.value.stderr and "in rank_waits_here" in hung.value.stderr
         assert "in rank_waits_here" in "\n".join(hung.value.__notes__)
         assert_ended(ranks_in(tmp_path), "a rank of a command past its timeout")
@@ -193,7 +193,7 @@ def test_past_its_timeout_each_process_of_a_run_prints_its_stacks_then_all_are_k
                                     env=server.env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with pytest.raises(subprocess.TimeoutExpired) as hung:
-            communicate(launcher, timeout=3)
+            communicate(launcher, timeout=10)
         assert hung.value.stderr.count("in rank_waits_here") == 2, hung.value.stderr
         assert launcher.poll() is not None
         assert_ended(ranks_in(tmp_path), "a rank of a launcher past its timeout")
