@@ -254,11 +254,7 @@ class Command:
     def kill(self, tree: list[int]) -> None:
         """SIGKILL `tree` (the command and the processes it started; a shim's forked rank goes with its shim's
         connection), and wait until the server has seen the command end."""
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_each(tree, signal.SIGKILL)
         self._reply(deadline=None)
 
     def _reply(self, deadline: float | None) -> dict:
@@ -320,11 +316,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def ask_for_stacks(tree: list[int]) -> None:
-    for pid in tree:
+def signal_each(pids: list[int], signum: int) -> None:
+    for pid in pids:
         try:
-            os.kill(pid, STACKS_SIGNAL)
-        except ProcessLookupError:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # ended meanwhile
             pass
 
 
@@ -343,16 +339,12 @@ def communicate(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = descendants(process.pid)
-        ask_for_stacks(tree)  # not to the launcher, which is not forked: the signal would end it
+        signal_each(tree, STACKS_SIGNAL)  # not to the launcher, which is not forked: the signal would end it
         try:
             process.communicate(timeout=STACKS_SECONDS)  # what arrives meanwhile is kept for the next call
         except subprocess.TimeoutExpired:
             pass
-        for pid in (process.pid, *tree):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_each([process.pid, *tree], signal.SIGKILL)
         raise timed_out(process.args, timeout, *process.communicate()) from None
 
 
@@ -416,7 +408,7 @@ class ForkServer:
             output, closed = read_until_closed([out_read, err_read], deadline)
             if not closed:  # past the timeout: each process's stacks, then the end of them all
                 tree = [command.pid, *descendants(command.pid)]
-                ask_for_stacks(tree)
+                signal_each(tree, STACKS_SIGNAL)
                 stacks, _ = read_until_closed([out_read, err_read], time.monotonic() + STACKS_SECONDS)
                 command.kill(tree)
                 raise timed_out(args, timeout, *(as_text(head + tail) for head, tail in zip(output, stacks)))
