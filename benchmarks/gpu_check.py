@@ -6,10 +6,11 @@ start-up and final checkpoints; `--budget` stops starting stages after 8 minutes
 
 Stages, each a subprocess with its own time limit, in this order (the run starts no stage once its budget is spent):
   fp8_mlp      one Llama-3.2-1B MLP (8,192 tokens), compiled, forward + backward in bf16 and with its linear layers
-               in float8 (`--precision fp8-mixed`'s conversion), and the graph breaks torch.compile meets in it
+               in float8 (`--precision fp8-mixed`'s conversion, rowwise and tensorwise scales), and the graph breaks
+               torch.compile meets in them
   training     MFU of a Llama-3.2-1B-shaped pretrain (seq 2048, micro batch 4, global batch 32, compiled) in
-               bf16-mixed and in fp8-mixed (`benchmarks/run.py --suite gpu`); goals: >= 50 % bf16 MFU on an H100,
-               fp8 >= 1.25x bf16
+               bf16-mixed and in fp8-mixed, rowwise and tensorwise (`benchmarks/run.py --suite gpu`); goals: >= 50 %
+               bf16 MFU on an H100, fp8 >= 1.25x bf16
   plan         `litgpt plan` against the measured peak of real Llama-3.2-1B pretrain runs (`benchmarks/plan_accuracy.py`):
                plain, activation checkpointing, --train.offload_activations, --train.optimizer_in_backward, each
                with its tokens/s
@@ -61,8 +62,8 @@ def stages(out: Path, work: Path) -> list[Stage]:
     run_py = [PYTHON, "benchmarks/run.py", "--suite", "gpu", "--repeats", "1"]
     return [
         Stage("fp8_mlp", [PYTHON, __file__, "--fp8-worker"], 90),
-        Stage("training", [*run_py, "--cases", "pretrain-1b-compiled,pretrain-1b-fp8", "--work-dir", work / "run",
-                           "--output", out / "training.json"], 300),
+        Stage("training", [*run_py, "--cases", "pretrain-1b-compiled,pretrain-1b-fp8,pretrain-1b-fp8-tensorwise",
+                           "--work-dir", work / "run", "--output", out / "training.json"], 400),
         Stage("plan", [PYTHON, "benchmarks/plan_accuracy.py", "--device", "cuda", "--steps", "3", "--settings",
                        *PLAN_SETTINGS, "--json", out / "plan.json"], 150),
         Stage("qlora", [PYTHON, __file__, "--qlora-worker", "--out", out, "--work", work], 90),
@@ -163,7 +164,8 @@ def qlora_run(checkpoint: Path, data: Path, run: Path, mode: str) -> dict:
 # ---- the fp8 stage (run as a subprocess of this script) --------------------------------------------------------------
 def fp8_worker() -> None:
     """Milliseconds per forward + backward of one compiled Llama-3.2-1B MLP under bf16 autocast, plain and with
-    `convert_to_float8`'s layers, and torch.compile's graph breaks in the float8 one."""
+    `convert_to_float8`'s layers in each recipe (`fp8` is the default, rowwise), and torch.compile's graph breaks in
+    the float8 ones."""
     import copy
 
     import torch
@@ -171,21 +173,26 @@ def fp8_worker() -> None:
     from litgpt.config import Config
     from litgpt.distributed.float8 import convert_to_float8
     from litgpt.model import GPT
+    from litgpt.precision import FLOAT8_RECIPES
 
     config = Config.from_name("Llama-3.2-1B", n_layer=1)
     with torch.device("cuda"):
         model = GPT(config)
-    float8 = copy.deepcopy(model)
-    convert_to_float8(float8)
+    mlps = {"bf16": model.transformer.h[0].mlp}
+    for recipe in FLOAT8_RECIPES:
+        float8 = copy.deepcopy(model)
+        convert_to_float8(float8, recipe)
+        mlps["fp8" if recipe == FLOAT8_RECIPES[0] else f"fp8_{recipe}"] = float8.transformer.h[0].mlp
     x = torch.randn(4, 2048, config.n_embd, device="cuda", requires_grad=True)
     results = {}
-    for name, mlp in (("bf16", model.transformer.h[0].mlp), ("fp8", float8.transformer.h[0].mlp)):
+    for name, mlp in mlps.items():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if name == "fp8":
+            if name != "bf16":
                 explained = torch._dynamo.explain(mlp)(x)
-                results["fp8_graph_breaks"] = [str(b.reason)[:300] for b in explained.break_reasons]
+                results[f"{name}_graph_breaks"] = [str(b.reason)[:300] for b in explained.break_reasons]
             results[f"{name}_ms"] = step_milliseconds(torch.compile(mlp), x)
-    results["fp8_speedup"] = round(results["bf16_ms"] / results["fp8_ms"], 3)
+    for name in mlps.keys() - {"bf16"}:
+        results[f"{name}_speedup"] = round(results["bf16_ms"] / results[f"{name}_ms"], 3)
     print(json.dumps(results))
 
 
@@ -226,8 +233,10 @@ def training_lines(out: Path) -> list[str]:
         lines.append(f"training {record['case']}: {run['value']:,.0f} tokens/s, MFU {run.get('mfu_vs_datasheet', 0):.1%}"
                      f" of the datasheet bf16 peak ({run['mfu_vs_measured_peak']:.1%} of the measured matmul peak), "
                      f"peak memory {run.get('peak_memory_mb', 0) / 1024:.1f} GiB")
-    if {"pretrain-1b-compiled", "pretrain-1b-fp8"} <= rates.keys():
-        lines.append(f"training fp8-mixed / bf16-mixed: {rates['pretrain-1b-fp8'] / rates['pretrain-1b-compiled']:.2f}x")
+    for case, recipe in (("pretrain-1b-fp8", "rowwise"), ("pretrain-1b-fp8-tensorwise", "tensorwise")):
+        if {"pretrain-1b-compiled", case} <= rates.keys():
+            lines.append(f"training fp8-mixed ({recipe}) / bf16-mixed: "
+                         f"{rates[case] / rates['pretrain-1b-compiled']:.2f}x")
     return lines
 
 

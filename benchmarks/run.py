@@ -57,8 +57,9 @@ GENERATION_CPU = ["generate-5m-32-true", "generate-5m-32-true-compiled", "genera
                   "generate-5m-bf16-true-compiled"]
 SUITES = {
     "cpu": TRAINING_CPU + GENERATION_CPU + ["help"],
-    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled", "pretrain-1b-fp8", "pretrain-1b-tp2", "pretrain-1b-cp2",
-            "pretrain-1b-pp2", "generate-5m-bf16-true", "generate-5m-bf16-true-compiled"],
+    "gpu": ["pretrain-1b-eager", "pretrain-1b-compiled", "pretrain-1b-fp8", "pretrain-1b-fp8-tensorwise",
+            "pretrain-1b-tp2", "pretrain-1b-cp2", "pretrain-1b-pp2", "generate-5m-bf16-true",
+            "generate-5m-bf16-true-compiled"],
 }
 # The 1B cases split over 2 GPUs (compiled, bf16-mixed, the same global batch): skipped on a machine with fewer GPUs.
 PARALLEL_1B = {"tp2": ["--parallel.tensor", "2"], "cp2": ["--parallel.context", "2"],
@@ -151,7 +152,9 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
         if name.startswith("pretrain-1b"):
             warmup, measured = 3, 8
             total = warmup + measured
-            precision = "fp8-mixed" if name.endswith("fp8") else "bf16-mixed"  # fp8: compiled, as torchtitan runs it
+            fp8 = "-fp8" in name  # compiled, as torchtitan runs it
+            precision = "fp8-mixed" if fp8 else "bf16-mixed"
+            recipe = ["--train.float8_recipe", "tensorwise"] if name.endswith("tensorwise") else []
             split = PARALLEL_1B.get(name.rsplit("-", 1)[1], [])
             devices = 2 if split else 1
             out = work / "out" / name
@@ -161,14 +164,15 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
                     "32", "--train.max_steps", str(total), "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
                     "--train.save_interval", "null", "--eval.interval", str(harness.BIG), "--eval.initial_validation",
                     "false", "--eval.final_validation", "false", "--precision", precision, "--devices", str(devices),
-                    "--compiler", "none" if name.endswith("eager") else "torch", *split]
+                    "--compiler", "none" if name.endswith("eager") else "torch", *recipe, *split]
             command = harness.Command("ours", argv, out / "ours", harness.OURS_STEP)
             from litgpt.config import Config
 
             config = Config.from_name("Llama-3.2-1B")
             model_args = {k: getattr(config, k) for k in config.__dataclass_fields__}
             cases[name] = (harness.Case(name, "Llama-3.2-1B shape, seq 2048, micro batch 4, global batch 32, "
-                                        f"{precision}, {devices} GPU" + (f"s, {' '.join(split)}" if split else ""),
+                                        f"{precision}{' (tensorwise)' if recipe else ''}, {devices} GPU"
+                                        + (f"s, {' '.join(split)}" if split else ""),
                                         32 * 2048, command, None), warmup, total,
                            {"model": model_args, "seq": 2048, "lora": False, "dtype": "bfloat16",
                             "processes": devices, "gpus": devices})

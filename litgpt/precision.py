@@ -6,7 +6,7 @@ stack)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -14,6 +14,8 @@ import torch
 from litgpt.errors import UserError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8-mixed")
+# fp8-mixed's scaling recipes (torchao's names, `litgpt.distributed.float8`); the first is the default.
+FLOAT8_RECIPES = ("rowwise", "tensorwise")
 
 # Precision names accepted by --precision (Lightning's spellings and plain dtype names). Inference keeps no master
 # weights, so the "-mixed" variants run in the same dtype as their "-true" counterparts.
@@ -39,27 +41,41 @@ class Precision:
 
     "-mixed" keeps float32 weights (the optimizer's master copies) and computes in 16 bits under autocast; "-true"
     stores and computes in the one dtype. "fp8-mixed" is bf16-mixed whose trained blocks' linear layers multiply in
-    float8 (torchao's float8 training, rowwise scales: `litgpt.distributed.float8`).
+    float8 (torchao's float8 training with the scaling recipe `float8_recipe`: `litgpt.distributed.float8`).
     """
 
     name: str
     reason: str = "--precision"
+    float8_recipe: str = FLOAT8_RECIPES[0]
 
     @classmethod
-    def resolve(cls, requested: "Optional[str | Precision]", cpuinfo: Optional[str] = None) -> "Precision":
-        """--precision as given (UserError for an unknown name), or this machine's default with its reason."""
+    def resolve(cls, requested: "Optional[str | Precision]", cpuinfo: Optional[str] = None,
+                float8_recipe: Optional[str] = None) -> "Precision":
+        """--precision as given (UserError for an unknown name), or this machine's default with its reason; with
+        --train.float8_recipe `float8_recipe` (None: the default recipe), which only fp8-mixed takes."""
         if isinstance(requested, Precision):
             return requested
         if requested is None:
             name, reason = default_precision_and_reason(cpuinfo)
-            return cls(name, f"the default here: {reason}; --precision to choose")
-        if requested not in PRECISIONS:
+            precision = cls(name, f"the default here: {reason}; --precision to choose")
+        elif requested not in PRECISIONS:
             raise UserError(f"--precision {requested!r} is not one of {', '.join(PRECISIONS)}.")
-        return cls(requested)
+        else:
+            precision = cls(requested)
+        if float8_recipe is None:
+            return precision
+        if not precision.float8:
+            raise UserError(f"--train.float8_recipe {float8_recipe} is a scaling recipe of --precision fp8-mixed; this "
+                            f"run is {precision.name}: add --precision fp8-mixed or leave the recipe out.")
+        if float8_recipe not in FLOAT8_RECIPES:
+            raise UserError(f"--train.float8_recipe {float8_recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}.")
+        return replace(precision, float8_recipe=float8_recipe)
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
             raise ValueError(f"{self.name!r} is not one of {PRECISIONS}")
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"{self.float8_recipe!r} is not one of {FLOAT8_RECIPES}")
 
     def __str__(self) -> str:
         return self.name
@@ -85,7 +101,7 @@ class Precision:
 
     @property
     def float8(self) -> bool:
-        """fp8-mixed: the blocks' linear layers multiply in float8 with rowwise scales."""
+        """fp8-mixed: the blocks' linear layers multiply in float8, scaled by `float8_recipe`."""
         return self.name == "fp8-mixed"
 
     @property

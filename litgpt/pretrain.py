@@ -129,9 +129,9 @@ def pretrain_job(arguments: dict, record_arguments_of: Callable) -> "Job":
     recipe = Recipe(name="pretrain", config=config, initialization="random", initial_weights=initial_weights)
     return Job(
         recipe=recipe, out_dir=Path(a.out_dir), data=data, tokenizer_dir=tokenizer_dir, train=a.train, eval=a.eval,
-        hyperparameters=hyperparameters, precision=Precision.resolve(a.precision), resume=a.resume,
-        optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout, logger_name=a.logger_name,
-        logger=a.logger,
+        hyperparameters=hyperparameters, precision=Precision.resolve(a.precision, float8_recipe=a.train.float8_recipe),
+        resume=a.resume, optimizer=a.optimizer, seed=a.seed, profile=a.profile, timeout=a.fsdp.timeout,
+        logger_name=a.logger_name, logger=a.logger,
     )
 
 

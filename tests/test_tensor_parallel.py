@@ -418,6 +418,51 @@ def test_every_family_split_equals_the_whole_model():
     run_spawned_ranks(families_match_whole, 2)
 
 
+def float8_split_matches_whole(rank: int, world: int, port: int, failures) -> None:
+    """On each of `world` ranks, fp8-mixed's float8 layers split by the plan (float32 around them, so that only the
+    float8 casts round). Tensorwise: the split model's loss and gradients are the whole one's (each amax is reduced
+    over the group). Rowwise: a layer split along its output multiplies as the whole layer; one split along its
+    input takes a scale per row of each rank's share of the input and weight, as computed here by hand."""
+    from test_float8 import rowwise_float8
+
+    from litgpt.distributed.float8 import convert_to_float8
+
+    with gloo_rank(rank, world, port, failures):
+        torch.manual_seed(0)
+        whole = whole_model(SMALL)
+        convert_to_float8(whole, "tensorwise")
+        split, orders = split_copy(whole, world, lambda model: convert_to_float8(model, "tensorwise"))
+        assert_same_loss_and_gradients(whole, split, orders)
+
+        whole = whole_model(SMALL)
+        convert_to_float8(whole, "rowwise")
+        split, _ = split_copy(whole, world, lambda model: convert_to_float8(model, "rowwise"))
+        # One sequence of 6 positions, its features of magnitudes 0.1 to 10 (rows whose shares differ in amax).
+        x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-1, 1, 64)
+        positions = slice(rank * 3, (rank + 1) * 3)  # sequence parallelism: this rank's share of the positions
+        whole_fc, split_fc = whole.transformer.h[0].mlp.fc_1, split.transformer.h[0].mlp.fc_1
+        columns = slice(rank * 64, (rank + 1) * 64)  # this rank's share of fc_1's 128 outputs
+        torch.testing.assert_close(split_fc(x), whole_fc(x)[..., columns], rtol=0, atol=0)  # its input gathered
+        whole_proj, split_proj = whole.transformer.h[0].attn.proj, split.transformer.h[0].attn.proj
+        x_shares, w_shares = x.chunk(world, dim=-1), whole_proj.weight.detach().chunk(world, dim=-1)
+        by_hand = 0
+        for x_share, w_share in zip(x_shares, w_shares):
+            (x8, x_scale), (w8, w_scale) = rowwise_float8(x_share), rowwise_float8(w_share)
+            # Each rank's product comes out of the CPU's float8 matmul rounded to bf16 (as one process's does,
+            # tests/test_float8.py), before the ranks' products are summed.
+            by_hand = by_hand + ((x8.float() / x_scale) @ (w8.float() / w_scale).T).bfloat16().float()
+        ours, by_hand = split_proj(x_shares[rank].contiguous()), by_hand[:, positions]
+        torch.testing.assert_close(ours, by_hand, rtol=1e-6, atol=1e-6)
+        whole_rows = whole_proj(x)[:, positions]
+        assert (ours - whole_rows).abs().max() > 100 * (ours - by_hand).abs().max()  # not the whole rows' scales
+
+
+@pytest.mark.slow  # spawns 2 processes
+def test_float8_layers_split_as_each_recipe_scales():
+    pytest.importorskip("torchao.float8")
+    run_spawned_ranks(float8_split_matches_whole, 2)
+
+
 class LocalShapes(TorchDispatchMode):
     """The shapes of the plain (not DTensor) tensors every op makes while inside: what a rank holds itself."""
 

@@ -1,8 +1,15 @@
-"""--precision fp8-mixed: the linear layers of the blocks multiply in float8 through torchao's float8 training with
-rowwise scales (the recipe torchtitan keeps since it dropped tensorwise scaling). `parallelize` converts them first,
-before activation checkpointing, compilation and sharding: the weights stay float32 master copies (FSDP2 shards and
-gathers them as any others, in bf16 under its mixed-precision policy) and each matmul casts its operands to float8
-with a scale per row. The embeddings, the output head and the mixture-of-experts router stay in bf16 (the head decides
+"""--precision fp8-mixed: the linear layers of the blocks multiply in float8 through torchao's float8 training, with
+one of its scaling recipes (--train.float8_recipe): rowwise, the default (a power-of-two scale per row of each
+operand, as the matmul reads it; the recipe torchtitan recommends for accuracy), or tensorwise (one scale per tensor:
+cheaper casts, which is why it pays at smaller widths).
+
+`parallelize` converts the layers first, before tensor parallelism (whose styles then wrap the float8 layers
+themselves, so that their inputs arrive as DTensors), activation checkpointing, compilation and sharding: the weights
+stay float32 master copies (FSDP2 shards and gathers them as any others, in bf16 under its mixed-precision policy) and
+each matmul casts its operands to float8. A tensorwise amax over a split tensor is reduced over the tensor-parallel
+group (DTensor), so the split model multiplies as one process does; a rowwise scale covers each rank's share of a row
+where tensor parallelism splits the rows (the input of a layer split along its input, the output gradient of one split
+along its output). The embeddings, the output head and the mixture-of-experts router stay in bf16 (the head decides
 the logits; the router's top-k choice is discontinuous), and so does any layer whose sizes `torch._scaled_mm` cannot
 take. A checkpoint holds the same keys and tensors as a bf16-mixed run's.
 """
@@ -35,9 +42,10 @@ def float8_layer_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return converted, kept
 
 
-def convert_to_float8(model: nn.Module) -> None:
-    """Swap the layers `float8_layer_names` picks for torchao's `Float8Linear` with rowwise scales (as
-    `Float8Linear.from_float` makes them, keeping their parameters), in place; the model may be on the meta device."""
+def convert_to_float8(model: nn.Module, recipe: str = "rowwise") -> None:
+    """Swap the layers `float8_layer_names` picks for torchao's `Float8Linear` with the scaling `recipe` (rowwise or
+    tensorwise; as `Float8Linear.from_float` makes them, keeping their parameters), in place; the model may be on the
+    meta device."""
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError:
@@ -46,13 +54,13 @@ def convert_to_float8(model: nn.Module) -> None:
     if not converted:
         raise UserError("--precision fp8-mixed found no linear layer in the model's blocks whose sizes are multiples "
                         f"of {FLOAT8_DIVISOR}: use bf16-mixed.")
-    config = Float8LinearConfig.from_recipe_name("rowwise")
+    config = Float8LinearConfig.from_recipe_name(recipe)
     for name in converted:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, float8_linear_class().from_float(getattr(parent, child), config=config))
     left = f"; {len(kept)} whose sizes are not multiples of {FLOAT8_DIVISOR} stay in bf16" if kept else ""
-    print_once(f"fp8-mixed: {len(converted)} linear layers of the blocks multiply in float8 (rowwise scales); the "
+    print_once(f"fp8-mixed: {len(converted)} linear layers of the blocks multiply in float8 ({recipe} scales); the "
                f"embeddings, the head and the router in bf16{left}.")
 
 

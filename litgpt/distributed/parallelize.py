@@ -1,7 +1,8 @@
 """The one place that takes a model built on the meta device to its devices, in a fixed order: dtype, pipeline
-stages (`--parallel.pipeline`; the steps that follow apply to each stage), tensor parallelism (`--parallel.tensor`), context parallelism (`--parallel.context`), expert parallelism (`--parallel.expert`), float8 layers (fp8-mixed), activation checkpointing, compilation, activation
-offloading, sharding (FSDP over the data-parallel mesh), then materialization and initialization (torchtitan's
-order).
+stages (`--parallel.pipeline`; the steps that follow apply to each stage), float8 layers (fp8-mixed), tensor
+parallelism (`--parallel.tensor`), context parallelism (`--parallel.context`), expert parallelism
+(`--parallel.expert`), activation checkpointing, compilation, activation offloading, sharding (FSDP over the
+data-parallel mesh), then materialization and initialization (torchtitan's order).
 
 The model file knows nothing of this; recipes call `parallelize`.
 """
@@ -40,13 +41,14 @@ def parallelize(
     offload: bool = False,
     pipelined: bool = True,
 ) -> nn.Module:
-    """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, tensor parallelism (the
-    strategy's tensor mesh, `litgpt.distributed.tensor_parallel`), context parallelism (each attention over the
-    whole sequence of its share of heads, `litgpt.distributed.context_parallel`), expert parallelism (the strategy's expert mesh,
-    `litgpt.distributed.expert_parallel`), activation checkpointing,
-    compilation (`compile_blocks`), activation offloading (`offload`: the forward pass around the blocks saves
-    for the backward pass in host memory, `litgpt.distributed.activation_offloading`), sharding, then
-    materialization and initialization (`initialize`), so no process ever holds the full model.
+    """Take a model built on the meta device to `fabric.device`, in the fixed order: dtype, float8 layers
+    (fp8-mixed, `litgpt.distributed.float8`), tensor parallelism (the strategy's tensor mesh,
+    `litgpt.distributed.tensor_parallel`), context parallelism (each attention over the whole sequence of its share
+    of heads, `litgpt.distributed.context_parallel`), expert parallelism (the strategy's expert mesh,
+    `litgpt.distributed.expert_parallel`), activation checkpointing, compilation (`compile_blocks`), activation
+    offloading (`offload`: the forward pass around the blocks saves for the backward pass in host memory,
+    `litgpt.distributed.activation_offloading`), sharding, then materialization and initialization (`initialize`), so
+    no process ever holds the full model.
 
     `activation_checkpointing` is any setting `ActivationCheckpointing.parse` reads (false, true, N, every:N, ops).
     Initialization is rank-aware: a sharded model gets the same weights as a single-process model from the same seed.
@@ -88,7 +90,11 @@ def parallelize(
 def parallelize_part(fabric, model: nn.Module, precision: Precision,
                      activation_checkpointing: Union[bool, int, str, ActivationCheckpointing], compile_blocks: bool,
                      prepare_block: Optional[Callable[[int, nn.Module], None]], offload: bool) -> None:
-    """`parallelize`'s steps from tensor parallelism to materialization, on the model or one pipeline stage of it."""
+    """`parallelize`'s steps from float8 layers to materialization, on the model or one pipeline stage of it."""
+    if precision.float8:  # before tensor parallelism, whose styles must wrap the float8 layers themselves
+        from litgpt.distributed.float8 import convert_to_float8
+
+        convert_to_float8(model, precision.float8_recipe)
     strategy = fabric.strategy
     tensor_mesh = strategy.tensor_mesh if isinstance(strategy, FSDPStrategy) else None
     if tensor_mesh is not None:
@@ -102,10 +108,6 @@ def parallelize_part(fabric, model: nn.Module, precision: Precision,
     expert_mesh = strategy.expert_mesh if isinstance(strategy, FSDPStrategy) else None
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh["expert"])
-    if precision.float8:
-        from litgpt.distributed.float8 import convert_to_float8
-
-        convert_to_float8(model)
     checkpointing = ActivationCheckpointing.parse(activation_checkpointing)
     if checkpointing:
         apply_activation_checkpointing(model, checkpointing)

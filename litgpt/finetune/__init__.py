@@ -46,7 +46,8 @@ def finetune_job(setup: Callable, arguments: dict, name: str, lora: "Optional[Lo
     return Job(
         recipe=recipe, out_dir=Path(arguments["out_dir"]), data=data, tokenizer_dir=checkpoint_dir,
         train=arguments["train"], eval=arguments["eval"], hyperparameters=hyperparameters,
-        precision=Precision.resolve(arguments["precision"]), resume=arguments["resume"],
+        precision=Precision.resolve(arguments["precision"], float8_recipe=arguments["train"].float8_recipe),
+        resume=arguments["resume"],
         optimizer=arguments["optimizer"], seed=arguments["seed"], profile=arguments["profile"],
         timeout=arguments["fsdp"].timeout, logger_name=arguments["logger_name"],
         logger=arguments["logger"],

@@ -134,8 +134,9 @@ def plan_for(
 
     recipe = recipe_for(config, method, lora, quantize, teacher_config, dpo, grpo)
     return estimate(
-        recipe, train, fsdp, Precision.resolve(precision), devices=devices, num_nodes=num_nodes, device=device,
-        device_memory_gb=device_memory_gb, accumulate_gradients=accumulate_gradients, parallel=parallel,
+        recipe, train, fsdp, Precision.resolve(precision, float8_recipe=train.float8_recipe), devices=devices,
+        num_nodes=num_nodes, device=device, device_memory_gb=device_memory_gb,
+        accumulate_gradients=accumulate_gradients, parallel=parallel,
     )
 
 
