@@ -1,5 +1,7 @@
-"""The GPU path in one run on one H100/H200 (every stage: about 11 minutes on an H200, most of it the 1B runs'
-start-up and final checkpoints; `--budget` stops starting stages after 8 minutes): what a lent GPU machine must show.
+"""The GPU path in one run on one H100/H200: what a lent GPU machine must show. Every stage took about 11 minutes on
+an H200 (2026-11-28, before the tensorwise training run was added), most of it the 1B runs' start-up and final
+checkpoints; `--budget` (8 minutes) stops starting stages, and the plan stage, last, measures the settings that the
+time left allows.
 
     bash benchmarks/gpu_check.sh                 # all stages, results under benchmarks/results/gpu-check-<date>/
     python benchmarks/gpu_check.py --only qlora generation --out /tmp/check
@@ -11,16 +13,16 @@ Stages, each a subprocess with its own time limit, in this order (the run starts
   training     MFU of a Llama-3.2-1B-shaped pretrain (seq 2048, micro batch 4, global batch 32, compiled) in
                bf16-mixed and in fp8-mixed, rowwise and tensorwise (`benchmarks/run.py --suite gpu`); goals: >= 50 %
                bf16 MFU on an H100, fp8 >= 1.25x bf16
-  plan         `litgpt plan` against the measured peak of real Llama-3.2-1B pretrain runs (`benchmarks/plan_accuracy.py`):
-               plain, activation checkpointing, --train.offload_activations, --train.optimizer_in_backward, each
-               with its tokens/s
-  qlora        `litgpt finetune_lora --quantize bnb.nf4` and `--quantize ao.nf4` on one GPU, on a random checkpoint
-               with a 704-wide MLP. QLoRA under FSDP2 with NCCL needs two GPUs: NCCL refuses two ranks on one GPU,
-               and FSDP2 on a one-rank group skips the all-gather that torchao's NF4 tensor hooks into
   generation   `litgpt generate` eager against `--compile true` (CUDA graphs), bf16-true
   moe          the grouped mixture-of-experts kernels against the per-expert loop (`benchmarks/moe.py`)
   chunked_loss peak memory of a step with the chunked output head + loss against whole logits
                (`benchmarks/chunked_loss_memory.py`, 128k vocabulary)
+  qlora        `litgpt finetune_lora --quantize bnb.nf4` and `--quantize ao.nf4` on one GPU, on a random checkpoint
+               with a 704-wide MLP. QLoRA under FSDP2 with NCCL needs two GPUs: NCCL refuses two ranks on one GPU,
+               and FSDP2 on a one-rank group skips the all-gather that torchao's NF4 tensor hooks into
+  plan         `litgpt plan` against the measured peak of real Llama-3.2-1B pretrain runs (`benchmarks/plan_accuracy.py`):
+               plain, activation checkpointing, --train.offload_activations, --train.optimizer_in_backward, each
+               with its tokens/s, each printed as it is measured
 
 Each stage's output goes to <out>/<stage>.log (and its JSON beside it); the summary at the end is read from those
 files. A stage that fails prints its last lines and the run goes on.
@@ -33,6 +35,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -64,9 +67,6 @@ def stages(out: Path, work: Path) -> list[Stage]:
         Stage("fp8_mlp", [PYTHON, __file__, "--fp8-worker"], 90),
         Stage("training", [*run_py, "--cases", "pretrain-1b-compiled,pretrain-1b-fp8,pretrain-1b-fp8-tensorwise",
                            "--work-dir", work / "run", "--output", out / "training.json"], 400),
-        Stage("plan", [PYTHON, "benchmarks/plan_accuracy.py", "--device", "cuda", "--steps", "3", "--settings",
-                       *PLAN_SETTINGS, "--json", out / "plan.json"], 150),
-        Stage("qlora", [PYTHON, __file__, "--qlora-worker", "--out", out, "--work", work], 90),
         Stage("generation", [*run_py, "--cases", "generate-5m-bf16-true,generate-5m-bf16-true-compiled",
                              "--work-dir", work / "run", "--output", out / "generation.json"], 90),
         Stage("moe", [PYTHON, "benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384",
@@ -74,6 +74,10 @@ def stages(out: Path, work: Path) -> list[Stage]:
         Stage("chunked_loss", [PYTHON, "benchmarks/chunked_loss_memory.py", "--device", "cuda", "--precision",
                                "bf16-mixed", "--n_embd", "2048", "--batch", "4", "--seq", "2048", "--steps", "2",
                                "--chunk", "2048", "4096", "8192"], 90),
+        Stage("qlora", [PYTHON, __file__, "--qlora-worker", "--out", out, "--work", work], 90),
+        # Last: each setting is a real 1B run (~65 s); the settings the budget leaves no time for are not measured.
+        Stage("plan", [PYTHON, "benchmarks/plan_accuracy.py", "--device", "cuda", "--steps", "3", "--settings",
+                       *PLAN_SETTINGS, "--json", out / "plan.json"], 270),
     ]
 
 
@@ -99,11 +103,15 @@ def run_stage(stage: Stage, out: Path, work: Path, seconds_left: float) -> dict:
     print(f"== {stage.name} (limit {limit:.0f} s)", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
+        # TMPDIR: plan_accuracy.py's runs write into a temporary folder. A session of its own: past its limit the
+        # stage is killed with the runs it started, which would otherwise hold the GPU through the next stages.
+        process = subprocess.Popen([str(a) for a in stage.argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TMPDIR": str(work)}, start_new_session=True)
         try:
-            # TMPDIR: plan_accuracy.py's runs write into a temporary folder
-            code = subprocess.run([str(a) for a in stage.argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=limit, env={**os.environ, "TMPDIR": str(work)}).returncode
+            code = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             code = "timeout"
     seconds = round(time.perf_counter() - start, 1)
     remove_checkpoints(work)
