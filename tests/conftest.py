@@ -34,6 +34,11 @@ def _share_the_cores_between_workers() -> None:
 
 _share_the_cores_between_workers()
 
+# Inductor's CPU compilation (and threadpoolctl's import) set this in the process that runs them, partway through a
+# session; Intel's OpenMP reads it when it loads. Set from the start, the workers' environment stays the same, and
+# with it the key of the fork servers that their tests' commands are forked from (tests/litgpt_forkserver.py).
+os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
+
 # The default precision follows the CPU's flags (bf16-mixed where bf16 is native); the suite's references are float32,
 # so its processes read a cpuinfo without bf16 flags. tests/test_precision.py feeds both kinds of file itself.
 CPUINFO_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cpuinfo"

@@ -72,11 +72,16 @@ TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WOR
 # it opens a cache (a test's own cache folder needs no server of its own) and the failpoints' two when a process
 # first passes one; a shell sets PWD, OLDPWD, SHLVL and _ for the commands it starts; Slurm sets ENVIRONMENT=BATCH
 # and HOSTNAME in a batch job, and TMPDIR (a forked command looks it up again: the server's `tempfile.tempdir` is
-# reset).
+# reset). Tests that train, compile or log in the pytest worker itself leave in its environment what libraries set
+# there and read when they run, never at import: Lightning's PL_SEED_WORKERS (seed_everything), litdata's
+# DATA_OPTIMIZER_NUM_WORKERS (optimize), inductor's _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (set before each
+# compiled library loads), the trackers' MLFLOW_TRACKING_URI and WANDB_SERVICE; as run-time variables they no longer
+# start a server of their own for the tests that follow.
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE",
-                      "PL_GLOBAL_SEED", "LITGPT_CPUINFO", "LITGPT_CACHE_DIR", "LITGPT_FAILPOINT",
+                      "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LITGPT_CPUINFO", "LITGPT_CACHE_DIR", "LITGPT_FAILPOINT",
                       "LITGPT_FAILPOINTS_ARMED", "PWD", "OLDPWD", "SHLVL", "_", "ENVIRONMENT", "HOSTNAME", "TMPDIR",
-                      *TORCHRUN_VARIABLES)
+                      "DATA_OPTIMIZER_NUM_WORKERS", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "MLFLOW_TRACKING_URI",
+                      "WANDB_SERVICE", *TORCHRUN_VARIABLES)
 # Slurm's variables, set by srun and sbatch for each task (job and step ids, ranks, nodes): read by Lightning's and
 # litgpt's cluster detection when a run starts, never at import (as torchrun's, above).
 RUN_TIME_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
@@ -300,6 +305,9 @@ def read_until_closed(fds: list[int], deadline: float) -> tuple[list[bytes], boo
 # that timed out shows where each rank of the run waited.
 STACKS_SIGNAL = signal.SIGRTMIN + 2
 STACKS_SECONDS = 3.0  # how long the stacks take to arrive (the processes keep running meanwhile)
+# Between two processes' signals: each writes its stacks in many small writes to the stderr they share, and two
+# processes signalled at once interleaved theirs character by character on a loaded machine.
+STACKS_PAUSE = 0.25
 
 
 def descendants(pid: int) -> list[int]:
@@ -316,8 +324,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def signal_each(pids: list[int], signum: int) -> None:
-    for pid in pids:
+def signal_each(pids: list[int], signum: int, pause: float = 0.0) -> None:
+    """Send `signum` to each of `pids` that still runs, `pause` seconds apart."""
+    for index, pid in enumerate(pids):
+        if index and pause:
+            time.sleep(pause)
         try:
             os.kill(pid, signum)
         except ProcessLookupError:  # ended meanwhile
@@ -339,7 +350,8 @@ def communicate(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = descendants(process.pid)
-        signal_each(tree, STACKS_SIGNAL)  # not to the launcher, which is not forked: the signal would end it
+        # Not to the launcher, which is not forked: the signal would end it.
+        signal_each(tree, STACKS_SIGNAL, STACKS_PAUSE)
         try:
             process.communicate(timeout=STACKS_SECONDS)  # what arrives meanwhile is kept for the next call
         except subprocess.TimeoutExpired:
@@ -408,7 +420,7 @@ class ForkServer:
             output, closed = read_until_closed([out_read, err_read], deadline)
             if not closed:  # past the timeout: each process's stacks, then the end of them all
                 tree = [command.pid, *descendants(command.pid)]
-                signal_each(tree, STACKS_SIGNAL)
+                signal_each(tree, STACKS_SIGNAL, STACKS_PAUSE)
                 stacks, _ = read_until_closed([out_read, err_read], time.monotonic() + STACKS_SECONDS)
                 command.kill(tree)
                 raise timed_out(args, timeout, *(as_text(head + tail) for head, tail in zip(output, stacks)))
