@@ -152,8 +152,7 @@ def training_cases(names: list[str], work: Path, python_ours: str, python_ref: O
         if name.startswith("pretrain-1b"):
             warmup, measured = 3, 8
             total = warmup + measured
-            fp8 = "-fp8" in name  # compiled, as torchtitan runs it
-            precision = "fp8-mixed" if fp8 else "bf16-mixed"
+            precision = "fp8-mixed" if "-fp8" in name else "bf16-mixed"  # fp8: compiled, as torchtitan runs it
             recipe = ["--train.float8_recipe", "tensorwise"] if name.endswith("tensorwise") else []
             split = PARALLEL_1B.get(name.rsplit("-", 1)[1], [])
             devices = 2 if split else 1

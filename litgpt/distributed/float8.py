@@ -24,6 +24,7 @@ from torch import nn
 
 from litgpt.distributed.runtime import print_once
 from litgpt.errors import UserError
+from litgpt.precision import FLOAT8_RECIPES
 
 # torch._scaled_mm takes operands whose dimensions are multiples of 16.
 FLOAT8_DIVISOR = 16
@@ -42,7 +43,7 @@ def float8_layer_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return converted, kept
 
 
-def convert_to_float8(model: nn.Module, recipe: str = "rowwise") -> None:
+def convert_to_float8(model: nn.Module, recipe: str = FLOAT8_RECIPES[0]) -> None:
     """Swap the layers `float8_layer_names` picks for torchao's `Float8Linear` with the scaling `recipe` (rowwise or
     tensorwise; as `Float8Linear.from_float` makes them, keeping their parameters), in place; the model may be on the
     meta device."""
