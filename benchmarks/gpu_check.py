@@ -110,7 +110,10 @@ def run_stage(stage: Stage, out: Path, work: Path, seconds_left: float) -> dict:
         try:
             code = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the stage and all it started ended meanwhile
+                pass
             process.wait()
             code = "timeout"
     seconds = round(time.perf_counter() - start, 1)
